@@ -1,0 +1,308 @@
+"""The run's schema and its validation, done once at start-up before any run or CUDA work.
+
+Each config group owns a frozen dataclass. ``from_dictconfig`` turns Hydra's composed config
+into a ``RunConfig``: unknown keys, wrong types and invalid values all raise ``ConfigError``
+naming the dotted key, the value and what is allowed. The YAML files in ``conf/`` hold the
+defaults and the comments; these classes hold the types and the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.errors import ConfigError
+
+MISSING_VALUE = "???"
+
+
+def config_dir() -> Path:
+    """The folder holding ``config.yaml``: inside the installed wheel, else the source checkout."""
+    packaged = Path(__file__).resolve().parent / "conf"
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parents[2] / "conf"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(f"pipeline's config tree is missing: looked in {packaged} and {checkout}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    name: Literal["auto", "cpu", "cuda", "mps"]
+    index: int | None = None
+
+    def check(self) -> None:
+        if self.index is not None and self.name != "cuda":
+            raise ConfigError("device.index", self.index, f"null with device={self.name} (only cuda has indices)")
+        if self.index is not None and self.index < 0:
+            raise ConfigError("device.index", self.index, "a GPU index >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: Literal["mlp", "resnet18", "resnet50"]
+    hidden_sizes: list[int] | None = None
+    stem: Literal["auto", "imagenet", "small"] | None = None
+
+    def check(self) -> None:
+        if self.name == "mlp":
+            if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
+                raise ConfigError("model.hidden_sizes", self.hidden_sizes, "a non-empty list of sizes >= 1")
+            if self.stem is not None:
+                raise ConfigError("model.stem", self.stem, "no stem for model=mlp (resnets only)")
+        else:
+            if self.stem is None:
+                raise ConfigError("model.stem", self.stem, "one of 'auto', 'imagenet', 'small'")
+            if self.hidden_sizes is not None:
+                raise ConfigError("model.hidden_sizes", self.hidden_sizes, f"none for model={self.name}")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: Literal["auto", "fp16", "bf16"]
+    tf32: bool
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    batch_size: int
+    num_workers: int
+    pin_memory: bool | Literal["auto"]
+    persistent_workers: bool
+    prefetch_factor: int | None
+    drop_last: bool
+    resident: bool
+
+    def check(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError("loader.batch_size", self.batch_size, "an integer >= 1")
+        if self.num_workers < 0:
+            raise ConfigError("loader.num_workers", self.num_workers, "an integer >= 0 (0 = main process)")
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            raise ConfigError("loader.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
+        if self.num_workers == 0:
+            if self.persistent_workers:
+                raise ConfigError("loader.persistent_workers", True, "false with loader.num_workers=0")
+            if self.prefetch_factor is not None:
+                raise ConfigError("loader.prefetch_factor", self.prefetch_factor, "null with loader.num_workers=0")
+        if self.resident:
+            if self.num_workers:
+                raise ConfigError(
+                    "loader.num_workers", self.num_workers, "0 with loader.resident=true (no workers needed)"
+                )
+            if self.pin_memory is True:
+                raise ConfigError("loader.pin_memory", True, "auto or false with loader.resident=true")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: Literal["digits", "mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic"]
+    root: str | None = None
+    download: bool = False
+    image_size: int | None = None
+    channels: int | None = None
+    val_fraction: float | None = None
+    shape: list[int] | None = None
+    num_classes: int | None = None
+    num_samples: int | None = None
+    val_samples: int | None = None
+
+    def check(self) -> None:
+        if self.name == "imagefolder" and not self.root:
+            raise ConfigError("data.root", self.root, "a folder with one sub-folder per class for data=imagefolder")
+        if self.image_size is not None and self.image_size < 1:
+            raise ConfigError("data.image_size", self.image_size, "an integer >= 1 (pixels per side)")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ConfigError("data.channels", self.channels, "1 (greyscale) or 3 (RGB)")
+        if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError("data.val_fraction", self.val_fraction, "a fraction strictly between 0 and 1")
+        if self.shape is not None and (len(self.shape) != 3 or min(self.shape) < 1):
+            raise ConfigError("data.shape", self.shape, "[channels, height, width], each >= 1")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ConfigError("data.num_classes", self.num_classes, "an integer >= 2")
+        for key in ("num_samples", "val_samples"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{key}", value, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    epochs: int
+    max_steps: int
+    optimizer: Literal["sgd", "adamw"]
+    lr: float
+    momentum: float
+    weight_decay: float
+    seed: int
+    log_every_n_steps: int
+    channels_last: bool
+    cudnn_benchmark: bool
+    compile: bool
+
+    def check(self) -> None:
+        if self.epochs < 1:
+            raise ConfigError("trainer.epochs", self.epochs, "an integer >= 1")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError("trainer.max_steps", self.max_steps, "-1 (no limit) or an integer >= 1")
+        if not self.lr > 0:
+            raise ConfigError("trainer.lr", self.lr, "a learning rate > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("trainer.momentum", self.momentum, "a value in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError("trainer.weight_decay", self.weight_decay, "a value >= 0")
+        if self.log_every_n_steps < 1:
+            raise ConfigError("trainer.log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool
+    uri: str
+    experiment: str
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.enabled and not self.uri:
+            raise ConfigError("tracking.uri", self.uri, "a tracking URI such as sqlite:///mlflow.db")
+        if self.enabled and not self.experiment:
+            raise ConfigError("tracking.experiment", self.experiment, "a non-empty experiment name")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    device: DeviceConfig
+    model: ModelConfig
+    precision: PrecisionConfig
+    loader: LoaderConfig
+    data: DataConfig
+    trainer: TrainerConfig
+    tracking: TrackingConfig
+    amp: bool
+
+    def check(self) -> None:
+        if not self.amp and self.precision.dtype != "auto":
+            raise ConfigError(
+                "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def from_dictconfig(cfg: Any) -> RunConfig:
+    """Validate Hydra's composed config and return it typed.
+
+    Args:
+        cfg: the ``DictConfig`` handed to the Hydra task (or any mapping of the same shape).
+
+    Returns:
+        The whole run's config, every group checked.
+
+    Raises:
+        ConfigError: the first invalid key, with its value and what is allowed.
+    """
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(cfg, DictConfig):
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "config"
+            raise ConfigError(key, "<unresolved>", f"a value that resolves ({err.msg})") from None
+    return _build(RunConfig, cfg, prefix="")
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to dotted keys: ``{"loader": {"batch_size": 64}}`` -> ``{"loader.batch_size": 64}``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, prefix=f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _build(cls: type, node: Any, prefix: str) -> Any:
+    if not isinstance(node, Mapping):
+        raise ConfigError(prefix.rstrip(".") or "config", node, "a group of keys")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    for key in node:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}", node[key], f"a known key; {prefix or 'top-level '}keys are {known}")
+    kwargs = {}
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name not in node or node[f.name] == MISSING_VALUE:
+            if required or node.get(f.name) == MISSING_VALUE:
+                raise ConfigError(key, MISSING_VALUE, f"a value for the required key {key}")
+            continue
+        kwargs[f.name] = _coerce(node[f.name], hints[f.name], key)
+    built = cls(**kwargs)
+    if hasattr(built, "check"):
+        built.check()
+    return built
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, prefix=f"{key}.")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, value, " or ".join(_describe(o) for o in options))
+    if origin is Literal:
+        if value in typing.get_args(hint) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, value, _describe(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, value, _describe(hint))
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, value, _describe(hint))
+        return {str(k): str(v) for k, v in value.items()}
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and is_number and isinstance(value, int):
+        return value
+    if hint is float and is_number:
+        return float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    raise ConfigError(key, value, _describe(hint))
+
+
+def _describe(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list ({_describe(typing.get_args(hint)[0])} each)"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))

@@ -1,0 +1,122 @@
+"""One training epoch and one evaluation pass, written like the guides' pseudo-code.
+
+The hot loop never reads a value back from the device except at logging points: losses are
+summed on the device and ``.item()`` (a host sync on GPUs) runs every ``log_every`` steps and at
+the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.precision import PrecisionPolicy
+
+LogFn = Callable[[dict[str, float], int], None]
+
+
+@dataclass
+class TrainState:
+    """What an epoch advances: the model, its optimizer and scaler, and the global step count."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    loss: float  # mean training loss over the epoch's samples
+    samples: int
+    steps: int
+    seconds: float
+    reached_max_steps: bool
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class EvalStats:
+    loss: float
+    accuracy: float
+    samples: int
+
+
+def train_epoch(
+    state: TrainState,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    device: torch.device,
+    policy: PrecisionPolicy,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    log_every: int,
+    max_steps: int,
+    log: LogFn,
+) -> EpochStats:
+    """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit)."""
+    model, optimizer, scaler = state.model, state.optimizer, state.scaler
+    model.train()
+    epoch_loss = torch.zeros((), device=device)
+    window_loss = torch.zeros((), device=device)
+    window_steps, samples, steps = 0, 0, 0
+    start = time.perf_counter()
+    for images, labels in batches:
+        images = prepare(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        with policy.autocast():
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+        n = labels.shape[0]
+        loss = loss.detach().float()
+        epoch_loss += loss * n
+        window_loss += loss
+        samples, steps, window_steps = samples + n, steps + 1, window_steps + 1
+        state.step += 1
+        if state.step % log_every == 0:
+            log({"train/loss": (window_loss / window_steps).item()}, state.step)  # host sync point
+            window_loss.zero_()
+            window_steps = 0
+        if state.step == max_steps:
+            break
+    mean_loss = (epoch_loss / max(samples, 1)).item()  # waits for the device: the epoch's time is honest
+    seconds = time.perf_counter() - start
+    return EpochStats(mean_loss, samples, steps, seconds, reached_max_steps=state.step == max_steps)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    device: torch.device,
+    policy: PrecisionPolicy,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+) -> EvalStats:
+    """Mean loss and accuracy over ``batches``; one host sync at the end."""
+    model.eval()
+    total_loss = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    samples = 0
+    for images, labels in batches:
+        images = prepare(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        with policy.autocast():
+            logits = model(images)
+        total_loss += F.cross_entropy(logits.float(), labels, reduction="sum")
+        correct += (logits.argmax(dim=1) == labels).sum()
+        samples += labels.shape[0]
+    if samples == 0:
+        return EvalStats(float("nan"), float("nan"), 0)
+    return EvalStats(total_loss.item() / samples, correct.item() / samples, samples)

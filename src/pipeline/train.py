@@ -1,0 +1,155 @@
+"""``train(cfg)``: build everything the config names, train, evaluate, record. Returns a ``RunResult``.
+
+Order matters: the device, the data and the model are built before the MLflow run is opened,
+so a missing GPU or dataset fails fast and leaves no half-made run behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+import yaml
+
+from pipeline.config import RunConfig, flatten
+from pipeline.data import Normalize, load_data, make_loader
+from pipeline.devices import resolve_device
+from pipeline.loop import TrainState, evaluate, train_epoch
+from pipeline.models import build_model, build_optimizer, count_parameters
+from pipeline.precision import configure_backends, resolve_precision
+from pipeline.provenance import run_tags
+from pipeline.summary import EpochRecord, RunResult, format_summary
+from pipeline.tracking import open_tracker
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True) -> RunResult:
+    """Train and evaluate the configured model and record the run.
+
+    Args:
+        cfg: a validated config (``pipeline.config.from_dictconfig``).
+        overrides: the command-line overrides as typed, for the record.
+        echo: print the summary at the end.
+    """
+    started = time.perf_counter()
+    choice = resolve_device(cfg.device)
+    device = choice.device
+    log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
+    policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
+    backends = configure_backends(cfg.precision, cfg.trainer, device)
+    torch.manual_seed(cfg.trainer.seed)
+
+    data = load_data(cfg.data)
+    spec = data.spec
+    model = build_model(cfg.model, in_shape=spec.in_shape, num_classes=spec.num_classes).to(device)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    parameters = count_parameters(model)
+    if cfg.trainer.compile:
+        model = torch.compile(model)
+    t = cfg.trainer
+    state = TrainState(
+        model=model,
+        optimizer=build_optimizer(
+            t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+        ),
+        scaler=policy.make_scaler(),
+    )
+    train_batches = make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed)
+    val_batches = make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed)
+    prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
+    loader_label = describe_loader(cfg)
+    run_name = cfg.tracking.run_name or derive_run_name(cfg, device_type=device.type, precision=policy.label)
+    log.info(
+        "run %s: %s on %s, %d train / %d val samples, %s parameters",
+        run_name,
+        cfg.model.name,
+        spec.name,
+        spec.train_size,
+        spec.val_size,
+        f"{parameters:,}",
+    )
+
+    epochs: list[EpochRecord] = []
+    with open_tracker(cfg.tracking, run_name=run_name, tags=run_tags(choice, policy, overrides, backends)) as tracker:
+        tracker.log_params(flatten(cfg.to_dict()))
+        tracker.log_dataset(spec, context="train")
+        tracker.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
+        tracker.log_text("\n".join(overrides) + "\n", "overrides.txt")
+        for epoch in range(1, t.epochs + 1):
+            stats = train_epoch(
+                state,
+                train_batches,
+                device=device,
+                policy=policy,
+                prepare=prepare,
+                log_every=t.log_every_n_steps,
+                max_steps=t.max_steps,
+                log=tracker.log_metrics,
+            )
+            val = evaluate(state.model, val_batches, device=device, policy=policy, prepare=prepare)
+            record = EpochRecord(epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s)
+            epochs.append(record)
+            tracker.log_metrics(
+                {
+                    "train/epoch_loss": record.train_loss,
+                    "val/loss": record.val_loss,
+                    "val/acc": record.val_acc,
+                    "time/epoch_s": record.seconds,
+                    "throughput/samples_per_s": record.samples_per_s,
+                },
+                step=epoch,
+            )
+            tracker.flush()
+            log.info(
+                "epoch %d/%d: train/loss %.4f val/loss %.4f val/acc %.4f %.2fs %.0f samples/s",
+                epoch,
+                t.epochs,
+                record.train_loss,
+                record.val_loss,
+                record.val_acc,
+                record.seconds,
+                record.samples_per_s,
+            )
+            if stats.reached_max_steps:
+                log.info("trainer.max_steps=%d reached", t.max_steps)
+                break
+        total_s = time.perf_counter() - started
+        tracker.log_metrics({"time/total_s": total_s}, step=len(epochs))
+        result = RunResult(
+            run_name=run_name,
+            run_id=tracker.run_id,
+            device=str(device),
+            device_name=choice.name,
+            precision=policy.label,
+            loader=loader_label,
+            parameters=parameters,
+            steps=state.step,
+            total_s=total_s,
+            epochs=epochs,
+            tracking=tracker.describe(),
+        )
+        summary = format_summary(result)
+        tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})
+    if echo:
+        print(summary, flush=True)
+    return result
+
+
+def derive_run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
+    """A readable name that differs wherever comparable runs differ: ``resnet50-cifar10-cuda-amp-bf16-bs128-w4``."""
+    parts = [cfg.model.name, cfg.data.name, device_type]
+    if precision != "fp32":
+        parts.append(precision)
+    parts.append(f"bs{cfg.loader.batch_size}")
+    parts.append("resident" if cfg.loader.resident else f"w{cfg.loader.num_workers}")
+    return "-".join(parts)
+
+
+def describe_loader(cfg: RunConfig) -> str:
+    if cfg.loader.resident:
+        return f"resident, batch {cfg.loader.batch_size}"
+    return f"DataLoader, {cfg.loader.num_workers} worker(s), batch {cfg.loader.batch_size}"
