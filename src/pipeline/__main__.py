@@ -11,32 +11,46 @@ dataset; one line on stderr), 1 for anything else (with a traceback).
 
 from __future__ import annotations
 
-import logging
 import sys
+from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.config import config_dir, from_dictconfig
+from pipeline.config import config_dir, from_dictconfig, load
 from pipeline.errors import PipelineError
-
-log = logging.getLogger("pipeline")
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
-def main(cfg: DictConfig) -> float:
-    """Hydra's task: validate, train, and return the final val/acc (the value sweepers optimise)."""
+def run(cfg: DictConfig) -> float:
+    """Hydra's task (one per sweep job): validate, train, return the final val/acc for sweepers."""
     try:
         run_cfg = from_dictconfig(cfg)  # before any torch work: bad input never touches CUDA or MLflow
         from hydra.core.hydra_config import HydraConfig
 
-        from pipeline.train import train  # imported late: `--help` and config errors skip torch
+        from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
 
         result = train(run_cfg, overrides=list(HydraConfig.get().overrides.task))
     except PipelineError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(err)
     return result.val_acc
+
+
+def main() -> None:
+    """Check plain overrides in one line each, then hand over to Hydra (which also runs sweeps)."""
+    args = sys.argv[1:]
+    plain = not any(a.startswith("-") or a.startswith("hydra") for a in args)
+    if plain:
+        try:
+            load(args)  # Hydra reports these in several lines and exits 1; we say it in one and exit 2
+        except PipelineError as err:
+            _fail(err)
+    run()
+
+
+def _fail(err: PipelineError) -> NoReturn:
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, OverrideError
 
 MISSING_VALUE = "???"
 
@@ -197,6 +197,45 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+def compose(overrides: Sequence[str] = ()) -> Any:
+    """Compose ``conf/`` with command-line style overrides, as ``python -m pipeline`` would.
+
+    Raises:
+        OverrideError: an unknown group option or key, or an override Hydra cannot parse; one line.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            return hydra_compose("config", overrides=list(overrides))
+    except MissingConfigException as err:
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        if err.options and group:
+            raise OverrideError(
+                f"{group}={option} is not an option: expected one of {', '.join(err.options)}"
+            ) from None
+        raise OverrideError(str(err).splitlines()[0]) from None
+    except OverrideParseException as err:
+        raise OverrideError(f"cannot parse the overrides {' '.join(overrides)!r}: {str(err).splitlines()[0]}") from None
+    except HydraException as err:
+        lines = [line for line in str(err).splitlines() if line]
+        key = getattr(err.__cause__, "full_key", None)
+        if key and "To append" in str(err):
+            parent = key.rpartition(".")[0]
+            raise OverrideError(
+                f"{key} is not a config key{f' of {parent}' if parent else ''}: check the spelling "
+                f"(python -m pipeline --cfg job shows every key)"
+            ) from None
+        raise OverrideError("; ".join(lines)) from None
+
+
+def load(overrides: Sequence[str] = ()) -> RunConfig:
+    """``compose`` then ``from_dictconfig``: the validated config for these overrides."""
+    return from_dictconfig(compose(overrides))
+
+
 def from_dictconfig(cfg: Any) -> RunConfig:
     """Validate Hydra's composed config and return it typed.
 
@@ -240,14 +279,15 @@ def _build(cls: type, node: Any, prefix: str) -> Any:
     known = [f.name for f in fields(cls)]
     for key in node:
         if key not in known:
-            raise ConfigError(f"{prefix}{key}", node[key], f"a known key; {prefix or 'top-level '}keys are {known}")
+            where = f"{prefix.rstrip('.')} keys" if prefix else "top-level keys"
+            raise ConfigError(f"{prefix}{key}", node[key], f"one of the {where}: {', '.join(known)}")
     kwargs = {}
     for f in fields(cls):
         key = f"{prefix}{f.name}"
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name not in node or node[f.name] == MISSING_VALUE:
             if required or node.get(f.name) == MISSING_VALUE:
-                raise ConfigError(key, MISSING_VALUE, f"a value for the required key {key}")
+                raise ConfigError.missing(key)
             continue
         kwargs[f.name] = _coerce(node[f.name], hints[f.name], key)
     built = cls(**kwargs)
@@ -264,9 +304,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        for option in options:
-            if option is type(None):
-                continue
+        concrete = [o for o in options if o is not type(None)]
+        if len(concrete) == 1:  # `X | None`: X's own, more precise error
+            return _coerce(value, concrete[0], key)
+        for option in concrete:
             try:
                 return _coerce(value, option, key)
             except ConfigError:

@@ -1,5 +1,7 @@
 """The errors a user can fix. The entry point prints them as one line and exits with status 2."""
 
+from __future__ import annotations
+
 
 class PipelineError(Exception):
     """A problem with the user's input or environment, with the remedy in the message."""
@@ -17,6 +19,16 @@ class ConfigError(PipelineError):
     def __init__(self, key: str, value: object, expected: str) -> None:
         self.key, self.value, self.expected = key, value, expected
         super().__init__(f"{key}={value!r} is not allowed: expected {expected}")
+
+    @classmethod
+    def missing(cls, key: str) -> ConfigError:
+        err = cls(key, "???", f"a value: {key} is required")
+        err.args = (f"{key} is required: add {key}=... to the command line",)
+        return err
+
+
+class OverrideError(PipelineError):
+    """A command-line override Hydra cannot apply (unknown option or key, bad syntax)."""
 
 
 class DeviceError(PipelineError):

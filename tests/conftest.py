@@ -1,0 +1,37 @@
+"""Shared fixtures: every test runs in its own empty folder with its own MLflow store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import RunConfig, load
+
+# A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
+TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+@pytest.fixture
+def store_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def make_cfg(store_uri: str) -> Callable[..., RunConfig]:
+    """``make_cfg("model=resnet18", tiny=True)``: the validated config, tracking into tmp_path."""
+
+    def make(*overrides: str, tiny: bool = True) -> RunConfig:
+        base = ["device=cpu", f"tracking.uri={store_uri}", *(TINY if tiny else [])]
+        return load([*base, *overrides])
+
+    return make

@@ -1,0 +1,194 @@
+"""Datasets from files the tests write (no downloads), and the two batch paths."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import http.server
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.datasets as tvd
+from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
+
+from pipeline.config import DataConfig, LoaderConfig
+from pipeline.data import Normalize, ResidentLoader, load_data, make_loader
+from pipeline.errors import DatasetError
+
+LOADER = LoaderConfig(
+    batch_size=16,
+    num_workers=0,
+    pin_memory="auto",
+    persistent_workers=False,
+    prefetch_factor=None,
+    drop_last=False,
+    resident=False,
+)
+
+
+def test_digits_are_real_upsampled_and_split_the_same_way_every_time() -> None:
+    first = load_data(DataConfig("digits", image_size=28, val_fraction=0.2))
+    second = load_data(DataConfig("digits", image_size=28, val_fraction=0.2))
+    spec = first.spec
+    assert (spec.train_size, spec.val_size, spec.num_classes, spec.in_shape) == (1438, 359, 10, (1, 28, 28))
+    images, labels = first.train.tensors
+    assert images.dtype == torch.uint8 and images.shape == (1438, 1, 28, 28) and int(images.max()) == 255
+    assert sorted(labels.unique().tolist()) == list(range(10))
+    assert torch.equal(images, second.train.tensors[0]) and spec.digest == second.spec.digest
+    val_images = first.val.tensors[0]
+    assert not any(torch.equal(val_images[0], im) for im in images[:200])  # held-out, not a copy
+
+
+@pytest.mark.parametrize(("name", "folder"), [("mnist", "MNIST"), ("fashion_mnist", "FashionMNIST")])
+def test_mnist_format_files_load_with_their_labels(tmp_path: Path, name: str, folder: str) -> None:
+    write_mnist(tmp_path, folder, n_train=100, n_val=30)
+    bundle = load_data(DataConfig(name, root=str(tmp_path), download=False))
+    train_images, train_labels = mnist_arrays(100, 30)[True]
+    images, labels = bundle.train.tensors
+    assert images.shape == (100, 1, 28, 28) and bundle.spec.val_size == 30
+    assert torch.equal(images[:, 0], torch.from_numpy(train_images))
+    assert torch.equal(labels, torch.from_numpy(train_labels).long())
+    assert bundle.spec.source == str(tmp_path.resolve())
+    assert bundle.spec.mean == ((0.1307,) if name == "mnist" else (0.2860,))
+
+
+def test_cifar10_pickles_load_as_nchw_colour_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    md5 = write_cifar10(tmp_path, per_batch=8, n_val=6)
+    monkeypatch.setattr(tvd.CIFAR10, "train_list", [[f"data_batch_{i}", md5[f"data_batch_{i}"]] for i in range(1, 6)])
+    monkeypatch.setattr(tvd.CIFAR10, "test_list", [["test_batch", md5["test_batch"]]])
+    monkeypatch.setattr(tvd.CIFAR10, "meta", {**tvd.CIFAR10.meta, "md5": md5["batches.meta"]})
+    bundle = load_data(DataConfig("cifar10", root=str(tmp_path), download=False))
+    assert bundle.spec.in_shape == (3, 32, 32) and bundle.spec.num_classes == 10
+    assert (bundle.spec.train_size, bundle.spec.val_size) == (40, 6)
+    assert bundle.train.tensors[0].dtype == torch.uint8
+
+
+def test_missing_files_without_download_name_the_folder_and_the_files(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError) as info:
+        load_data(DataConfig("mnist", root=str(tmp_path), download=False))
+    message = str(info.value)
+    assert str(tmp_path / "MNIST" / "raw") in message and "data.download=false" in message
+    for name in MNIST_FILES:
+        assert name in message
+    assert "\n" not in message
+
+
+def test_a_failing_download_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the real download code, pointed at a port where nothing listens: fails at once, no network used
+    monkeypatch.setattr(tvd.MNIST, "mirrors", ["http://127.0.0.1:9/"])
+    with pytest.raises(
+        DatasetError, match=r"files missing under .*MNIST/raw and the download failed \(Error downloading"
+    ):
+        load_data(DataConfig("mnist", root=str(tmp_path), download=True))
+
+
+def test_cifar10_missing_lists_its_batches(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match=r"cifar-10-batches-py .*data_batch_1, .*test_batch, batches\.meta"):
+        load_data(DataConfig("cifar10", root=str(tmp_path), download=False))
+
+
+@pytest.mark.slow
+def test_mnist_downloads_from_a_mirror_and_checks_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    served = tmp_path / "mirror"
+    raw = write_mnist(served, "MNIST", n_train=50, n_val=10, gz=True)
+    resources = [(f"{n}.gz", hashlib.md5((raw / f"{n}.gz").read_bytes()).hexdigest()) for n in MNIST_FILES]
+    handler = functools.partial(_QuietHandler, directory=str(raw))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(tvd.MNIST, "mirrors", [f"http://127.0.0.1:{server.server_port}/"])
+        monkeypatch.setattr(tvd.MNIST, "resources", resources)
+        bundle = load_data(DataConfig("mnist", root=str(tmp_path / "data"), download=True))
+    finally:
+        server.shutdown()
+    assert bundle.spec.train_size == 50 and bundle.spec.val_size == 10
+    assert (tmp_path / "data" / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes() == gzip.decompress(
+        (raw / "train-images-idx3-ubyte.gz").read_bytes()
+    )
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_image_folder_reads_a_class_per_sub_folder(tmp_path: Path) -> None:
+    write_image_folder(tmp_path / "imgs", classes=("cat", "dog", "fox"), per_class=5, size=20)
+    bundle = load_data(
+        DataConfig("imagefolder", root=str(tmp_path / "imgs"), image_size=16, channels=3, val_fraction=0.2)
+    )
+    spec = bundle.spec
+    assert (spec.num_classes, spec.in_shape, spec.train_size, spec.val_size) == (3, (3, 16, 16), 12, 3)
+    image, label = bundle.train[0]
+    assert image.dtype == torch.uint8 and image.shape == (3, 16, 16) and 0 <= label < 3
+
+
+def test_image_folder_greyscale_has_one_channel(tmp_path: Path) -> None:
+    write_image_folder(tmp_path, per_class=2)
+    bundle = load_data(DataConfig("imagefolder", root=str(tmp_path), image_size=8, channels=1, val_fraction=0.25))
+    assert bundle.train[0][0].shape == (1, 8, 8)
+
+
+def test_image_folder_errors_name_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="data.root='.*nowhere' is not a folder"):
+        load_data(DataConfig("imagefolder", root=str(tmp_path / "nowhere")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="data=imagefolder: .*class folder"):
+        load_data(DataConfig("imagefolder", root=str(tmp_path / "empty")))
+
+
+def test_synthetic_has_the_requested_shape_and_is_the_same_every_time() -> None:
+    cfg = DataConfig("synthetic", shape=[3, 8, 8], num_classes=5, num_samples=40, val_samples=10)
+    a, b = load_data(cfg), load_data(cfg)
+    assert a.spec.in_shape == (3, 8, 8) and a.spec.num_classes == 5 and a.spec.train_size == 40
+    assert torch.equal(a.train.tensors[0], b.train.tensors[0]) and int(a.train.tensors[1].max()) < 5
+
+
+def test_resident_loader_visits_every_sample_once_per_epoch_in_a_new_order() -> None:
+    images = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1)
+    labels = torch.arange(10)
+    loader = ResidentLoader(images, labels, batch_size=4, shuffle=True, drop_last=False, seed=0)
+    epochs = [[b[1] for b in loader] for _ in range(2)]
+    assert len(loader) == 3 and [len(b) for b in epochs[0]] == [4, 4, 2]
+    orders = [torch.cat(e).tolist() for e in epochs]
+    assert sorted(orders[0]) == list(range(10)) and sorted(orders[1]) == list(range(10))
+    assert orders[0] != orders[1]
+    for batch_images, batch_labels in loader:
+        assert torch.equal(batch_images.view(-1).long(), batch_labels)  # images stay with their labels
+    again = ResidentLoader(images, labels, batch_size=4, shuffle=True, drop_last=False, seed=0)
+    assert torch.cat([b[1] for b in again]).tolist() == orders[0]
+
+
+def test_resident_loader_drop_last_and_no_shuffle() -> None:
+    loader = ResidentLoader(
+        torch.zeros(10, 1, 1, 1), torch.arange(10), batch_size=4, shuffle=False, drop_last=True, seed=0
+    )
+    assert len(loader) == 2 and torch.cat([b[1] for b in loader]).tolist() == list(range(8))
+
+
+def test_make_loader_resident_keeps_the_data_as_tensors_on_the_device() -> None:
+    bundle = load_data(DataConfig("synthetic", shape=[1, 4, 4], num_classes=3, num_samples=20, val_samples=5))
+    cfg = LoaderConfig(**{**LOADER.__dict__, "resident": True})
+    loader = make_loader(bundle.train, cfg, device=torch.device("cpu"), train=True, seed=1)
+    assert isinstance(loader, ResidentLoader) and loader.images.data_ptr() == bundle.train.tensors[0].data_ptr()
+
+
+def test_make_loader_dataloader_path_honours_the_loader_keys() -> None:
+    bundle = load_data(DataConfig("synthetic", shape=[1, 4, 4], num_classes=3, num_samples=20, val_samples=5))
+    cfg = LoaderConfig(**{**LOADER.__dict__, "batch_size": 8, "drop_last": True})
+    loader = make_loader(bundle.train, cfg, device=torch.device("cpu"), train=True, seed=1)
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    assert (loader.batch_size, loader.drop_last, loader.pin_memory, loader.num_workers) == (8, True, False, 0)
+    assert len(list(loader)) == 2
+    val = make_loader(bundle.val, cfg, device=torch.device("cpu"), train=False, seed=1)
+    assert val.drop_last is False and len(list(val)) == 1
+
+
+def test_normalize_scales_uint8_pixels_with_mean_and_std() -> None:
+    norm = Normalize((0.5,), (0.25,), device=torch.device("cpu"))
+    out = norm(torch.tensor([0, 255, 128], dtype=torch.uint8).view(1, 1, 1, 3))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.view(-1), torch.tensor([-2.0, 2.0, (128 / 255 - 0.5) / 0.25]))
