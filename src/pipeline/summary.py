@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RunResult:
     total_s: float
     epochs: list[EpochRecord] = field(default_factory=list)
     tracking: list[str] = field(default_factory=list)
+    model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
 
     @property
     def val_acc(self) -> float:

@@ -131,6 +131,7 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True) -
             total_s=total_s,
             epochs=epochs,
             tracking=tracker.describe(),
+            model=state.model,
         )
         summary = format_summary(result)
         tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})

@@ -1,0 +1,55 @@
+"""The wheel ships the config tree, and an installed wheel finds it without the source checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("pipeline-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"pipeline/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}
+    assert expected <= names and "pipeline/conf/config.yaml" in names and "pipeline/__main__.py" in names
+
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    probe = (
+        "import pipeline.config as c; d = c.config_dir(); cfg = c.load(['model=resnet50']);"
+        "print(c.__file__); print(d); print(cfg.model.name)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out[0].startswith(str(site)) and out[1] == str(site / "pipeline" / "conf") and out[2] == "resnet50"

@@ -1,0 +1,136 @@
+"""End-to-end training in-process: it learns, it is repeatable, every model and path runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline.train as train_module
+from pipeline.config import RunConfig
+from pipeline.models import build_model
+from pipeline.train import derive_run_name, train
+
+MakeCfg = Callable[..., RunConfig]
+
+
+def weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().double() for p in model.state_dict().values()])
+
+
+def test_default_mlp_on_digits_learns_to_at_least_90_percent(make_cfg: MakeCfg) -> None:
+    result = train(make_cfg("tracking=none", tiny=False), echo=False)
+    assert len(result.epochs) == 5 and result.steps == 5 * 23  # 1,438 samples at batch 64
+    assert result.val_acc >= 0.90
+    assert result.epochs[-1].train_loss < result.epochs[0].train_loss / 2
+
+
+def test_resident_loader_learns_too(make_cfg: MakeCfg) -> None:
+    result = train(make_cfg("tracking=none", "loader=resident", tiny=False), echo=False)
+    assert result.val_acc >= 0.90 and result.loader.startswith("resident")
+
+
+def test_same_seed_same_weights_and_another_seed_differs(make_cfg: MakeCfg) -> None:
+    runs = [train(make_cfg("tracking=none", f"trainer.seed={s}"), echo=False) for s in (7, 7, 8)]
+    first, again, other = (weights(r.model) for r in runs)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_the_optimizer_really_steps(make_cfg: MakeCfg) -> None:
+    cfg = make_cfg("tracking=none")
+    result = train(cfg, echo=False)
+    torch.manual_seed(cfg.trainer.seed)  # what train() does before building the model
+    initial = build_model(cfg.model, in_shape=(1, 28, 28), num_classes=10)
+    assert not torch.equal(weights(initial), weights(result.model))
+
+
+def test_max_steps_stops_inside_the_second_epoch(make_cfg: MakeCfg) -> None:
+    result = train(
+        make_cfg("tracking=none", "trainer.epochs=5", "trainer.max_steps=30", "loader.batch_size=64"), echo=False
+    )
+    assert result.steps == 30 and len(result.epochs) == 2
+
+
+def test_amp_on_the_cpu_runs_forward_in_bfloat16(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[torch.dtype] = []
+    original = train_module.build_model
+
+    def with_hook(*args, **kwargs):
+        model = original(*args, **kwargs)
+        model[1].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", with_hook)
+    result = train(make_cfg("tracking=none", "amp=true"), echo=False)
+    assert result.precision == "amp-bf16"
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in result.model.parameters())  # master weights stay fp32
+
+
+def test_fp16_amp_on_the_cpu_runs_with_a_grad_scaler(make_cfg: MakeCfg) -> None:
+    result = train(make_cfg("tracking=none", "amp=true", "precision=fp16"), echo=False)
+    assert result.precision == "amp-fp16" and result.steps == 3
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet18", "resnet50"])
+def test_every_model_trains_two_steps(make_cfg: MakeCfg, model: str) -> None:
+    cfg = make_cfg(
+        f"model={model}",
+        "tracking=none",
+        "data=synthetic",
+        "data.num_samples=16",
+        "data.val_samples=4",
+        "loader.batch_size=8",
+        "trainer.max_steps=2",
+    )
+    result = train(cfg, echo=False)
+    assert result.steps == 2 and result.epochs[0].val_loss == result.epochs[0].val_loss  # not NaN
+
+
+def test_resnet_with_channels_last_and_adamw(make_cfg: MakeCfg) -> None:
+    cfg = make_cfg(
+        "model=resnet18",
+        "tracking=none",
+        "data=synthetic",
+        "data.shape=[3,32,32]",
+        "data.num_samples=8",
+        "data.val_samples=4",
+        "loader.batch_size=4",
+        "trainer.channels_last=true",
+        "trainer.optimizer=adamw",
+        "trainer.lr=1e-3",
+        "trainer.max_steps=2",
+    )
+    assert train(cfg, echo=False).steps == 2
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_weights_as_the_main_process(make_cfg: MakeCfg) -> None:
+    base = ["tracking=none", "trainer.max_steps=10"]
+    main = train(make_cfg(*base), echo=False)
+    workers = train(make_cfg(*base, "loader.num_workers=2", "loader.persistent_workers=true"), echo=False)
+    assert torch.equal(weights(main.model), weights(workers.model))
+
+
+@pytest.mark.slow
+def test_compiled_model_trains(make_cfg: MakeCfg) -> None:
+    result = train(make_cfg("tracking=none", "trainer.compile=true", "trainer.max_steps=2"), echo=False)
+    assert result.steps == 2
+
+
+def test_run_names_say_what_differs(make_cfg: MakeCfg) -> None:
+    cfg = make_cfg("model=resnet50", "amp=true", "loader.batch_size=128", "loader=workers", "loader.batch_size=128")
+    assert derive_run_name(cfg, device_type="cuda", precision="amp-bf16") == "resnet50-digits-cuda-amp-bf16-bs128-w4"
+    assert derive_run_name(make_cfg("loader=resident"), device_type="cpu", precision="fp32") == (
+        "mlp-digits-cpu-bs32-resident"
+    )
+
+
+def test_summary_is_printed(make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str]) -> None:
+    train(make_cfg("tracking=none"), echo=True)
+    out = capsys.readouterr().out
+    assert "run mlp-digits-cpu-bs32-w0: 1 epoch(s), 3 steps" in out
+    assert "val/acc" in out and "samples/s" in out and "tracking off" in out
