@@ -104,7 +104,7 @@ class LoaderConfig:
 class DataConfig:
     name: Literal["digits", "mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic"]
     root: str | None = None
-    download: bool = False
+    download: bool | None = None  # null where the dataset is never downloaded (digits, synthetic, folders)
     image_size: int | None = None
     channels: int | None = None
     val_fraction: float | None = None
