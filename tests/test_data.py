@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision.datasets as tvd
-from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
 
+from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import Normalize, ResidentLoader, load_data, make_loader
 from pipeline.errors import DatasetError
