@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import pipeline.train as train_module
+from files import write_image_folder, write_mnist
 from pipeline.config import RunConfig
 from pipeline.models import build_model
 from pipeline.train import derive_run_name, train
@@ -134,3 +136,25 @@ def test_summary_is_printed(make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "run mlp-digits-cpu-bs32-w0: 1 epoch(s), 3 steps" in out
     assert "val/acc" in out and "samples/s" in out and "tracking off" in out
+
+
+def test_trains_on_mnist_files_and_on_a_folder_of_pngs(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    write_mnist(tmp_path / "mnist", n_train=64, n_val=16)
+    mnist = train(
+        make_cfg("tracking=none", "data=mnist", f"data.root={tmp_path / 'mnist'}", "data.download=false"), echo=False
+    )
+    assert mnist.steps == 2 and mnist.epochs[0].val_acc == mnist.epochs[0].val_acc  # 64 samples, batch 32
+    write_image_folder(tmp_path / "pngs", per_class=6)
+    folder = train(
+        make_cfg(
+            "tracking=none",
+            "data=imagefolder",
+            f"data.root={tmp_path / 'pngs'}",
+            "data.image_size=16",
+            "model=resnet18",
+            "loader.batch_size=4",
+            "trainer.max_steps=2",
+        ),
+        echo=False,
+    )
+    assert folder.steps == 2
