@@ -145,6 +145,7 @@ class TrainerConfig:
     channels_last: bool
     cudnn_benchmark: bool
     compile: bool
+    progress: bool | Literal["auto"]
 
     def check(self) -> None:
         if self.epochs < 1:
@@ -177,6 +178,18 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    enabled: bool
+    backend: Literal["auto", "nvml", "gputil", "none"]
+    interval_s: float
+    plots: bool
+
+    def check(self) -> None:
+        if not 0.05 <= self.interval_s <= 60:
+            raise ConfigError("monitor.interval_s", self.interval_s, "seconds between 0.05 and 60")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     device: DeviceConfig
     model: ModelConfig
@@ -185,6 +198,7 @@ class RunConfig:
     data: DataConfig
     trainer: TrainerConfig
     tracking: TrackingConfig
+    monitor: MonitorConfig
     amp: bool
 
     def check(self) -> None:

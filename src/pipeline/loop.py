@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.precision import PrecisionPolicy
+from pipeline.timing import Breakdown, CudaEventTimer, WallTimer
+
+StepTimer = WallTimer | CudaEventTimer
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -35,12 +38,14 @@ class EpochStats:
     loss: float  # mean training loss over the epoch's samples
     samples: int
     steps: int
-    seconds: float
+    seconds: float  # wall clock, first step included
     reached_max_steps: bool
+    breakdown: Breakdown
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
+        """Steady-state throughput (the first step, with its warm-up, left out)."""
+        return self.breakdown.samples_per_s
 
 
 @dataclass(frozen=True)
@@ -60,19 +65,28 @@ def train_epoch(
     log_every: int,
     max_steps: int,
     log: LogFn,
+    timer: StepTimer,
+    on_step: Callable[[int], None] = lambda samples: None,
 ) -> EpochStats:
-    """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit)."""
+    """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
+
+    ``timer`` is marked three times a step (batch in hand, batch on the device, step done);
+    ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
+    """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
     epoch_loss = torch.zeros((), device=device)
     window_loss = torch.zeros((), device=device)
     window_steps, samples, steps = 0, 0, 0
     start = time.perf_counter()
+    timer.start()
     for images, labels in batches:
-        images = prepare(images.to(device, non_blocking=True))
+        timer.ready()
+        images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
+        timer.copied()
         with policy.autocast():
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(prepare(images)), labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -84,15 +98,18 @@ def train_epoch(
         window_loss += loss
         samples, steps, window_steps = samples + n, steps + 1, window_steps + 1
         state.step += 1
+        timer.done(n)
+        on_step(n)
         if state.step % log_every == 0:
             log({"train/loss": (window_loss / window_steps).item()}, state.step)  # host sync point
             window_loss.zero_()
             window_steps = 0
         if state.step == max_steps:
             break
-    mean_loss = (epoch_loss / max(samples, 1)).item()  # waits for the device: the epoch's time is honest
+    breakdown = timer.finish()  # waits for the device (CUDA: the epoch's one event sync)
+    mean_loss = (epoch_loss / max(samples, 1)).item()
     seconds = time.perf_counter() - start
-    return EpochStats(mean_loss, samples, steps, seconds, reached_max_steps=state.step == max_steps)
+    return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown)
 
 
 @torch.no_grad()

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.monitor import UtilSummary, summarize
+from pipeline.timing import Breakdown, combine
+
 
 @dataclass(frozen=True)
 class EpochRecord:
@@ -12,8 +15,9 @@ class EpochRecord:
     train_loss: float
     val_loss: float
     val_acc: float
-    seconds: float
-    samples_per_s: float
+    seconds: float  # wall clock, first step included
+    samples_per_s: float  # steady state
+    breakdown: Breakdown
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class RunResult:
     steps: int
     total_s: float
     epochs: list[EpochRecord] = field(default_factory=list)
+    breakdown: Breakdown = field(default_factory=lambda: combine([]))
+    utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
+    bottleneck: str = ""
+    verdict: str = ""
     tracking: list[str] = field(default_factory=list)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
 
@@ -43,18 +51,31 @@ class RunResult:
 
 
 def format_summary(result: RunResult) -> str:
-    """A few lines: what ran where, how well, how fast, and where the record is."""
+    """A few lines: what ran where, how well, how fast, where the time went, where the record is."""
     last = result.epochs[-1] if result.epochs else None
+    b, u = result.breakdown, result.utilisation
     lines = [
         f"run {result.run_name}: {len(result.epochs)} epoch(s), {result.steps} steps in {result.total_s:.1f} s",
-        f"  device     {result.device} ({result.device_name})",
-        f"  model      {result.parameters:,} parameters · precision {result.precision} · loader {result.loader}",
+        f"  device      {result.device} ({result.device_name})",
+        f"  model       {result.parameters:,} parameters · precision {result.precision} · loader {result.loader}",
     ]
     if last is not None:
         lines += [
-            f"  accuracy   val/acc {last.val_acc:.4f} · val/loss {last.val_loss:.4f} · "
+            f"  accuracy    val/acc {last.val_acc:.4f} · val/loss {last.val_loss:.4f} · "
             f"train/epoch_loss {last.train_loss:.4f}",
-            f"  speed      {last.samples_per_s:,.0f} samples/s in the last epoch ({last.seconds:.2f} s)",
+            f"  speed       {last.samples_per_s:,.0f} samples/s in the last epoch (steady state; "
+            f"epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
+            f"  step time   {b.data_wait_pct:.0f}% waiting for data · {b.h2d_pct:.0f}% copying to the device · "
+            f"{b.compute_pct:.0f}% compute",
         ]
+    if u.samples:
+        util = f"  utilisation CPU {u.cpu_mean_pct:.0f}% of the machine"
+        if u.gpu_util_mean_pct is not None:
+            util += f" · GPU {u.gpu_util_mean_pct:.0f}% mean, {u.gpu_util_p95_pct:.0f}% p95"
+        if u.gpu_mem_peak_mb is not None:
+            util += f", {u.gpu_mem_peak_mb:,.0f} MB peak"
+        lines.append(util + f" ({u.samples} samples)")
+    if result.verdict:
+        lines.append(f"  bottleneck  {result.verdict}")
     lines += ["  " + line for line in result.tracking]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -40,6 +40,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_dataset(self, spec: DataSpec, context: str) -> None: ...
+    def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
     def flush(self) -> None: ...
     def describe(self) -> list[str]: ...
 
@@ -64,6 +65,9 @@ class NullTracker:
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:
         pass
+
+    def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
+        pass  # the figure is never drawn
 
     def flush(self) -> None:
         pass
@@ -112,6 +116,16 @@ class MlflowTracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
+        """Draw the figure ``make()`` returns and store it as a PNG artifact."""
+        import matplotlib.pyplot as plt
+
+        figure = make()
+        try:
+            self.client.log_figure(self.run_id, figure, artifact_file)
+        finally:
+            plt.close(figure)
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:
         """Record the dataset as a run input, so the runs table's Dataset column names it."""

@@ -18,21 +18,27 @@ from pipeline.data import Normalize, load_data, make_loader
 from pipeline.devices import resolve_device
 from pipeline.loop import TrainState, evaluate, train_epoch
 from pipeline.models import build_model, build_optimizer, count_parameters
+from pipeline.monitor import allocator_metrics, open_sampler
+from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.precision import configure_backends, resolve_precision
+from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags
 from pipeline.summary import EpochRecord, RunResult, format_summary
+from pipeline.timing import combine, make_timer
 from pipeline.tracking import open_tracker
+from pipeline.verdict import judge
 
 log = logging.getLogger(__name__)
 
 
-def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True) -> RunResult:
+def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, quiet: bool = False) -> RunResult:
     """Train and evaluate the configured model and record the run.
 
     Args:
         cfg: a validated config (``pipeline.config.from_dictconfig``).
         overrides: the command-line overrides as typed, for the record.
         echo: print the summary at the end.
+        quiet: no progress bar (sweep jobs).
     """
     started = time.perf_counter()
     choice = resolve_device(cfg.device)
@@ -61,7 +67,8 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True) -
     train_batches = make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed)
     val_batches = make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed)
     prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
-    loader_label = describe_loader(cfg)
+    timer = make_timer(device)
+    show_progress = progress_enabled(t.progress, quiet=quiet)
     run_name = cfg.tracking.run_name or derive_run_name(cfg, device_type=device.type, precision=policy.label)
     log.info(
         "run %s: %s on %s, %d train / %d val samples, %s parameters",
@@ -79,44 +86,84 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True) -
         tracker.log_dataset(spec, context="train")
         tracker.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
         tracker.log_text("\n".join(overrides) + "\n", "overrides.txt")
-        for epoch in range(1, t.epochs + 1):
-            stats = train_epoch(
-                state,
-                train_batches,
-                device=device,
-                policy=policy,
-                prepare=prepare,
-                log_every=t.log_every_n_steps,
-                max_steps=t.max_steps,
-                log=tracker.log_metrics,
+        sampler = open_sampler(cfg.monitor, device=device, log_metrics=tracker.log_metrics)
+        epoch_starts: list[float] = []
+        try:
+            for epoch in range(1, t.epochs + 1):
+                epoch_starts.append(sampler.now())
+                total = len(train_batches) if t.max_steps < 0 else min(len(train_batches), t.max_steps - state.step)
+                bar = ProgressBar(total=total, epoch=epoch, epochs=t.epochs) if show_progress else NoProgress()
+
+                def log_step(metrics: dict[str, float], step: int, bar=bar) -> None:
+                    tracker.log_metrics(metrics, step)
+                    bar.set_loss(metrics["train/loss"])
+
+                stats = train_epoch(
+                    state,
+                    train_batches,
+                    device=device,
+                    policy=policy,
+                    prepare=prepare,
+                    log_every=t.log_every_n_steps,
+                    max_steps=t.max_steps,
+                    log=log_step,
+                    timer=timer,
+                    on_step=bar.step,
+                )
+                bar.close()
+                val = evaluate(state.model, val_batches, device=device, policy=policy, prepare=prepare)
+                utilisation = sampler.summary(since=epoch_starts[-1])
+                record = EpochRecord(
+                    epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown
+                )
+                epochs.append(record)
+                tracker.log_metrics(
+                    {
+                        "train/epoch_loss": record.train_loss,
+                        "val/loss": record.val_loss,
+                        "val/acc": record.val_acc,
+                        "time/epoch_s": record.seconds,
+                        **stats.breakdown.metrics(),
+                        **utilisation.metrics(),
+                        **allocator_metrics(device),
+                    },
+                    step=epoch,
+                )
+                tracker.flush()
+                log.info(
+                    "epoch %d/%d: train/loss %.4f val/loss %.4f val/acc %.4f %.2fs %.0f samples/s",
+                    epoch,
+                    t.epochs,
+                    record.train_loss,
+                    record.val_loss,
+                    record.val_acc,
+                    record.seconds,
+                    record.samples_per_s,
+                )
+                if stats.reached_max_steps:
+                    log.info("trainer.max_steps=%d reached", t.max_steps)
+                    break
+        finally:
+            sampler.stop()
+
+        breakdown = combine([e.breakdown for e in epochs])
+        utilisation = sampler.summary()
+        verdict = judge(
+            cfg,
+            device_type=device.type,
+            data_wait_pct=breakdown.data_wait_pct,
+            h2d_pct=breakdown.h2d_pct,
+            gpu_util_pct=utilisation.gpu_util_mean_pct,
+            precision=policy.label,
+        )
+        tracker.set_tags({"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message})
+        if cfg.monitor.plots:
+            tracker.log_figure(
+                lambda: utilisation_timeline(sampler.samples, epoch_starts, title=run_name), "plots/utilisation.png"
             )
-            val = evaluate(state.model, val_batches, device=device, policy=policy, prepare=prepare)
-            record = EpochRecord(epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s)
-            epochs.append(record)
-            tracker.log_metrics(
-                {
-                    "train/epoch_loss": record.train_loss,
-                    "val/loss": record.val_loss,
-                    "val/acc": record.val_acc,
-                    "time/epoch_s": record.seconds,
-                    "throughput/samples_per_s": record.samples_per_s,
-                },
-                step=epoch,
+            tracker.log_figure(
+                lambda: step_breakdown([e.breakdown for e in epochs], title=run_name), "plots/step_time.png"
             )
-            tracker.flush()
-            log.info(
-                "epoch %d/%d: train/loss %.4f val/loss %.4f val/acc %.4f %.2fs %.0f samples/s",
-                epoch,
-                t.epochs,
-                record.train_loss,
-                record.val_loss,
-                record.val_acc,
-                record.seconds,
-                record.samples_per_s,
-            )
-            if stats.reached_max_steps:
-                log.info("trainer.max_steps=%d reached", t.max_steps)
-                break
         total_s = time.perf_counter() - started
         tracker.log_metrics({"time/total_s": total_s}, step=len(epochs))
         result = RunResult(
@@ -125,11 +172,15 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True) -
             device=str(device),
             device_name=choice.name,
             precision=policy.label,
-            loader=loader_label,
+            loader=describe_loader(cfg),
             parameters=parameters,
             steps=state.step,
             total_s=total_s,
             epochs=epochs,
+            breakdown=breakdown,
+            utilisation=utilisation,
+            bottleneck=verdict.bottleneck,
+            verdict=verdict.message,
             tracking=tracker.describe(),
             model=state.model,
         )

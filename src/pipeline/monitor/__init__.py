@@ -1,0 +1,79 @@
+"""Utilisation monitoring: ``open_sampler(cfg.monitor, device=..., log_metrics=...)``.
+
+See ``sampler`` (the thread, CPU/RAM through psutil, MLflow system-metric names) and ``gpu``
+(NVML / GPUtil backends that never raise into training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pipeline.config import MonitorConfig
+from pipeline.monitor.gpu import GpuTarget, open_backend
+from pipeline.monitor.sampler import Sample, Sampler, UtilSummary, summarize, system_metrics
+
+__all__ = [
+    "GpuTarget",
+    "NullSampler",
+    "Sample",
+    "Sampler",
+    "UtilSummary",
+    "allocator_metrics",
+    "gpu_targets",
+    "open_sampler",
+    "summarize",
+    "system_metrics",
+]
+
+
+class NullSampler:
+    """``monitor.enabled=false``: no thread, no samples."""
+
+    alive = False
+
+    def __init__(self) -> None:
+        self.samples: list[Sample] = []
+
+    def start(self) -> NullSampler:
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def now(self) -> float:
+        return 0.0
+
+    def summary(self, since: float = 0.0, until: float | None = None) -> UtilSummary:
+        return summarize([])
+
+
+def gpu_targets(device: torch.device) -> list[GpuTarget]:
+    """The CUDA device(s) this run uses, with the UUIDs NVML and nvidia-smi know them by."""
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [GpuTarget(index, str(torch.cuda.get_device_properties(index).uuid))]
+
+
+def open_sampler(
+    cfg: MonitorConfig, *, device: torch.device, log_metrics: Callable[[dict[str, float], int], None]
+) -> Sampler | NullSampler:
+    """A started sampler for this run (or a do-nothing one when monitoring is off)."""
+    if not cfg.enabled:
+        return NullSampler()
+    backend = open_backend(cfg.backend, gpu_targets(device), timeout_s=cfg.interval_s)
+    return Sampler(interval_s=cfg.interval_s, gpu=backend, log_metrics=log_metrics).start()
+
+
+def allocator_metrics(device: torch.device) -> dict[str, float]:
+    """torch's CUDA allocator peaks (MB = 1e6 bytes) and its retries after a failed cudaMalloc."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "memory/max_allocated_mb": torch.cuda.max_memory_allocated(device) / 1e6,
+        "memory/max_reserved_mb": torch.cuda.max_memory_reserved(device) / 1e6,
+        "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+    }

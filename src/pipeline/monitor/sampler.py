@@ -1,0 +1,192 @@
+"""The utilisation sampler: a daemon thread reading CPU, RAM and the run's GPUs every interval.
+
+Each reading goes to the run as MLflow system metrics (``system/cpu_utilization_percentage``,
+``system/gpu_0_utilization_percentage``, ... — MLflow's own names, so the UI's System Metrics tab
+shows them) through the tracker's buffer, with step = the tick number (step x interval = seconds
+since the run started; timestamps are wall clock). The thread writes through the tracker's
+explicit run id, never MLflow's thread-local active run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+
+from pipeline.monitor.gpu import GpuBackend, GpuReading, NoGpu
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float  # seconds since the sampler started
+    cpu_pct: float  # whole machine
+    process_cpu_pct: float  # this process and its children (loader workers); 100 = one core
+    ram_used_mb: float
+    ram_pct: float
+    gpus: list[GpuReading] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UtilSummary:
+    """Summaries over a window of samples; GPU fields are None without GPU readings."""
+
+    samples: int
+    cpu_mean_pct: float | None
+    gpu_util_mean_pct: float | None
+    gpu_util_p95_pct: float | None
+    gpu_mem_peak_mb: float | None
+
+    def metrics(self) -> dict[str, float]:
+        values = {
+            "cpu/util_mean_pct": self.cpu_mean_pct,
+            "gpu/util_mean_pct": self.gpu_util_mean_pct,
+            "gpu/util_p95_pct": self.gpu_util_p95_pct,
+            "gpu/mem_peak_mb": self.gpu_mem_peak_mb,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class Sampler:
+    """Samples every ``interval_s`` on its own thread from ``start()`` until ``stop()``.
+
+    Args:
+        interval_s: seconds between readings.
+        gpu: the GPU backend (``NoGpu`` on CPU runs).
+        log_metrics: where readings go, ``(metrics, step)``; must be thread-safe.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval_s: float,
+        gpu: GpuBackend | None = None,
+        log_metrics: Callable[[dict[str, float], int], None] = lambda m, s: None,
+    ) -> None:
+        self.interval_s = interval_s
+        self.gpu = gpu or NoGpu()
+        self.log_metrics = log_metrics
+        self.samples: list[Sample] = []
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def start(self) -> Sampler:
+        self._t0 = time.monotonic()
+        psutil.cpu_percent(interval=None)  # prime the counters: the first real reading covers one interval
+        self._process_cpu()
+        self._thread = threading.Thread(target=self._run, name="pipeline-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def now(self) -> float:
+        """Seconds on the sampler's clock (for marking epoch boundaries)."""
+        return time.monotonic() - self._t0
+
+    def stop(self) -> None:
+        """Stop within one interval (a hung GPU read is abandoned, not waited for).
+
+        A last reading covers the time since the previous one, so a run shorter than one
+        interval still gets its CPU and GPU figures.
+        """
+        self._stop.set()
+        if self._thread is None:
+            return
+        self._thread.join(timeout=2 * self.interval_s + 1.0)
+        if self._thread.is_alive():
+            log.warning("the utilisation sampler did not stop within %.1f s", 2 * self.interval_s + 1.0)
+        else:
+            self._record(int(self.now() / self.interval_s) + 1)
+        self.gpu.close()
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        tick = 0
+        while not self._stop.wait(self._t0 + (tick + 1) * self.interval_s - time.monotonic()):
+            tick = max(tick + 1, int(self.now() / self.interval_s))  # a slow read skips ticks, never bursts
+            if not self._record(tick):
+                return
+
+    def _record(self, tick: int) -> bool:
+        try:
+            sample = self.read()
+            self.samples.append(sample)
+            self.log_metrics(system_metrics(sample), tick)
+        except Exception as err:  # never let a reading (or its logging) kill the thread or training
+            log.warning("utilisation sample failed (%s: %s); sampling stops", type(err).__name__, err)
+            return False
+        return True
+
+    def read(self) -> Sample:
+        memory = psutil.virtual_memory()
+        return Sample(
+            t=self.now(),
+            cpu_pct=psutil.cpu_percent(interval=None),
+            process_cpu_pct=self._process_cpu(),
+            ram_used_mb=memory.used / 1e6,
+            ram_pct=memory.percent,
+            gpus=self.gpu.read(),
+        )
+
+    def _process_cpu(self) -> float:
+        total = 0.0
+        for proc in [self._process, *self._process.children(recursive=True)]:
+            try:
+                total += proc.cpu_percent(interval=None)
+            except psutil.Error:  # a loader worker that just exited
+                continue
+        return total
+
+    def summary(self, since: float = 0.0, until: float | None = None) -> UtilSummary:
+        window = [s for s in list(self.samples) if s.t >= since and (until is None or s.t <= until)]
+        return summarize(window)
+
+
+def summarize(window: list[Sample]) -> UtilSummary:
+    if not window:
+        return UtilSummary(0, None, None, None, None)
+    utils = sorted(g.util_pct for s in window for g in s.gpus if g.util_pct is not None)
+    mems = [g.mem_used_mb for s in window for g in s.gpus if g.mem_used_mb is not None]
+    return UtilSummary(
+        samples=len(window),
+        cpu_mean_pct=sum(s.cpu_pct for s in window) / len(window),
+        gpu_util_mean_pct=sum(utils) / len(utils) if utils else None,
+        gpu_util_p95_pct=utils[min(len(utils) - 1, round(0.95 * (len(utils) - 1)))] if utils else None,
+        gpu_mem_peak_mb=max(mems) if mems else None,
+    )
+
+
+def system_metrics(sample: Sample) -> dict[str, float]:
+    """A reading under MLflow's system-metric names (plus the process's own CPU share)."""
+    metrics = {
+        "system/cpu_utilization_percentage": sample.cpu_pct,
+        "system/process_cpu_utilization_percentage": sample.process_cpu_pct,
+        "system/system_memory_usage_megabytes": sample.ram_used_mb,
+        "system/system_memory_usage_percentage": sample.ram_pct,
+    }
+    for gpu in sample.gpus:
+        prefix = f"system/gpu_{gpu.index}_"
+        fields = {
+            "utilization_percentage": gpu.util_pct,
+            "memory_usage_megabytes": gpu.mem_used_mb,
+            "memory_usage_percentage": 100 * gpu.mem_used_mb / gpu.mem_total_mb
+            if gpu.mem_used_mb is not None and gpu.mem_total_mb
+            else None,
+            "temperature_celsius": gpu.temp_c,
+            "power_usage_watts": gpu.power_w,
+            "power_usage_percentage": 100 * gpu.power_w / gpu.power_limit_w
+            if gpu.power_w is not None and gpu.power_limit_w
+            else None,
+        }
+        metrics.update({prefix + k: v for k, v in fields.items() if v is not None})
+    return metrics

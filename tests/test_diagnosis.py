@@ -1,0 +1,258 @@
+"""Where the time goes: the step-time breakdown, the bottleneck verdict, progress and pictures."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch import nn
+from torch.utils.data import Dataset
+
+import pipeline.monitor as monitor
+import pipeline.train as train_module
+from pipeline.config import RunConfig
+from pipeline.data import DataBundle, DataSpec
+from pipeline.monitor import GpuTarget, Sample
+from pipeline.monitor.gpu import GpuReading
+from pipeline.plots import step_breakdown, utilisation_timeline
+from pipeline.progress import NoProgress, ProgressBar, progress_enabled
+from pipeline.timing import Breakdown, WallTimer, _breakdown, combine
+from pipeline.train import train
+from pipeline.verdict import classify, judge
+
+MakeCfg = Callable[..., RunConfig]
+
+
+def test_breakdown_leaves_the_first_step_out_and_its_shares_sum_to_100() -> None:
+    # (ready, copied, done) per step; the epoch starts at 0
+    marks = [(0.5, 0.6, 2.0), (2.3, 2.4, 3.4), (3.6, 3.7, 4.7)]
+    b = _breakdown(0.0, marks, [10, 10, 5])
+    assert b.first_step_s == pytest.approx(2.0)
+    assert (b.data_wait_s, b.h2d_s, b.compute_s) == pytest.approx((0.5, 0.2, 2.0))
+    assert b.data_wait_pct + b.h2d_pct + b.compute_pct == pytest.approx(100.0)
+    assert b.samples_per_s == pytest.approx(15 / 2.7) and (b.steps, b.samples, b.steady_steps) == (3, 25, 2)
+
+
+def test_one_step_epochs_still_report_their_shares() -> None:
+    b = _breakdown(0.0, [(0.2, 0.2, 1.0)], [4])
+    assert b.data_wait_pct == pytest.approx(20.0) and b.samples_per_s == pytest.approx(4.0)
+
+
+def test_combine_adds_epochs_and_keeps_the_runs_first_step() -> None:
+    one = Breakdown(1.0, 0.0, 3.0, 2, 20, 0.5, 3, 30)
+    two = Breakdown(3.0, 0.0, 1.0, 2, 20, 0.1, 3, 30)
+    both = combine([one, two])
+    assert both.data_wait_pct == pytest.approx(50.0) and both.first_step_s == 0.5 and both.samples == 60
+
+
+class SlowDataset(Dataset):
+    """Digits-shaped samples that take ``delay_s`` each to 'load'."""
+
+    def __init__(self, n: int, delay_s: float) -> None:
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.delay_s)
+        return torch.full((1, 28, 28), i % 255, dtype=torch.uint8), i % 10
+
+
+class SlowModel(nn.Module):
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.fc = nn.Linear(784, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.fc(x.flatten(1))
+
+
+def slow_bundle(delay_s: float, n: int = 96) -> DataBundle:
+    spec = DataSpec("slow", (1, 28, 28), 10, n, 16, (0.5,), (0.25,), "test", "00000000")
+    return DataBundle(spec, SlowDataset(n, delay_s), SlowDataset(16, 0.0))
+
+
+def test_a_slow_dataset_is_judged_input_bound(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train_module, "load_data", lambda cfg: slow_bundle(delay_s=0.004))
+    result = train(make_cfg("tracking=none", "trainer.max_steps=-1", "loader.batch_size=16"), echo=False)
+    b = result.breakdown
+    assert b.data_wait_pct + b.h2d_pct + b.compute_pct == pytest.approx(100.0)
+    assert b.data_wait_pct > 70 and result.bottleneck == "input"
+    assert result.verdict.startswith("input-bound: ") and "loader.resident=true" in result.verdict
+
+
+def test_a_slow_model_is_judged_compute_bound(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: SlowModel(delay_s=0.03))
+    result = train(make_cfg("tracking=none", "trainer.max_steps=6", "loader=resident"), echo=False)
+    assert result.breakdown.compute_pct > 90 and result.bottleneck == "compute"
+    assert result.verdict.startswith("compute-bound: ") and "device=cuda" in result.verdict
+
+
+@pytest.mark.parametrize(
+    ("wait", "h2d", "gpu", "expected"),
+    [
+        (58, 2, 41, "input"),
+        (35, 0, None, "input"),
+        (16, 0, 30, "input"),
+        (16, 0, 90, "mixed"),
+        (20, 0, None, "mixed"),
+        (5, 2, 97, "compute"),
+        (5, 2, None, "compute"),
+        (5, 2, 20, "mixed"),
+        (0, 30, 95, "input"),
+    ],
+)
+def test_classification_rules(wait: float, h2d: float, gpu: float | None, expected: str) -> None:
+    assert classify(data_wait_pct=wait, h2d_pct=h2d, gpu_util_pct=gpu) == expected
+
+
+def test_input_hint_on_a_gpu_names_workers_and_pinned_memory(make_cfg: MakeCfg) -> None:
+    cfg = make_cfg("loader.pin_memory=false")
+    verdict = judge(cfg, device_type="cuda", data_wait_pct=58, h2d_pct=2, gpu_util_pct=41, precision="fp32", cpus=8)
+    assert verdict.message == (
+        "input-bound: 58% of step time waiting for data, 2% copying it, GPU busy 41% on average — "
+        "try loader.num_workers=4 loader.persistent_workers=true loader.pin_memory=true, or loader.resident=true"
+    )
+
+
+def test_input_hint_with_workers_doubles_them_and_resident_suggests_a_bigger_batch(make_cfg: MakeCfg) -> None:
+    verdict = judge(
+        make_cfg("loader=workers"),
+        device_type="cuda",
+        data_wait_pct=40,
+        h2d_pct=0,
+        gpu_util_pct=30,
+        precision="fp32",
+        cpus=16,
+    )
+    assert "try loader.num_workers=8, or loader.resident=true" in verdict.message
+    verdict = judge(
+        make_cfg("loader=resident"),
+        device_type="cuda",
+        data_wait_pct=40,
+        h2d_pct=0,
+        gpu_util_pct=30,
+        precision="fp32",
+        cpus=16,
+    )
+    assert "already resident; try a larger batch (loader.batch_size=64)" in verdict.message
+
+
+def test_compute_hints_follow_device_and_precision(make_cfg: MakeCfg) -> None:
+    gpu = judge(
+        make_cfg("model=resnet50"), device_type="cuda", data_wait_pct=1, h2d_pct=1, gpu_util_pct=98, precision="fp32"
+    )
+    assert gpu.message.endswith("try amp=true trainer.channels_last=true trainer.compile=true loader.batch_size=64")
+    cpu = judge(
+        make_cfg("amp=true"), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16"
+    )
+    assert "train on a GPU (device=cuda); amp=false may be faster" in cpu.message
+
+
+def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
+    make_cfg: MakeCfg, store_uri: str, tmp_path: Path
+) -> None:
+    result = train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", "monitor.interval_s=0.05"), echo=False)
+    client = MlflowClient(store_uri)
+    run = client.get_run(result.run_id)
+    metrics = run.data.metrics
+    for key in (
+        "system/cpu_utilization_percentage",
+        "system/system_memory_usage_megabytes",
+        "system/process_cpu_utilization_percentage",
+        "time/data_wait_pct",
+        "time/h2d_pct",
+        "time/compute_pct",
+        "time/first_step_s",
+        "throughput/samples_per_s",
+    ):
+        assert key in metrics, key
+    assert len(client.get_metric_history(result.run_id, "time/compute_pct")) == 2
+    assert run.data.tags["bottleneck"] in ("input", "compute", "mixed")
+    assert run.data.tags["bottleneck.hint"] == result.verdict
+    artifacts = {a.path for a in client.list_artifacts(result.run_id, "plots")}
+    assert artifacts == {"plots/utilisation.png", "plots/step_time.png"}
+    png = Path(client.download_artifacts(result.run_id, "plots/utilisation.png", str(tmp_path))).read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert "utilisation CPU" in run.data.tags["mlflow.note.content"]
+
+
+@pytest.mark.slow
+def test_a_hanging_gpu_monitor_does_not_stop_training(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "nvidia-smi").write_text("#!/bin/sh\nsleep 60\n")
+    (folder / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:/usr/bin:/bin")
+    monkeypatch.setattr(monitor, "gpu_targets", lambda device: [GpuTarget(0, "GPU-0000")])
+    result = train(
+        make_cfg("tracking=none", "monitor=gputil", "monitor.interval_s=0.1", "trainer.max_steps=-1"), echo=False
+    )
+    assert result.steps == 45 and result.utilisation.gpu_util_mean_pct is None
+    assert "pipeline-sampler" not in {t.name for t in threading.enumerate()}
+    time.sleep(0.2)
+    assert not [c for c in psutil.Process().children(recursive=True) if c.is_running() and c.status() != "zombie"]
+    assert sum("did not answer" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_progress_bar_shows_loss_rate_and_eta() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(total=4, epoch=2, epochs=5, stream=stream)
+    bar.set_loss(0.4321)
+    for _ in range(4):
+        bar.step(64)
+    bar.close()
+    text = stream.getvalue()
+    assert "epoch 2/5 [########################] 4/4 · loss 0.4321 · " in text and "samples/s · ETA 0s" in text
+
+
+def test_progress_is_quiet_off_a_terminal_and_in_sweeps() -> None:
+    assert not progress_enabled("auto", quiet=False, stream=io.StringIO())
+    assert not progress_enabled("auto", quiet=True)
+    assert progress_enabled(True, quiet=True) and not progress_enabled(False, quiet=False)
+    NoProgress().step(3)
+
+
+def test_plots_draw_gpu_rows_and_epoch_marks(tmp_path: Path) -> None:
+    samples = [
+        Sample(
+            t * 0.5,
+            50.0,
+            90.0,
+            1000.0,
+            20.0,
+            [GpuReading(0, util_pct=40.0 + t, mem_used_mb=100.0 * t, mem_total_mb=1000.0)],
+        )
+        for t in range(10)
+    ]
+    fig = utilisation_timeline(samples, [0.0, 2.5], title="run")
+    assert len(fig.axes) == 2  # CPU/RAM and GPU
+    fig.savefig(tmp_path / "u.png")
+    fig = step_breakdown([Breakdown(1.0, 0.1, 2.0, 3, 30, 0.5, 4, 40)] * 2, title="run")
+    fig.savefig(tmp_path / "s.png")
+    assert (tmp_path / "u.png").stat().st_size > 5000 and (tmp_path / "s.png").stat().st_size > 5000
+
+
+def test_wall_timer_measures_what_it_marks() -> None:
+    timer = WallTimer()
+    timer.start()
+    for _ in range(3):
+        time.sleep(0.02)
+        timer.ready()
+        timer.copied()
+        time.sleep(0.01)
+        timer.done(8)
+    b = timer.finish()
+    assert b.data_wait_pct > 50 and b.steps == 3 and b.steady_samples == 16
