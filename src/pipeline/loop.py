@@ -76,8 +76,8 @@ def train_epoch(
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
     epoch_loss = torch.zeros((), device=device)
-    window_loss = torch.zeros((), device=device)
-    window_steps, samples, steps = 0, 0, 0
+    window_loss = torch.zeros((), device=device)  # sum of loss x samples since the last logging point
+    window_samples, samples, steps = 0, 0, 0
     start = time.perf_counter()
     timer.start()
     for images, labels in batches:
@@ -93,21 +93,20 @@ def train_epoch(
         scaler.update()
 
         n = labels.shape[0]
-        loss = loss.detach().float()
-        epoch_loss += loss * n
-        window_loss += loss
-        samples, steps, window_steps = samples + n, steps + 1, window_steps + 1
+        window_loss.add_(loss.detach(), alpha=n)  # one small device op per step, no sync
+        samples, steps, window_samples = samples + n, steps + 1, window_samples + n
         state.step += 1
         timer.done(n)
         on_step(n)
         if state.step % log_every == 0:
-            log({"train/loss": (window_loss / window_steps).item()}, state.step)  # host sync point
+            log({"train/loss": (window_loss / window_samples).item()}, state.step)  # host sync point
+            epoch_loss += window_loss
             window_loss.zero_()
-            window_steps = 0
+            window_samples = 0
         if state.step == max_steps:
             break
     breakdown = timer.finish()  # waits for the device (CUDA: the epoch's one event sync)
-    mean_loss = (epoch_loss / max(samples, 1)).item()
+    mean_loss = ((epoch_loss + window_loss) / max(samples, 1)).item()
     seconds = time.perf_counter() - start
     return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown)
 

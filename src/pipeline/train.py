@@ -24,7 +24,7 @@ from pipeline.precision import configure_backends, resolve_precision
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags
 from pipeline.summary import EpochRecord, RunResult, format_summary
-from pipeline.timing import combine, make_timer
+from pipeline.timing import Breakdown, combine, make_timer
 from pipeline.tracking import open_tracker
 from pipeline.verdict import judge
 
@@ -91,6 +91,7 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
         try:
             for epoch in range(1, t.epochs + 1):
                 epoch_starts.append(sampler.now())
+                epoch_started_at = time.time()
                 total = len(train_batches) if t.max_steps < 0 else min(len(train_batches), t.max_steps - state.step)
                 bar = ProgressBar(total=total, epoch=epoch, epochs=t.epochs) if show_progress else NoProgress()
 
@@ -126,6 +127,7 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
                         **stats.breakdown.metrics(),
                         **utilisation.metrics(),
                         **allocator_metrics(device),
+                        **(launch_metrics(epoch_started_at, stats.breakdown) if epoch == 1 else {}),
                     },
                     step=epoch,
                 )
@@ -189,6 +191,15 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
     if echo:
         print(summary, flush=True)
     return result
+
+
+def launch_metrics(first_epoch_started_at: float, breakdown: Breakdown) -> dict[str, float]:
+    """Seconds from the process's start (as the OS records it) to the end of the first training step."""
+    import psutil
+
+    return {
+        "time/launch_to_first_step_s": first_epoch_started_at - psutil.Process().create_time() + breakdown.first_step_s
+    }
 
 
 def derive_run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:

@@ -1,0 +1,453 @@
+"""The benchmark suite: what the pipeline costs, measured side by side in one process.
+
+    python -m pipeline.bench                 # everything, 5 repeats (about 10 minutes on 2 CPUs)
+    python -m pipeline.bench --quick         # a smoke run with tiny sizes (numbers meaningless)
+    python -m pipeline.bench --only overhead,resident --repeats 7
+
+Variants of one comparison are interleaved (A B, B A, ...), one warm-up round is discarded,
+ratios are medians of per-round ratios (a round's variants run back to back, so the machine's
+slow drifts cancel), and torch's thread count is fixed. The markdown table
+it prints is what BENCHMARKS.md records. Nothing here is asserted in tests: timing claims live
+here, not in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    measured: str
+    goal: str
+    met: bool | None  # None: informational, no goal
+    detail: str
+
+
+@dataclass(frozen=True)
+class Sizes:
+    samples: int  # MNIST-shaped training samples
+    repeats: int
+    warmup: int
+
+
+FULL = Sizes(samples=60_000, repeats=7, warmup=1)
+QUICK = Sizes(samples=2_000, repeats=1, warmup=0)
+
+
+def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[str, list[float]]:
+    """Seconds per variant per round; rounds alternate the order and the warm-up round is dropped."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(sizes.warmup + sizes.repeats):
+        order = names if round_ % 2 == 0 else names[::-1]
+        for name in order:
+            seconds = variants[name]()
+            if round_ >= sizes.warmup:
+                times[name].append(seconds)
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median of per-round ratios. A round's two runs are back to back, so slow drifts in the
+    machine's speed (other tenants, clocks) cancel, which a ratio of medians would not do."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# What is compared
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def bare_epoch(images: torch.Tensor, labels: torch.Tensor, *, batch: int) -> float:
+    """A hand-written loop over in-memory uint8 tensors: the fastest honest baseline."""
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    start = time.perf_counter()
+    order = torch.randperm(len(labels))
+    for i in range(0, len(labels), batch):
+        index = order[i : i + batch]
+        x = (images[index].float() / 255 - 0.5) / 0.2887
+        loss = F.cross_entropy(model(x), labels[index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    loss.item()
+    return time.perf_counter() - start
+
+
+def guides_epoch(root: Path, *, batch: int) -> float:
+    """The guides' recipe: torchvision MNIST + ToTensor + DataLoader, one training epoch."""
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    dataset = datasets.MNIST(str(root), train=True, download=False, transform=transforms.ToTensor())
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True)
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    start = time.perf_counter()
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    loss.item()
+    return time.perf_counter() - start
+
+
+def pipeline_epoch(overrides: list[str], store: Path) -> float:
+    """One epoch of ``python -m pipeline`` in-process; returns the training epoch's wall time."""
+    from pipeline.config import load
+    from pipeline.train import train
+
+    cfg = load(
+        [
+            "device=cpu",
+            "trainer.epochs=1",
+            "trainer.progress=false",
+            f"tracking.uri=sqlite:///{store}",
+            "tracking.experiment=bench",
+            "monitor.plots=false",
+            *overrides,
+        ]
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train(cfg, echo=False, quiet=True)
+    return result.epochs[0].seconds
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmarks
+
+
+def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
+    """Pipeline (tracking, sampler, timing) vs a bare loop; sampler on/off; tracking cost."""
+    from pipeline.config import DataConfig
+    from pipeline.data.sources import load_data
+
+    data = ["data=synthetic", f"data.num_samples={sizes.samples}", "data.val_samples=500", "loader=resident"]
+    bundle = load_data(
+        DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=sizes.samples, val_samples=500)
+    )
+    images, labels = bundle.train.tensors
+    rows = []
+    for batch in (64, 512):
+        store = work / f"overhead{batch}.db"
+        base = [*data, f"loader.batch_size={batch}"]
+        variants = {
+            "bare": lambda batch=batch: bare_epoch(images, labels, batch=batch),
+            "full": lambda base=base, store=store: pipeline_epoch(base, store),
+        }
+        if batch == 64:
+            variants["no_sampler"] = lambda base=base, store=store: pipeline_epoch(
+                [*base, "monitor.enabled=false"], store
+            )
+            variants["no_tracking"] = lambda base=base, store=store: pipeline_epoch([*base, "tracking=none"], store)
+        t = interleaved(variants, sizes)
+        ratio = paired_ratio(t["bare"], t["full"])
+        rows.append(
+            Row(
+                f"pipeline / bare loop, MLP, batch {batch}",
+                f"{ratio:.3f}",
+                ">= 0.98",
+                ratio >= 0.98,
+                f"median epoch {median(t['full']):.2f} s vs {median(t['bare']):.2f} s "
+                f"({sizes.samples:,} samples, resident)",
+            )
+        )
+        if batch == 64:
+            on_off = paired_ratio(t["no_sampler"], t["full"])
+            rows.append(
+                Row(
+                    "sampler on / off (speed ratio)",
+                    f"{on_off:.3f}",
+                    ">= 0.99",
+                    on_off >= 0.99,
+                    f"median epoch {median(t['full']):.2f} s with, {median(t['no_sampler']):.2f} s without "
+                    "(interval 0.5 s)",
+                )
+            )
+            cost = 100 * (paired_ratio(t["full"], t["no_tracking"]) - 1)
+            rows.append(
+                Row(
+                    "tracking cost, % of step time (on vs off)",
+                    f"{cost:+.2f}%",
+                    "<= 1%",
+                    cost <= 1.0,
+                    f"median epoch {median(t['full']):.2f} s tracked, {median(t['no_tracking']):.2f} s untracked",
+                )
+            )
+    rows.append(tracking_call_cost(work / "calls.db"))
+    return rows
+
+
+def tracking_call_cost(store: Path) -> Row:
+    """The tracker's own price: a buffered log_metrics call, and one batched write amortised per step."""
+    from mlflow import MlflowClient
+
+    from pipeline.tracking import MlflowTracker, _experiment_id
+
+    client = MlflowClient(f"sqlite:///{store}")
+    experiment = _experiment_id(client, "calls")
+    run = client.create_run(experiment)
+    tracker = MlflowTracker(
+        client, uri=f"sqlite:///{store}", experiment_id=experiment, experiment="calls", run_id=run.info.run_id
+    )
+    calls = 200
+    start = time.perf_counter()
+    for step in range(calls):
+        tracker.log_metrics({"train/loss": 1.0 / (step + 1)}, step)
+    buffered_us = 1e6 * (time.perf_counter() - start) / calls
+    start = time.perf_counter()
+    tracker.flush()
+    flush_ms = 1e3 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    client.log_metric(run.info.run_id, "sync", 1.0)
+    sync_ms = 1e3 * (time.perf_counter() - start)
+    client.set_terminated(run.info.run_id)
+    return Row(
+        "tracking, per call",
+        f"{buffered_us:.1f} µs buffered",
+        "(info)",
+        None,
+        f"one batched write of {calls} metrics {flush_ms:.1f} ms; a synchronous log_metric {sync_ms:.1f} ms",
+    )
+
+
+def bench_sampler_backends(sizes: Sizes) -> list[Row]:
+    """Microseconds per reading of each backend that works here."""
+    from pipeline.monitor import Sampler, gpu_targets
+    from pipeline.monitor.gpu import GputilBackend, NvmlBackend
+
+    rows = []
+    sampler = Sampler(interval_s=1.0)
+    sampler.read()
+    n = 50 if sizes is QUICK else 500
+    start = time.perf_counter()
+    for _ in range(n):
+        sampler.read()
+    rows.append(
+        Row(
+            "sampler reading, psutil (CPU, RAM)",
+            f"{1e6 * (time.perf_counter() - start) / n:.0f} µs",
+            "(info)",
+            None,
+            "per reading, on the sampler thread",
+        )
+    )
+    gpus = gpu_targets(torch.device("cuda", 0)) if torch.cuda.is_available() else []
+    for name, make in (("nvml", lambda: NvmlBackend(gpus)), ("gputil", lambda: GputilBackend(gpus, timeout_s=5))):
+        if not gpus:
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, "no CUDA device on this machine"))
+            continue
+        try:
+            backend = make()
+        except Exception as err:  # report, do not fail the suite
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, f"{type(err).__name__}: {err}"))
+            continue
+        reads = 20 if name == "gputil" else n
+        start = time.perf_counter()
+        for _ in range(reads):
+            backend.read()
+        rows.append(
+            Row(
+                f"sampler reading, {name}",
+                f"{1e6 * (time.perf_counter() - start) / reads:.0f} µs",
+                "(info)",
+                None,
+                "per reading of one GPU",
+            )
+        )
+        backend.close()
+    return rows
+
+
+def bench_resident(sizes: Sizes, work: Path) -> list[Row]:
+    """loader.resident=true vs the guides' torchvision + ToTensor + DataLoader recipe, batch 64."""
+    import numpy as np
+
+    root = work / "mnist"
+    write_idx_mnist(root / "MNIST" / "raw", sizes.samples, np.random.default_rng(0))
+    variants = {
+        "guides": lambda: guides_epoch(root, batch=64),
+        "resident": lambda: pipeline_epoch(
+            ["data=mnist", f"data.root={root}", "data.download=false", "loader=resident", "loader.batch_size=64"],
+            work / "resident.db",
+        ),
+    }
+    t = interleaved(variants, sizes)
+    speedup = paired_ratio(t["guides"], t["resident"])
+    return [
+        Row(
+            "loader.resident=true vs guides' DataLoader recipe, batch 64",
+            f"{speedup:.2f}x faster",
+            ">= 3x",
+            speedup >= 3.0,
+            f"median epoch {median(t['resident']):.2f} s vs {median(t['guides']):.2f} s ({sizes.samples:,} samples)",
+        )
+    ]
+
+
+def write_idx_mnist(raw: Path, n: int, rng) -> None:
+    import numpy as np
+
+    raw.mkdir(parents=True, exist_ok=True)
+
+    def idx(array: np.ndarray) -> bytes:
+        header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+        return header + array.astype(np.uint8).tobytes()
+
+    for prefix, count in (("train", n), ("t10k", max(n // 6, 100))):
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(idx(rng.integers(0, 256, (count, 28, 28))))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(idx(rng.integers(0, 10, count)))
+
+
+def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
+    """Process start to the end of the first training step, vs the bare imports every such run pays."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+
+    def imports() -> float:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, torchvision, mlflow, hydra"], check=True, env=env)
+        return time.perf_counter() - start
+
+    def first_step() -> float:
+        from mlflow import MlflowClient
+
+        store = work / "launch.db"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "trainer.epochs=1",
+                "trainer.max_steps=1",
+                "device=cpu",
+                f"tracking.uri=sqlite:///{store}",
+                "tracking.experiment=launch",
+                "monitor.plots=false",
+                f"hydra.run.dir={work / 'outputs'}",
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            cwd=work,
+        )
+        client = MlflowClient(f"sqlite:///{store}")
+        run = client.search_runs(
+            [client.get_experiment_by_name("launch").experiment_id],
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )[0]
+        return run.data.metrics["time/launch_to_first_step_s"]
+
+    first_step()  # creates the store, so its one-off migration is not counted
+    t = interleaved({"imports": imports, "first_step": first_step}, sizes)
+    return [
+        Row(
+            "launch to first training step",
+            f"{median(t['first_step']):.2f} s",
+            "(info)",
+            None,
+            f"bare `import torch, torchvision, mlflow, hydra` {median(t['imports']):.2f} s; the rest is composing the "
+            f"config, loading the data, building the model and opening the MLflow run",
+        )
+    ]
+
+
+BENCHES = {
+    "overhead": lambda sizes, work: bench_overhead(sizes, work),
+    "sampler": lambda sizes, work: bench_sampler_backends(sizes),
+    "resident": lambda sizes, work: bench_resident(sizes, work),
+    "launch": lambda sizes, work: bench_launch(sizes, work),
+}
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| benchmark | measured | goal | met | detail |", "|---|---|---|---|---|"]
+    for r in rows:
+        met = "—" if r.met is None else ("yes" if r.met else "**no**")
+        lines.append(f"| {r.name} | {r.measured} | {r.goal} | {met} | {r.detail} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    from pipeline.devices import cpu_name
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu_name()}, {os.cpu_count()} CPUs, {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a measurement")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {', '.join(BENCHES)}")
+    parser.add_argument("--repeats", type=int, default=None, help="measured rounds per comparison (default 5)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (fixed for every variant)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats must be >= 1")
+        sizes = Sizes(sizes.samples, args.repeats, sizes.warmup)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
+    torch.set_num_threads(args.threads)
+    command = "python -m pipeline.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"# pipeline benchmarks\n\n{datetime.date.today()} · `{command.strip()}`\n\n{machine()}\n", flush=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp, quiet_logs():
+        for name in names:
+            started = time.perf_counter()
+            rows += BENCHES[name](sizes, Path(tmp))
+            print(f"<!-- {name}: {time.perf_counter() - started:.0f} s -->", file=sys.stderr, flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The benchmark suite runs end to end (a smoke run: tiny sizes; its numbers are not checked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.bench import Row, Sizes, interleaved, main, paired_ratio, table
+
+
+def test_interleaving_alternates_order_drops_warmup_and_pairs_rounds() -> None:
+    calls: list[str] = []
+    durations = {"a": iter([100.0, 1.0, 3.0, 2.0]), "b": iter([100.0, 5.0, 4.0, 6.0])}
+
+    def variant(name: str):
+        def run() -> float:
+            calls.append(name)
+            return next(durations[name])
+
+        return run
+
+    times = interleaved({"a": variant("a"), "b": variant("b")}, Sizes(samples=1, repeats=3, warmup=1))
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert times == {"a": [1.0, 3.0, 2.0], "b": [5.0, 4.0, 6.0]}
+    assert paired_ratio(times["a"], times["b"]) == pytest.approx(1 / 3)  # per-round ratios 0.2, 0.75, 1/3
+
+
+def test_table_marks_goals_met_missed_and_informational() -> None:
+    text = table(
+        [
+            Row("x", "1.0", ">= 0.98", True, "d"),
+            Row("y", "0.5", ">= 3x", False, "e"),
+            Row("z", "3 µs", "(info)", None, "f"),
+        ]
+    )
+    assert "| x | 1.0 | >= 0.98 | yes | d |" in text and "| y | 0.5 | >= 3x | **no** | e |" in text
+    assert "| z | 3 µs | (info) | — | f |" in text
+
+
+def test_unknown_benchmark_names_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--only", "overhead,nope"])
+    assert info.value.code == 2 and "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for name in (
+        "pipeline / bare loop, MLP, batch 64",
+        "pipeline / bare loop, MLP, batch 512",
+        "sampler on / off",
+        "tracking cost",
+        "sampler reading, psutil",
+        "loader.resident=true vs guides'",
+        "launch to first training step",
+    ):
+        assert f"| {name}" in out, name
