@@ -256,3 +256,41 @@ def test_wall_timer_measures_what_it_marks() -> None:
         timer.done(8)
     b = timer.finish()
     assert b.data_wait_pct > 50 and b.steps == 3 and b.steady_samples == 16
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: 'records' the host clock; elapsed_time in milliseconds."""
+
+    created = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        FakeEvent.created += 1
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, later: FakeEvent) -> float:
+        return 1000.0 * (later.at - self.at)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_cuda_event_timer_reuses_its_events_and_splits_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.timing import CudaEventTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.created = 0
+    timer = CudaEventTimer(torch.device("cuda", 0))
+    for _ in range(2):  # two epochs
+        timer.start()
+        for _ in range(3):
+            time.sleep(0.01)  # the GPU idles, waiting for input
+            timer.ready()
+            timer.copied()
+            time.sleep(0.02)
+            timer.done(4)
+        b = timer.finish()
+        assert b.steps == 3 and b.steady_samples == 8 and 25 < b.data_wait_pct < 45 and b.first_step_s >= 0.03
+    assert FakeEvent.created == 1 + 3 * 3  # the second epoch created none

@@ -27,10 +27,12 @@ def run(cfg: DictConfig) -> float:
     try:
         run_cfg = from_dictconfig(cfg)  # before any torch work: bad input never touches CUDA or MLflow
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
         from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
 
-        result = train(run_cfg, overrides=list(HydraConfig.get().overrides.task))
+        hydra_cfg = HydraConfig.get()
+        result = train(run_cfg, overrides=list(hydra_cfg.overrides.task), quiet=hydra_cfg.mode == RunMode.MULTIRUN)
     except PipelineError as err:
         _fail(err)
     return result.val_acc

@@ -122,8 +122,11 @@ def guides_epoch(root: Path, *, batch: int) -> float:
     return time.perf_counter() - start
 
 
-def pipeline_epoch(overrides: list[str], store: Path) -> float:
-    """One epoch of ``python -m pipeline`` in-process; returns the training epoch's wall time."""
+def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None = None) -> float:
+    """One epoch of ``python -m pipeline`` in-process: the epoch's wall time plus its metric writes.
+
+    ``writes`` collects each run's share of that time spent writing metrics.
+    """
     from pipeline.config import load
     from pipeline.train import train
 
@@ -140,7 +143,10 @@ def pipeline_epoch(overrides: list[str], store: Path) -> float:
     )
     with contextlib.redirect_stdout(io.StringIO()):
         result = train(cfg, echo=False, quiet=True)
-    return result.epochs[0].seconds
+    seconds = result.epochs[0].seconds + result.tracking_write_s  # the writes between epochs count too
+    if writes is not None:
+        writes.append(result.tracking_write_s / seconds)
+    return seconds
 
 
 @contextlib.contextmanager
@@ -172,10 +178,11 @@ def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
     rows = []
     for batch in (64, 512):
         store = work / f"overhead{batch}.db"
+        writes: list[float] = []
         base = [*data, f"loader.batch_size={batch}"]
         variants = {
             "bare": lambda batch=batch: bare_epoch(images, labels, batch=batch),
-            "full": lambda base=base, store=store: pipeline_epoch(base, store),
+            "full": lambda base=base, store=store, writes=writes: pipeline_epoch(base, store, writes),
         }
         if batch == 64:
             variants["no_sampler"] = lambda base=base, store=store: pipeline_epoch(
@@ -206,14 +213,16 @@ def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
                     "(interval 0.5 s)",
                 )
             )
-            cost = 100 * (paired_ratio(t["full"], t["no_tracking"]) - 1)
+            on_off = 100 * (paired_ratio(t["full"], t["no_tracking"]) - 1)
+            direct = 100 * median(writes[sizes.warmup :] or writes)
             rows.append(
                 Row(
-                    "tracking cost, % of step time (on vs off)",
-                    f"{cost:+.2f}%",
+                    "tracking cost, % of step time",
+                    f"{direct:.2f}%",
                     "<= 1%",
-                    cost <= 1.0,
-                    f"median epoch {median(t['full']):.2f} s tracked, {median(t['no_tracking']):.2f} s untracked",
+                    direct <= 1.0,
+                    f"time spent writing metrics / epoch time; on vs off by wall clock {on_off:+.2f}% "
+                    f"(median epoch {median(t['full']):.2f} s tracked, {median(t['no_tracking']):.2f} s untracked)",
                 )
             )
     rows.append(tracking_call_cost(work / "calls.db"))
@@ -221,7 +230,7 @@ def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
 
 
 def tracking_call_cost(store: Path) -> Row:
-    """The tracker's own price: a buffered log_metrics call, and one batched write amortised per step."""
+    """The tracker's own price on the training thread: buffered calls and the per-epoch hand-off."""
     from mlflow import MlflowClient
 
     from pipeline.tracking import MlflowTracker, _experiment_id
@@ -239,17 +248,18 @@ def tracking_call_cost(store: Path) -> Row:
     buffered_us = 1e6 * (time.perf_counter() - start) / calls
     start = time.perf_counter()
     tracker.flush()
-    flush_ms = 1e3 * (time.perf_counter() - start)
+    write_ms = 1e3 * (time.perf_counter() - start)
     start = time.perf_counter()
     client.log_metric(run.info.run_id, "sync", 1.0)
     sync_ms = 1e3 * (time.perf_counter() - start)
     client.set_terminated(run.info.run_id)
     return Row(
-        "tracking, per call",
-        f"{buffered_us:.1f} µs buffered",
+        "tracking, per buffered call",
+        f"{buffered_us:.1f} µs",
         "(info)",
         None,
-        f"one batched write of {calls} metrics {flush_ms:.1f} ms; a synchronous log_metric {sync_ms:.1f} ms",
+        f"a buffered log_metrics call; writing {calls} buffered metrics in one batch {write_ms:.1f} ms; "
+        f"one unbuffered log_metric {sync_ms:.1f} ms",
     )
 
 

@@ -36,6 +36,7 @@ class RunResult:
     epochs: list[EpochRecord] = field(default_factory=list)
     breakdown: Breakdown = field(default_factory=lambda: combine([]))
     utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
+    tracking_write_s: float = 0.0  # time the training thread spent writing metrics
     bottleneck: str = ""
     verdict: str = ""
     tracking: list[str] = field(default_factory=list)

@@ -167,7 +167,7 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
                 lambda: step_breakdown([e.breakdown for e in epochs], title=run_name), "plots/step_time.png"
             )
         total_s = time.perf_counter() - started
-        tracker.log_metrics({"time/total_s": total_s}, step=len(epochs))
+        tracker.log_metrics({"time/total_s": total_s, "time/tracking_write_s": tracker.write_s}, step=len(epochs))
         result = RunResult(
             run_name=run_name,
             run_id=tracker.run_id,
@@ -181,6 +181,7 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
             epochs=epochs,
             breakdown=breakdown,
             utilisation=utilisation,
+            tracking_write_s=tracker.write_s,
             bottleneck=verdict.bottleneck,
             verdict=verdict.message,
             tracking=tracker.describe(),
