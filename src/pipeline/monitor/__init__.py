@@ -58,13 +58,17 @@ def gpu_targets(device: torch.device) -> list[GpuTarget]:
 
 
 def open_sampler(
-    cfg: MonitorConfig, *, device: torch.device, log_metrics: Callable[[dict[str, float], int], None]
+    cfg: MonitorConfig,
+    *,
+    device: torch.device,
+    log_metrics: Callable[[dict[str, float], int], None],
+    children: bool = False,
 ) -> Sampler | NullSampler:
     """A started sampler for this run (or a do-nothing one when monitoring is off)."""
     if not cfg.enabled:
         return NullSampler()
     backend = open_backend(cfg.backend, gpu_targets(device), timeout_s=cfg.interval_s)
-    return Sampler(interval_s=cfg.interval_s, gpu=backend, log_metrics=log_metrics).start()
+    return Sampler(interval_s=cfg.interval_s, gpu=backend, log_metrics=log_metrics, children=children).start()
 
 
 def allocator_metrics(device: torch.device) -> dict[str, float]:

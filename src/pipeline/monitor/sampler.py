@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class Sample:
     t: float  # seconds since the sampler started
     cpu_pct: float  # whole machine
-    process_cpu_pct: float  # this process and its children (loader workers); 100 = one core
+    process_cpu_pct: float  # this process (and its loader workers, if any); 100 = one core
     ram_used_mb: float
     ram_pct: float
     gpus: list[GpuReading] = field(default_factory=list)
@@ -59,6 +59,7 @@ class Sampler:
         interval_s: seconds between readings.
         gpu: the GPU backend (``NoGpu`` on CPU runs).
         log_metrics: where readings go, ``(metrics, step)``; must be thread-safe.
+        children: count child processes' CPU too (set when the loader has workers).
     """
 
     def __init__(
@@ -67,10 +68,12 @@ class Sampler:
         interval_s: float,
         gpu: GpuBackend | None = None,
         log_metrics: Callable[[dict[str, float], int], None] = lambda m, s: None,
+        children: bool = False,
     ) -> None:
         self.interval_s = interval_s
         self.gpu = gpu or NoGpu()
         self.log_metrics = log_metrics
+        self.children = children  # also count child processes (loader workers): a scan of /proc, ~1 ms
         self.samples: list[Sample] = []
         self._process = psutil.Process()
         self._stop = threading.Event()
@@ -140,7 +143,8 @@ class Sampler:
 
     def _process_cpu(self) -> float:
         total = 0.0
-        for proc in [self._process, *self._process.children(recursive=True)]:
+        family = [self._process, *self._process.children(recursive=True)] if self.children else [self._process]
+        for proc in family:
             try:
                 total += proc.cpu_percent(interval=None)
             except psutil.Error:  # a loader worker that just exited
