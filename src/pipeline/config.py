@@ -190,6 +190,23 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class OomConfig:
+    enabled: bool
+    micro_batch_size: int | None
+    min_micro_batch: int
+
+    def check(self) -> None:
+        if self.min_micro_batch < 1:
+            raise ConfigError("oom.min_micro_batch", self.min_micro_batch, "an integer >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < self.min_micro_batch:
+            raise ConfigError(
+                "oom.micro_batch_size",
+                self.micro_batch_size,
+                f"null or an integer >= oom.min_micro_batch ({self.min_micro_batch})",
+            )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     device: DeviceConfig
     model: ModelConfig
@@ -199,9 +216,13 @@ class RunConfig:
     trainer: TrainerConfig
     tracking: TrackingConfig
     monitor: MonitorConfig
+    oom: OomConfig
     amp: bool
 
     def check(self) -> None:
+        micro = self.oom.micro_batch_size
+        if micro is not None and micro > self.loader.batch_size:
+            raise ConfigError("oom.micro_batch_size", micro, f"at most loader.batch_size ({self.loader.batch_size})")
         if not self.amp and self.precision.dtype != "auto":
             raise ConfigError(
                 "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.memory import MicroBatcher
 from pipeline.precision import PrecisionPolicy
 from pipeline.timing import Breakdown, CudaEventTimer, WallTimer
 
@@ -25,11 +26,12 @@ LogFn = Callable[[dict[str, float], int], None]
 
 @dataclass
 class TrainState:
-    """What an epoch advances: the model, its optimizer and scaler, and the global step count."""
+    """What an epoch advances: the model, its optimizer and scaler, the micro-batch, the global step."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    micro: MicroBatcher
     step: int = 0
 
 
@@ -85,15 +87,31 @@ def train_epoch(
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         timer.copied()
-        with policy.autocast():
-            loss = F.cross_entropy(model(prepare(images)), labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        n = labels.shape[0]
+        while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
+            try:
+                loss = forward_backward(state, images, labels, policy=policy, prepare=prepare)
+                break
+            except Exception as err:
+                if not state.micro.should_retry(err):
+                    raise
+                message = str(err)
+            # outside the except block: the traceback, and the failed step's tensors with it, are gone
+            event = state.micro.recover(
+                step=state.step + 1, message=message, optimizer=optimizer, scaler=scaler, device=device
+            )
+            log(
+                {
+                    "oom/events": len(state.micro.events),
+                    "oom/micro_batch_size": state.micro.micro_batch,
+                    "oom/memory_mb": event.memory_mb,
+                },
+                state.step + 1,
+            )
         scaler.step(optimizer)
         scaler.update()
 
-        n = labels.shape[0]
-        window_loss.add_(loss.detach(), alpha=n)  # one small device op per step, no sync
+        window_loss.add_(loss, alpha=n)  # one small device op per step, no sync
         samples, steps, window_samples = samples + n, steps + 1, window_samples + n
         state.step += 1
         timer.done(n)
@@ -111,6 +129,36 @@ def train_epoch(
     return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown)
 
 
+def forward_backward(
+    state: TrainState,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    policy: PrecisionPolicy,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Gradients of the batch's mean loss, summed over micro-batches; returns that loss, detached.
+
+    Each micro-batch's loss is weighted by its share of the batch, so the gradients equal the
+    whole batch's (up to float rounding) and the optimizer step is unchanged.
+    """
+    state.optimizer.zero_grad(set_to_none=True)
+    n = labels.shape[0]
+    chunks = state.micro.chunks(n)
+    if len(chunks) == 1:  # the common case: no accumulation, no extra ops
+        with policy.autocast():
+            loss = F.cross_entropy(state.model(prepare(images)), labels)
+        state.scaler.scale(loss).backward()
+        return loss.detach()
+    total = torch.zeros((), device=labels.device)
+    for start, stop in chunks:
+        with policy.autocast():
+            loss = F.cross_entropy(state.model(prepare(images[start:stop])), labels[start:stop]) * ((stop - start) / n)
+        state.scaler.scale(loss).backward()
+        total += loss.detach()
+    return total
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -119,20 +167,54 @@ def evaluate(
     device: torch.device,
     policy: PrecisionPolicy,
     prepare: Callable[[torch.Tensor], torch.Tensor],
+    micro: MicroBatcher | None = None,
 ) -> EvalStats:
-    """Mean loss and accuracy over ``batches``; one host sync at the end."""
+    """Mean loss and accuracy over ``batches``; one host sync at the end.
+
+    With ``micro``, batches run in its micro-batches and an out-of-memory error shrinks them and
+    replays the batch (no accumulation needed: evaluation only sums).
+    """
     model.eval()
     total_loss = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
     samples = 0
     for images, labels in batches:
-        images = prepare(images.to(device, non_blocking=True))
+        images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        with policy.autocast():
-            logits = model(images)
-        total_loss += F.cross_entropy(logits.float(), labels, reduction="sum")
-        correct += (logits.argmax(dim=1) == labels).sum()
-        samples += labels.shape[0]
+        n = labels.shape[0]
+        while True:
+            try:
+                batch_loss, batch_correct = _evaluate_batch(
+                    model, images, labels, policy=policy, prepare=prepare, chunks=micro.chunks(n) if micro else [(0, n)]
+                )
+                break
+            except Exception as err:
+                if micro is None or not micro.should_retry(err):
+                    raise
+                message = str(err)
+            micro.recover(step=-1, message=message, optimizer=None, scaler=None, device=device)
+        total_loss += batch_loss
+        correct += batch_correct
+        samples += n
     if samples == 0:
         return EvalStats(float("nan"), float("nan"), 0)
     return EvalStats(total_loss.item() / samples, correct.item() / samples, samples)
+
+
+def _evaluate_batch(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    policy: PrecisionPolicy,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    chunks: list[tuple[int, int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = torch.zeros((), device=labels.device)
+    correct = torch.zeros((), device=labels.device, dtype=torch.long)
+    for start, stop in chunks:
+        with policy.autocast():
+            logits = model(prepare(images[start:stop]))
+        loss += F.cross_entropy(logits.float(), labels[start:stop], reduction="sum")
+        correct += (logits.argmax(dim=1) == labels[start:stop]).sum()
+    return loss, correct

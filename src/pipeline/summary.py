@@ -37,6 +37,8 @@ class RunResult:
     breakdown: Breakdown = field(default_factory=lambda: combine([]))
     utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
     tracking_write_s: float = 0.0  # time the training thread spent writing metrics
+    oom_events: list[Any] = field(default_factory=list)  # pipeline.memory.OomEvent, in order
+    micro_batch: int = 0  # samples per forward/backward at the end (the effective batch is the loader's)
     bottleneck: str = ""
     verdict: str = ""
     tracking: list[str] = field(default_factory=list)
@@ -76,6 +78,12 @@ def format_summary(result: RunResult) -> str:
         if u.gpu_mem_peak_mb is not None:
             util += f", {u.gpu_mem_peak_mb:,.0f} MB peak"
         lines.append(util + f" ({u.samples} samples)")
+    if result.oom_events:
+        first = result.oom_events[0].micro_batch
+        lines.append(
+            f"  OOM fallback {len(result.oom_events)} out-of-memory event(s): micro-batch {first} -> "
+            f"{result.micro_batch}, gradients accumulated so every step still saw the full batch"
+        )
     if result.verdict:
         lines.append(f"  bottleneck  {result.verdict}")
     lines += ["  " + line for line in result.tracking]

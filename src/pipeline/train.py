@@ -19,6 +19,7 @@ from pipeline.config import RunConfig, flatten
 from pipeline.data import DataSpec, Normalize, load_data, make_loader
 from pipeline.devices import DeviceChoice, resolve_device
 from pipeline.loop import TrainState, evaluate, train_epoch
+from pipeline.memory import MicroBatcher
 from pipeline.models import build_model, build_optimizer, count_parameters
 from pipeline.monitor import allocator_metrics, open_sampler
 from pipeline.plots import step_breakdown, utilisation_timeline
@@ -81,7 +82,7 @@ def build(cfg: RunConfig) -> Setup:
         policy=policy,
         backends=backends,
         spec=spec,
-        state=TrainState(model=model, optimizer=optimizer, scaler=policy.make_scaler()),
+        state=TrainState(model=model, optimizer=optimizer, scaler=policy.make_scaler(), micro=micro_batcher(cfg)),
         parameters=parameters,
         train_batches=make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed),
         val_batches=make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed),
@@ -167,7 +168,8 @@ def run_epoch(
 
     def log_step(metrics: dict[str, float], step: int) -> None:
         tracker.log_metrics(metrics, step)
-        bar.set_loss(metrics["train/loss"])
+        if "train/loss" in metrics:
+            bar.set_loss(metrics["train/loss"])
 
     stats = train_epoch(
         setup.state,
@@ -182,7 +184,14 @@ def run_epoch(
         on_step=bar.step,
     )
     bar.close()
-    val = evaluate(setup.state.model, setup.val_batches, device=device, policy=setup.policy, prepare=setup.prepare)
+    val = evaluate(
+        setup.state.model,
+        setup.val_batches,
+        device=device,
+        policy=setup.policy,
+        prepare=setup.prepare,
+        micro=setup.state.micro,
+    )
     record = EpochRecord(epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown)
     tracker.log_metrics(
         {
@@ -253,10 +262,22 @@ def conclude(
         breakdown=breakdown,
         utilisation=utilisation,
         tracking_write_s=tracker.write_s,
+        oom_events=list(setup.state.micro.events),
+        micro_batch=setup.state.micro.micro_batch,
         bottleneck=verdict.bottleneck,
         verdict=verdict.message,
         tracking=tracker.describe(),
         model=setup.state.model,
+    )
+
+
+def micro_batcher(cfg: RunConfig) -> MicroBatcher:
+    batch = cfg.loader.batch_size
+    return MicroBatcher(
+        batch_size=batch,
+        micro_batch=cfg.oom.micro_batch_size or batch,
+        min_micro_batch=cfg.oom.min_micro_batch,
+        enabled=cfg.oom.enabled,
     )
 
 

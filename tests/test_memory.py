@@ -1,0 +1,208 @@
+"""Out-of-memory fallback: recognised forms only, effective batch kept, memory freed, clear failure."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch import nn
+
+import pipeline.train as train_module
+from pipeline.config import ConfigError, RunConfig
+from pipeline.memory import MicroBatcher, OutOfMemoryAtMinimum, is_oom
+from pipeline.train import train
+
+MakeCfg = Callable[..., RunConfig]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 7.79 GiB total capacity)",
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)",
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 1099511627776 bytes.",
+    ],
+)
+def test_every_known_out_of_memory_form_is_recognised(message: str) -> None:
+    assert is_oom(RuntimeError(message))
+
+
+def test_torch_out_of_memory_error_is_recognised_whatever_its_message() -> None:
+    assert is_oom(torch.OutOfMemoryError("anything"))
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        ValueError("CUDA out of memory"),  # right words, wrong kind: not from the allocator
+        RuntimeError("CUDA error: device-side assert triggered"),
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: no kernel image is available for execution on the device"),
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (64x784 and 512x10)"),
+    ],
+)
+def test_other_errors_are_not_out_of_memory(err: Exception) -> None:
+    assert not is_oom(err)
+
+
+def oom_above(limit: int) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+    """A forward pre-hook that raises a real torch.OutOfMemoryError for inputs of more than ``limit`` samples."""
+
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if inputs[0].shape[0] > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {inputs[0].shape[0]} samples")
+
+    return hook
+
+
+def with_hook(monkeypatch: pytest.MonkeyPatch, hook, seen: list[int] | None = None) -> None:
+    original = train_module.build_model
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+        model.register_forward_pre_hook(hook)
+        if seen is not None:
+            model.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]) if m.training else None)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
+
+
+def weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().double().flatten() for p in model.state_dict().values()])
+
+
+def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = ["tracking=none", "loader.batch_size=64", "trainer.max_steps=6"]
+    reference = train(make_cfg(*base, "oom.micro_batch_size=16"), echo=False)
+
+    seen: list[int] = []
+    steps: list[int] = []
+    with_hook(monkeypatch, oom_above(16), seen)
+    original = train_module.build_optimizer
+
+    def counting(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        optimizer.register_step_post_hook(lambda opt, a, k: steps.append(1))
+        return optimizer
+
+    monkeypatch.setattr(train_module, "build_optimizer", counting)
+    result = train(make_cfg(*base), echo=False)
+
+    assert [e.micro_batch for e in result.oom_events] == [64, 32] and result.micro_batch == 16
+    assert len(steps) == 6  # exactly one optimizer step per batch, failed attempts included
+    assert sum(seen) == 6 * 64 and set(seen) == {16}  # every sample once, none skipped or repeated
+    torch.testing.assert_close(weights(result.model), weights(reference.model), rtol=0, atol=1e-12)
+
+
+def test_accumulated_micro_batches_match_the_whole_batch_in_float64(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: original(*a, **k).double())
+    monkeypatch.setattr(
+        "pipeline.data.loaders.Normalize.__call__",
+        lambda self, images: images.double() * self.scale.double() + self.shift.double(),
+    )
+    base = ["tracking=none", "loader.batch_size=64", "trainer.max_steps=5"]
+    whole = train(make_cfg(*base), echo=False)
+    micro = train(make_cfg(*base, "oom.micro_batch_size=8"), echo=False)
+    torch.testing.assert_close(weights(micro.model), weights(whole.model), rtol=0, atol=1e-10)
+
+
+def test_the_failed_steps_tensors_are_freed_before_the_retry(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refs: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if inputs[0].shape[0] > 16:
+            activation = inputs[0] * 2  # a tensor only the failed attempt's frame holds
+            refs.append(weakref.ref(activation))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        if refs and len(alive_at_retry) < len(refs):
+            gc.collect()
+            alive_at_retry.append(refs[-1]() is not None)
+
+    with_hook(monkeypatch, hook)
+    result = train(make_cfg("tracking=none", "loader.batch_size=32", "trainer.max_steps=2"), echo=False)
+    assert result.micro_batch == 16 and refs and alive_at_retry == [False]
+
+
+def test_out_of_memory_at_the_minimum_fails_the_run_clearly(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    with_hook(monkeypatch, oom_above(0))
+    with pytest.raises(
+        OutOfMemoryAtMinimum,
+        match=r"out of memory at step 1 even with a micro-batch of 4 "
+        r"\(oom.min_micro_batch=4",
+    ):
+        train(make_cfg("loader.batch_size=16", "oom.min_micro_batch=4"), echo=False)
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED" and "OutOfMemoryAtMinimum" in run.data.tags["error"]
+    history = MlflowClient(store_uri).get_metric_history(run.info.run_id, "oom/micro_batch_size")
+    assert [m.value for m in history] == [8.0, 4.0]
+
+
+def test_other_errors_pass_through_without_a_retry(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        calls.append(1)
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    with_hook(monkeypatch, hook)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        train(make_cfg("tracking=none"), echo=False)
+    assert calls == [1]
+
+
+def test_disabled_fallback_raises_the_out_of_memory_error(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    with_hook(monkeypatch, oom_above(16))
+    with pytest.raises(torch.OutOfMemoryError):
+        train(make_cfg("tracking=none", "oom.enabled=false"), echo=False)
+
+
+def test_evaluation_falls_back_too(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    def eval_only(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if not module.training and inputs[0].shape[0] > 10:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with_hook(monkeypatch, eval_only)
+    reference = train(make_cfg("tracking=none"), echo=False)
+    result = train(make_cfg("tracking=none"), echo=False)  # same seed: same weights, same val figures
+    assert result.micro_batch == 8 and result.epochs[0].val_acc == reference.epochs[0].val_acc
+    assert result.epochs[0].val_loss == pytest.approx(reference.epochs[0].val_loss, rel=1e-6)
+
+
+def test_the_summary_says_the_fallback_acted(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with_hook(monkeypatch, oom_above(8))
+    train(make_cfg("tracking=none"), echo=True)
+    assert "OOM fallback 2 out-of-memory event(s): micro-batch 32 -> 8" in capsys.readouterr().out
+
+
+def test_micro_batch_config_is_validated(make_cfg: MakeCfg) -> None:
+    with pytest.raises(ConfigError, match=r"oom.micro_batch_size=64 .* at most loader.batch_size \(32\)"):
+        make_cfg("oom.micro_batch_size=64")
+    with pytest.raises(ConfigError, match=r"oom.min_micro_batch=0"):
+        make_cfg("oom.min_micro_batch=0")
+
+
+def test_micro_batcher_chunks_cover_the_batch_exactly() -> None:
+    micro = MicroBatcher(batch_size=10, micro_batch=4)
+    assert micro.chunks(10) == [(0, 4), (4, 8), (8, 10)] and micro.chunks(3) == [(0, 3)]
