@@ -408,11 +408,34 @@ def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
     ]
 
 
+def bench_amp(sizes: Sizes, work: Path) -> list[Row]:
+    """amp=true against float32 on this machine's training device (bfloat16 on CPUs)."""
+    data = ["data=synthetic", f"data.num_samples={sizes.samples}", "data.val_samples=500", "loader=resident"]
+    variants = {
+        "fp32": lambda: pipeline_epoch(data, work / "amp.db"),
+        "amp": lambda: pipeline_epoch([*data, "amp=true"], work / "amp.db"),
+    }
+    t = interleaved(variants, sizes)
+    speed = paired_ratio(t["fp32"], t["amp"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [
+        Row(
+            f"amp=true / float32 speed, MLP, batch 64, {device}",
+            f"{speed:.2f}",
+            "(info)",
+            None,
+            f"median epoch {median(t['amp']):.2f} s with amp, {median(t['fp32']):.2f} s without; below 1 = amp "
+            "is slower here (CPUs without AMX/avx512_bf16)",
+        )
+    ]
+
+
 BENCHES = {
     "overhead": lambda sizes, work: bench_overhead(sizes, work),
     "sampler": lambda sizes, work: bench_sampler_backends(sizes),
     "resident": lambda sizes, work: bench_resident(sizes, work),
     "launch": lambda sizes, work: bench_launch(sizes, work),
+    "amp": lambda sizes, work: bench_amp(sizes, work),
 }
 
 
