@@ -1,6 +1,6 @@
 """The benchmark suite: what the pipeline costs, measured side by side in one process.
 
-    python -m pipeline.bench                 # everything, 5 repeats (about 10 minutes on 2 CPUs)
+    python -m pipeline.bench                 # everything, 7 repeats (about 5 minutes on 2 CPUs)
     python -m pipeline.bench --quick         # a smoke run with tiny sizes (numbers meaningless)
     python -m pipeline.bench --only overhead,resident --repeats 7
 
@@ -233,10 +233,11 @@ def tracking_call_cost(store: Path) -> Row:
     """The tracker's own price on the training thread: buffered calls and the per-epoch hand-off."""
     from mlflow import MlflowClient
 
-    from pipeline.tracking import MlflowTracker, _experiment_id
+    from pipeline.store import experiment_id
+    from pipeline.tracking import MlflowTracker
 
     client = MlflowClient(f"sqlite:///{store}")
-    experiment = _experiment_id(client, "calls")
+    experiment = experiment_id(client, "calls")
     run = client.create_run(experiment)
     tracker = MlflowTracker(
         client, uri=f"sqlite:///{store}", experiment_id=experiment, experiment="calls", run_id=run.info.run_id

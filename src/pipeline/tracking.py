@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
+from pipeline.store import connect, redact, retrying
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ class MlflowTracker:
         with self._lock:
             pending, self._pending = self._pending, []
             for i in range(0, len(pending), 1000):
-                self.client.log_batch(self.run_id, metrics=pending[i : i + 1000])
+                chunk = pending[i : i + 1000]
+                retrying(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
         self.write_s += time.perf_counter() - start
 
     def log_text(self, text: str, artifact_file: str) -> None:
@@ -163,7 +165,7 @@ class MlflowTracker:
         """Where the run is and how to look at it (printed in the run's summary)."""
         parsed = urlparse(self.uri)
         base = self.uri.rstrip("/") if parsed.scheme in ("http", "https") else UI_URL
-        lines = [f"MLflow run {self.run_id} in experiment '{self.experiment}' ({_redact(self.uri)})"]
+        lines = [f"MLflow run {self.run_id} in experiment '{self.experiment}' ({redact(self.uri)})"]
         if parsed.scheme not in ("http", "https", "databricks"):
             lines.append(f"  open the UI:  mlflow ui --backend-store-uri {self.uri}")
         lines += [
@@ -179,11 +181,8 @@ def open_tracker(cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] 
     if not cfg.enabled:
         yield NullTracker()
         return
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=cfg.uri)
-    experiment_id = _experiment_id(client, cfg.experiment)
-    run = client.create_run(experiment_id, run_name=run_name, tags={**cfg.tags, **(tags or {})})
+    client, experiment_id = connect(cfg.uri, cfg.experiment)
+    run = retrying(lambda: client.create_run(experiment_id, run_name=run_name, tags={**cfg.tags, **(tags or {})}))
     tracker = MlflowTracker(
         client, uri=cfg.uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run.info.run_id
     )
@@ -201,35 +200,9 @@ def open_tracker(cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] 
         try:
             tracker.flush()
         finally:
-            client.set_terminated(tracker.run_id, status)
-
-
-def _experiment_id(client: Any, name: str) -> str:
-    from mlflow.exceptions import MlflowException
-
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        if experiment.lifecycle_stage == "deleted":
-            client.restore_experiment(experiment.experiment_id)
-            log.warning("MLflow experiment %r was deleted; restored it", name)
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException:
-        # another process created it between our lookup and our create
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            raise
-        return experiment.experiment_id
+            retrying(lambda: client.set_terminated(tracker.run_id, status))
 
 
 def _param_value(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value)  # null, true, [512], as typed in YAML
     return text[:6000]  # MLflow's limit for a param value
-
-
-def _redact(uri: str) -> str:
-    parsed = urlparse(uri)
-    if parsed.password:
-        return uri.replace(f":{parsed.password}@", ":***@")
-    return uri

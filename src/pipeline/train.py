@@ -26,6 +26,7 @@ from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags
+from pipeline.store import check_reachable
 from pipeline.summary import EpochRecord, RunResult, format_summary
 from pipeline.timing import Breakdown, combine, make_timer
 from pipeline.tracking import Tracker, open_tracker
@@ -111,6 +112,8 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
         quiet: no progress bar (sweep jobs).
     """
     started = time.perf_counter()
+    if cfg.tracking.enabled:
+        check_reachable(cfg.tracking.uri)  # before any data is loaded: a dead server fails in seconds
     setup = build(cfg)
     tags = run_tags(setup.choice, setup.policy, overrides, setup.backends)
     with open_tracker(cfg.tracking, run_name=setup.run_name, tags=tags) as tracker:
