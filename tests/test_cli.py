@@ -70,8 +70,9 @@ def test_a_good_run_through_the_entry_point_records_the_overrides_as_typed(
     assert run_main(monkeypatch, *args) == 0
     out = capsys.readouterr().out
     assert "run mlp-digits-cpu-bs16-w0: 1 epoch(s), 2 steps" in out
-    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in out and "workflowType=machine_learning" in out
-    (run,) = MlflowClient("sqlite:///mlflow.db").search_runs(experiment_ids=["1"])
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert f"mlflow ui --backend-store-uri {store}" in out and "workflowType=machine_learning" in out
+    (run,) = MlflowClient(store).search_runs(experiment_ids=["1"])
     assert run.data.tags["overrides"] == " ".join(args) and run.info.status == "FINISHED"
     assert run.info.artifact_uri.startswith(str(tmp_path / "mlruns"))
 

@@ -218,6 +218,8 @@ class RunConfig:
     monitor: MonitorConfig
     oom: OomConfig
     amp: bool
+    # not a config key: the dotted keys whose values came from environment variables (masked in the record)
+    env_keys: frozenset[str] = field(default=frozenset(), compare=False, metadata={"internal": True})
 
     def check(self) -> None:
         micro = self.oom.micro_batch_size
@@ -229,7 +231,10 @@ class RunConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain nested values (what the run uses; see ``pipeline.secrets`` for the record)."""
+        tree = dataclasses.asdict(self)
+        del tree["env_keys"]
+        return tree
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:
@@ -286,13 +291,17 @@ def from_dictconfig(cfg: Any) -> RunConfig:
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from pipeline.secrets import env_keys
+
+    sensitive: frozenset[str] = frozenset()
     if isinstance(cfg, DictConfig):
+        sensitive = env_keys(cfg)
         try:
             cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "config"
             raise ConfigError(key, "<unresolved>", f"a value that resolves ({err.msg})") from None
-    return _build(RunConfig, cfg, prefix="")
+    return dataclasses.replace(_build(RunConfig, cfg, prefix=""), env_keys=sensitive)
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -311,13 +320,14 @@ def _build(cls: type, node: Any, prefix: str) -> Any:
     if not isinstance(node, Mapping):
         raise ConfigError(prefix.rstrip(".") or "config", node, "a group of keys")
     hints = typing.get_type_hints(cls)
-    known = [f.name for f in fields(cls)]
+    settable = [f for f in fields(cls) if not f.metadata.get("internal")]
+    known = [f.name for f in settable]
     for key in node:
         if key not in known:
             where = f"{prefix.rstrip('.')} keys" if prefix else "top-level keys"
             raise ConfigError(f"{prefix}{key}", node[key], f"one of the {where}: {', '.join(known)}")
     kwargs = {}
-    for f in fields(cls):
+    for f in settable:
         key = f"{prefix}{f.name}"
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name not in node or node[f.name] == MISSING_VALUE:

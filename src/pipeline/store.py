@@ -10,6 +10,7 @@ tracking URI cannot work.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import time
@@ -39,6 +40,15 @@ def sqlite_path(uri: str) -> Path | None:
     if parsed.scheme != "sqlite" or not parsed.path or parsed.path == "/:memory:":
         return None
     return Path(unquote(parsed.path[1:] if uri.startswith("sqlite:///") else parsed.path))
+
+
+def absolute(uri: str) -> str:
+    """A relative ``sqlite:///mlflow.db`` made absolute, so it names one file whatever the working directory
+    (MLflow also caches stores by URI: a relative one would follow the first directory it was used in)."""
+    path = sqlite_path(uri)
+    if path is None or path.is_absolute():
+        return uri
+    return f"sqlite:///{path.resolve()}"
 
 
 @contextlib.contextmanager
@@ -105,7 +115,12 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
     """
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
-        health = uri.rstrip("/") + "/health"
+        host = parsed.hostname or ""
+        netloc = (f"[{host}]" if ":" in host else host) + (f":{parsed.port}" if parsed.port else "")
+        health = urllib.request.Request(parsed._replace(netloc=netloc).geturl().rstrip("/") + "/health")
+        if parsed.username:  # urllib does not read user:password@ from the URL; MLflow sends it as basic auth
+            token = base64.b64encode(f"{unquote(parsed.username)}:{unquote(parsed.password or '')}".encode())
+            health.add_header("Authorization", "Basic " + token.decode())
         try:
             with urllib.request.urlopen(health, timeout=timeout_s) as response:
                 if response.status == 200:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -25,7 +26,8 @@ from urllib.parse import urlparse
 
 from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
-from pipeline.store import connect, redact, retrying
+from pipeline.secrets import mask_text, mask_value
+from pipeline.store import absolute, connect, redact, retrying
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,11 @@ class MlflowTracker:
     def describe(self) -> list[str]:
         """Where the run is and how to look at it (printed in the run's summary)."""
         parsed = urlparse(self.uri)
-        base = self.uri.rstrip("/") if parsed.scheme in ("http", "https") else UI_URL
+        base = (  # links without user:password@: the browser asks for credentials itself
+            parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
+            if parsed.scheme in ("http", "https")
+            else UI_URL
+        )
         lines = [f"MLflow run {self.run_id} in experiment '{self.experiment}' ({redact(self.uri)})"]
         if parsed.scheme not in ("http", "https", "databricks"):
             lines.append(f"  open the UI:  mlflow ui --backend-store-uri {self.uri}")
@@ -177,14 +183,21 @@ class MlflowTracker:
 
 @contextmanager
 def open_tracker(cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[Tracker]:
-    """Open a run (or a do-nothing tracker), and end it with the status the block earned."""
+    """Open a run (or a do-nothing tracker), and end it with the status the block earned.
+
+    ``tags`` are all the run's tags (``tracking.tags`` included), already masked by the caller.
+    """
     if not cfg.enabled:
         yield NullTracker()
         return
-    client, experiment_id = connect(cfg.uri, cfg.experiment)
-    run = retrying(lambda: client.create_run(experiment_id, run_name=run_name, tags={**cfg.tags, **(tags or {})}))
+    # our summary prints the run's links, credentials removed; MLflow's own print would repeat them with credentials
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    uri = absolute(cfg.uri)
+    client, experiment_id = connect(uri, cfg.experiment)
+    all_tags = {k: mask_value(k, v) for k, v in (tags or {}).items()}  # a last guard; callers mask env values
+    run = retrying(lambda: client.create_run(experiment_id, run_name=run_name, tags=all_tags))
     tracker = MlflowTracker(
-        client, uri=cfg.uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run.info.run_id
+        client, uri=uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run.info.run_id
     )
     status = "FAILED"
     try:
@@ -194,7 +207,7 @@ def open_tracker(cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] 
         status = "KILLED"
         raise
     except BaseException as err:
-        tracker.set_tags({"error": f"{type(err).__name__}: {err}"[:5000]})
+        tracker.set_tags({"error": mask_text(f"{type(err).__name__}: {err}")[:5000]})
         raise
     finally:
         try:

@@ -26,6 +26,7 @@ from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags
+from pipeline.secrets import mask_overrides, mask_tree
 from pipeline.store import check_reachable
 from pipeline.summary import EpochRecord, RunResult, format_summary
 from pipeline.timing import Breakdown, combine, make_timer
@@ -115,12 +116,14 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
     if cfg.tracking.enabled:
         check_reachable(cfg.tracking.uri)  # before any data is loaded: a dead server fails in seconds
     setup = build(cfg)
-    tags = run_tags(setup.choice, setup.policy, overrides, setup.backends)
+    typed = mask_overrides(overrides, cfg.env_keys)  # the record never holds a secret
+    recorded = mask_tree(cfg.to_dict(), cfg.env_keys)
+    tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
     with open_tracker(cfg.tracking, run_name=setup.run_name, tags=tags) as tracker:
-        tracker.log_params(flatten(cfg.to_dict()))
+        tracker.log_params(flatten(recorded))
         tracker.log_dataset(setup.spec, context="train")
-        tracker.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
-        tracker.log_text("\n".join(overrides) + "\n", "overrides.txt")
+        tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
+        tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
         sampler = open_sampler(
             cfg.monitor, device=setup.device, log_metrics=tracker.log_metrics, children=cfg.loader.num_workers > 0
         )
