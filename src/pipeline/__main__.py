@@ -6,7 +6,8 @@
     python -m pipeline --help                               # the groups and the composed config
 
 Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or
-dataset; one line on stderr), 1 for anything else (with a traceback).
+dataset; one line on stderr), 143 / 130 after SIGTERM / Ctrl-C (checkpoint written, run KILLED),
+1 for anything else (with a traceback).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import config_dir, from_dictconfig, load
 from pipeline.errors import PipelineError
+from pipeline.stopping import Stopped
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
@@ -35,6 +37,9 @@ def run(cfg: DictConfig) -> float:
         result = train(run_cfg, overrides=list(hydra_cfg.overrides.task), quiet=hydra_cfg.mode == RunMode.MULTIRUN)
     except PipelineError as err:
         _fail(err)
+    except Stopped as stop:  # SIGTERM / Ctrl-C: checkpoint written, run KILLED; exit as the signal would
+        print(f"{stop}; resume with resume=latest", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
     return result.val_acc
 
 

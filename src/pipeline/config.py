@@ -207,6 +207,19 @@ class OomConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool
+    dir: str
+    every_n_steps: int
+
+    def check(self) -> None:
+        if self.every_n_steps < 0:
+            raise ConfigError("checkpoint.every_n_steps", self.every_n_steps, "0 (epoch ends only) or more")
+        if not self.dir:
+            raise ConfigError("checkpoint.dir", self.dir, "a folder name")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     device: DeviceConfig
     model: ModelConfig
@@ -217,7 +230,9 @@ class RunConfig:
     tracking: TrackingConfig
     monitor: MonitorConfig
     oom: OomConfig
+    checkpoint: CheckpointConfig
     amp: bool
+    resume: str | None
     # not a config key: the dotted keys whose values came from environment variables (masked in the record)
     env_keys: frozenset[str] = field(default=frozenset(), compare=False, metadata={"internal": True})
 
@@ -225,6 +240,8 @@ class RunConfig:
         micro = self.oom.micro_batch_size
         if micro is not None and micro > self.loader.batch_size:
             raise ConfigError("oom.micro_batch_size", micro, f"at most loader.batch_size ({self.loader.batch_size})")
+        if self.resume is not None and not self.checkpoint.enabled:
+            raise ConfigError("resume", self.resume, "null while checkpoint.enabled=false (nothing to resume from)")
         if not self.amp and self.precision.dtype != "auto":
             raise ConfigError(
                 "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"

@@ -7,6 +7,7 @@ the end of the epoch.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class EpochStats:
     seconds: float  # wall clock, first step included
     reached_max_steps: bool
     breakdown: Breakdown
+    stopped: bool = False  # a stop was requested (SIGTERM, Ctrl-C): the epoch ended at a step boundary
 
     @property
     def samples_per_s(self) -> float:
@@ -69,11 +71,15 @@ def train_epoch(
     log: LogFn,
     timer: StepTimer,
     on_step: Callable[[int], None] = lambda samples: None,
+    should_stop: Callable[[], bool] = lambda: False,
+    skip: int = 0,
 ) -> EpochStats:
     """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
 
     ``timer`` is marked three times a step (batch in hand, batch on the device, step done);
     ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
+    ``should_stop`` is asked after every step (a stop request ends the epoch there); ``skip`` passes
+    over the first batches of the epoch (resuming mid-epoch: the order is the same, see ``checkpoint``).
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
@@ -82,7 +88,8 @@ def train_epoch(
     window_samples, samples, steps = 0, 0, 0
     start = time.perf_counter()
     timer.start()
-    for images, labels in batches:
+    stopped = False
+    for images, labels in itertools.islice(batches, skip, None):
         timer.ready()
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -123,10 +130,13 @@ def train_epoch(
             window_samples = 0
         if state.step == max_steps:
             break
+        if should_stop():
+            stopped = True
+            break
     breakdown = timer.finish()  # waits for the device (CUDA: the epoch's one event sync)
     mean_loss = ((epoch_loss + window_loss) / max(samples, 1)).item()
     seconds = time.perf_counter() - start
-    return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown)
+    return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown, stopped)
 
 
 def forward_backward(

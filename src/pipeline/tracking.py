@@ -8,8 +8,8 @@ epoch: a synchronous ``log_metric`` costs about 3.5 ms on SQLite, longer than an
 The write is synchronous on purpose: between epochs it stays out of every epoch's timing,
 where a background writer would compete with training for the CPUs and the GIL.
 
-The run ends FINISHED when the block completes, KILLED on Ctrl-C, and FAILED (with the error
-as the ``error`` tag) on any other exception; it is never left RUNNING.
+The run ends FINISHED when the block completes, KILLED on Ctrl-C or a stop request (SIGTERM),
+and FAILED (with the error as the ``error`` tag) on any other exception; never left RUNNING.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
 from pipeline.secrets import mask_text, mask_value
+from pipeline.stopping import Stopped
 from pipeline.store import absolute, connect, redact, retrying
 
 log = logging.getLogger(__name__)
@@ -182,10 +183,13 @@ class MlflowTracker:
 
 
 @contextmanager
-def open_tracker(cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[Tracker]:
+def open_tracker(
+    cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] | None = None, run_id: str | None = None
+) -> Iterator[Tracker]:
     """Open a run (or a do-nothing tracker), and end it with the status the block earned.
 
     ``tags`` are all the run's tags (``tracking.tags`` included), already masked by the caller.
+    ``run_id`` continues that run (resuming) instead of creating one.
     """
     if not cfg.enabled:
         yield NullTracker()
@@ -195,15 +199,19 @@ def open_tracker(cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] 
     uri = absolute(cfg.uri)
     client, experiment_id = connect(uri, cfg.experiment)
     all_tags = {k: mask_value(k, v) for k, v in (tags or {}).items()}  # a last guard; callers mask env values
-    run = retrying(lambda: client.create_run(experiment_id, run_name=run_name, tags=all_tags))
-    tracker = MlflowTracker(
-        client, uri=uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run.info.run_id
-    )
+    if run_id is None:
+        run_id = retrying(lambda: client.create_run(experiment_id, run_name=run_name, tags=all_tags)).info.run_id
+    else:
+        experiment_id = client.get_run(run_id).info.experiment_id
+        retrying(lambda: client.update_run(run_id, status="RUNNING"))
+    tracker = MlflowTracker(client, uri=uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run_id)
+    if all_tags:
+        tracker.set_tags(all_tags)
     status = "FAILED"
     try:
         yield tracker
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped):
         status = "KILLED"
         raise
     except BaseException as err:

@@ -10,11 +10,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from pipeline import checkpoint
 from pipeline.config import RunConfig, flatten
 from pipeline.data import DataSpec, Normalize, load_data, make_loader
 from pipeline.devices import DeviceChoice, resolve_device
@@ -27,6 +29,7 @@ from pipeline.precision import PrecisionPolicy, configure_backends, resolve_prec
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags
 from pipeline.secrets import mask_overrides, mask_tree
+from pipeline.stopping import Stopped, StopRequests
 from pipeline.store import check_reachable
 from pipeline.summary import EpochRecord, RunResult, format_summary
 from pipeline.timing import Breakdown, combine, make_timer
@@ -111,19 +114,35 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
         overrides: the command-line overrides as typed, for the record.
         echo: print the summary at the end.
         quiet: no progress bar (sweep jobs).
+
+    Raises:
+        Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
     """
     started = time.perf_counter()
     if cfg.tracking.enabled:
         check_reachable(cfg.tracking.uri)  # before any data is loaded: a dead server fails in seconds
+    resumed = checkpoint.load(checkpoint.find(cfg.resume, folder=Path(cfg.checkpoint.dir))) if cfg.resume else None
     setup = build(cfg)
+    if resumed is not None:
+        restore(setup, resumed)
     typed = mask_overrides(overrides, cfg.env_keys)  # the record never holds a secret
     recorded = mask_tree(cfg.to_dict(), cfg.env_keys)
     tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
-    with open_tracker(cfg.tracking, run_name=setup.run_name, tags=tags) as tracker:
-        tracker.log_params(flatten(recorded))
-        tracker.log_dataset(setup.spec, context="train")
-        tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
-        tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
+    run_id = resumed["run_id"] if resumed else None
+    if resumed:
+        del tags["overrides"]  # the run keeps the overrides it started with; resume.overrides holds these
+    with (
+        StopRequests() as stop,
+        open_tracker(cfg.tracking, run_name=setup.run_name, tags=tags, run_id=run_id) as tracker,
+    ):
+        if resumed is None:
+            tracker.log_params(flatten(recorded))
+            tracker.log_dataset(setup.spec, context="train")
+            tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
+            tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
+        else:  # MLflow keeps a run's params fixed: the resumed part is described by tags
+            tracker.set_tags({"resumed_at_step": resumed["position"].step, "resume.overrides": " ".join(typed)})
+        saver = checkpointer(setup, tracker.run_id, recorded)
         sampler = open_sampler(
             cfg.monitor, device=setup.device, log_metrics=tracker.log_metrics, children=cfg.loader.num_workers > 0
         )
@@ -131,13 +150,34 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
         show_progress = progress_enabled(cfg.trainer.progress, quiet=quiet)
         epochs: list[EpochRecord] = []
         epoch_starts: list[float] = []
+        first = resumed["position"].epoch if resumed else 1
         try:
-            for epoch in range(1, cfg.trainer.epochs + 1):
+            for epoch in range(first, cfg.trainer.epochs + 1):
                 epoch_starts.append(sampler.now())  # for the timeline's epoch marks
-                record = run_epoch(
-                    setup, epoch, tracker=tracker, sampler=sampler, timer=timer, show_progress=show_progress
+                skip = resumed["position"].batch if resumed and epoch == first else 0
+                saver.epoch_started()
+                record, done = run_epoch(
+                    setup,
+                    epoch,
+                    tracker=tracker,
+                    sampler=sampler,
+                    timer=timer,
+                    show_progress=show_progress,
+                    saver=saver,
+                    stop=stop,
+                    skip=skip,
                 )
+                if record is None:  # stopped mid-epoch at a step boundary
+                    path = saver.write(checkpoint.Position(epoch, skip + done, setup.state.step))
+                    log.warning(
+                        "stopped at step %d; checkpoint %s; continue with resume=%s",
+                        setup.state.step,
+                        path,
+                        tracker.run_id or "latest",
+                    )
+                    raise Stopped(stop.signum or 0)
                 epochs.append(record)
+                saver.write(checkpoint.Position(epoch + 1, 0, setup.state.step))
                 if setup.state.step == cfg.trainer.max_steps:
                     log.info("trainer.max_steps=%d reached", cfg.trainer.max_steps)
                     break
@@ -158,24 +198,84 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
     return result
 
 
+def checkpointer(setup: Setup, run_id: str | None, recorded: dict[str, Any]) -> checkpoint.Checkpointer:
+    """Where this run's checkpoints go (``checkpoint.dir/<run id>/last.pt``) and what they hold."""
+    cfg, state = setup.cfg, setup.state
+    folder = Path(cfg.checkpoint.dir) / (run_id or f"{setup.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    def contents() -> dict[str, Any]:
+        return {
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "scaler": state.scaler.state_dict(),
+            "micro_batch": state.micro.micro_batch,
+            "run_id": run_id,
+            "run_name": setup.run_name,
+            "config": recorded,
+        }
+
+    return checkpoint.Checkpointer(
+        folder=folder,
+        every_n_steps=cfg.checkpoint.every_n_steps,
+        enabled=cfg.checkpoint.enabled,
+        order=setup.train_batches.generator,
+        contents=contents,
+    )
+
+
+def restore(setup: Setup, payload: dict[str, Any]) -> None:
+    """Put a checkpoint's states back: weights, optimizer, scaler, micro-batch, counters, RNG, data order."""
+    state = setup.state
+    state.model.load_state_dict(payload["model"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    state.scaler.load_state_dict(payload["scaler"])
+    state.micro.micro_batch = payload["micro_batch"]
+    state.step = payload["position"].step
+    checkpoint.set_rng_state(payload["rng"])
+    setup.train_batches.generator.set_state(payload["order"])
+    log.info(
+        "resuming run %s at epoch %d, batch %d (step %d)",
+        payload["run_id"] or payload["run_name"],
+        payload["position"].epoch,
+        payload["position"].batch,
+        state.step,
+    )
+
+
 def run_epoch(
-    setup: Setup, epoch: int, *, tracker: Tracker, sampler: Any, timer: Any, show_progress: bool
-) -> EpochRecord:
-    """Train one epoch, evaluate, log the epoch's metrics and write them."""
+    setup: Setup,
+    epoch: int,
+    *,
+    tracker: Tracker,
+    sampler: Any,
+    timer: Any,
+    show_progress: bool,
+    saver: checkpoint.Checkpointer,
+    stop: StopRequests,
+    skip: int = 0,
+) -> tuple[EpochRecord | None, int]:
+    """Train one epoch, evaluate, log the epoch's metrics and write them.
+
+    Returns the epoch's record (None when a stop request ended it early) and the batches trained.
+    """
     t, device = setup.cfg.trainer, setup.device
     since = sampler.now()  # the sampler's clock, for this epoch's utilisation summary
     started_at = time.time()
-    steps_left = len(setup.train_batches) if t.max_steps < 0 else t.max_steps - setup.state.step
-    bar = (
-        ProgressBar(total=min(len(setup.train_batches), steps_left), epoch=epoch, epochs=t.epochs)
-        if show_progress
-        else NoProgress()
-    )
+    batches_left = len(setup.train_batches) - skip
+    steps_left = batches_left if t.max_steps < 0 else min(batches_left, t.max_steps - setup.state.step)
+    bar = ProgressBar(total=steps_left, epoch=epoch, epochs=t.epochs) if show_progress else NoProgress()
+    done = 0
 
     def log_step(metrics: dict[str, float], step: int) -> None:
         tracker.log_metrics(metrics, step)
         if "train/loss" in metrics:
             bar.set_loss(metrics["train/loss"])
+
+    def on_step(samples: int) -> None:
+        nonlocal done
+        done += 1
+        bar.step(samples)
+        saver.step_done(checkpoint.Position(epoch, skip + done, setup.state.step))
 
     stats = train_epoch(
         setup.state,
@@ -187,9 +287,14 @@ def run_epoch(
         max_steps=t.max_steps,
         log=log_step,
         timer=timer,
-        on_step=bar.step,
+        on_step=on_step,
+        should_stop=stop.requested,
+        skip=skip,
     )
     bar.close()
+    if stats.stopped:
+        tracker.flush()
+        return None, done
     val = evaluate(
         setup.state.model,
         setup.val_batches,
@@ -208,7 +313,7 @@ def run_epoch(
             **stats.breakdown.metrics(),
             **sampler.summary(since=since).metrics(),
             **allocator_metrics(device),
-            **(launch_metrics(started_at, stats.breakdown) if epoch == 1 else {}),
+            **(launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}),
         },
         step=epoch,
     )
@@ -223,7 +328,7 @@ def run_epoch(
         record.seconds,
         record.samples_per_s,
     )
-    return record
+    return record, done
 
 
 def conclude(

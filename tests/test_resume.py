@@ -1,0 +1,174 @@
+"""Clean stops, atomic checkpoints and resume: nothing lost, same weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch import nn
+
+import pipeline.checkpoint as checkpoint
+import pipeline.train as train_module
+from pipeline.checkpoint import CheckpointError, Position
+from pipeline.config import RunConfig
+from pipeline.stopping import Stopped
+from pipeline.train import train
+from test_cli import run_main
+
+MakeCfg = Callable[..., RunConfig]
+BASE = ["trainer.epochs=2", "trainer.max_steps=-1", "loader.batch_size=64"]  # 23 steps an epoch on digits
+
+
+def weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.state_dict().values()])
+
+
+def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Send this process SIGTERM during the forward pass of training step ``step``."""
+    original = train_module.build_model
+    calls = {"n": 0}
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] == step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
+
+
+def test_sigterm_stops_at_a_step_boundary_and_resume_ends_with_the_same_weights(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path: Path
+) -> None:
+    uninterrupted = train(make_cfg(*BASE, "tracking.experiment=whole"), echo=False)
+
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 30)
+        with pytest.raises(Stopped) as stopped:
+            train(make_cfg(*BASE), echo=False)
+    assert stopped.value.exit_code == 143
+    client = MlflowClient(store_uri)
+    (killed,) = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
+    assert killed.info.status == "KILLED"
+    saved = checkpoint.load(tmp_path / "checkpoints" / killed.info.run_id / "last.pt")
+    assert saved["position"] == Position(epoch=2, batch=7, step=30) and saved["run_id"] == killed.info.run_id
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+
+    resumed = train(make_cfg(*BASE, "resume=latest"), echo=False)
+    assert resumed.run_id == killed.info.run_id and resumed.steps == 46
+    assert torch.equal(weights(resumed.model), weights(uninterrupted.model))
+    run = client.get_run(resumed.run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(resumed.run_id, "train/loss")] == [10, 20, 30, 40]
+    assert [m.step for m in client.get_metric_history(resumed.run_id, "val/acc")] == [1, 2]
+
+
+def test_resume_by_run_id_and_by_path(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    first = train(make_cfg("trainer.epochs=1", "trainer.max_steps=-1"), echo=False)
+    path = tmp_path / "checkpoints" / first.run_id / "last.pt"
+    assert checkpoint.find(first.run_id, folder=tmp_path / "checkpoints") == path
+    assert checkpoint.find(str(path), folder=tmp_path / "elsewhere") == path
+    more = train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", f"resume={first.run_id}"), echo=False)
+    assert more.run_id == first.run_id and more.steps == 2 * 45 and [e.epoch for e in more.epochs] == [2]
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main(monkeypatch, "device=cpu", "resume=latest") == 2
+    assert "error: resume=latest: no checkpoint under checkpoints/*/last.pt" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="resume=abc: neither a checkpoint file nor a run id"):
+        checkpoint.find("abc", folder=Path("checkpoints"))
+
+
+def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_one_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run" / "last.pt"
+    checkpoint.save(path, {"version": 1, "weights": torch.arange(4)})
+
+    def broken_save(obj, f) -> None:
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", broken_save)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(path, {"version": 2})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]  # no temporary file left behind
+    monkeypatch.undo()
+    assert checkpoint.load(path)["version"] == 1
+
+
+def test_ctrl_c_in_the_cli_exits_130_with_the_run_killed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    original = train_module.build_model
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+        model.register_forward_pre_hook(lambda m, i: os.kill(os.getpid(), signal.SIGINT) if m.training else None)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
+    assert run_main(monkeypatch, "device=cpu") == 130
+    assert "stopped by SIGINT at a step boundary; resume with resume=latest" in capsys.readouterr().err
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    assert run.info.status == "KILLED"
+    assert (tmp_path / "checkpoints" / run.info.run_id / "last.pt").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_real_training_process(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "device=cpu",
+        "trainer.epochs=200",
+        "loader.batch_size=16",
+        "monitor.plots=false",
+    ]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "checkpoints").glob("*/last.pt")):  # the first epoch is done: mid-training now
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs(experiment_ids=["1"])
+    assert run.info.status == "KILLED"
+    saved = checkpoint.load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
+    resumed = subprocess.run(
+        [
+            *args[:-3],
+            "trainer.epochs=" + str(saved["position"].epoch),
+            "loader.batch_size=16",
+            "monitor.plots=false",
+            "resume=latest",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == steps[0] + 10 * (len(steps) - 1)  # continuous, no repeats
