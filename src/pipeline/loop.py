@@ -8,6 +8,7 @@ the end of the epoch.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.errors import PipelineError
 from pipeline.memory import MicroBatcher
 from pipeline.precision import PrecisionPolicy
 from pipeline.timing import Breakdown, CudaEventTimer, WallTimer
@@ -45,6 +47,7 @@ class EpochStats:
     reached_max_steps: bool
     breakdown: Breakdown
     stopped: bool = False  # a stop was requested (SIGTERM, Ctrl-C): the epoch ended at a step boundary
+    skipped_steps: int = 0  # float16 steps the GradScaler skipped (inf/NaN gradients), a normal event
 
     @property
     def samples_per_s(self) -> float:
@@ -83,9 +86,9 @@ def train_epoch(
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
-    epoch_loss = torch.zeros((), device=device)
-    window_loss = torch.zeros((), device=device)  # sum of loss x samples since the last logging point
-    window_samples, samples, steps = 0, 0, 0
+    window = LossWindow(log_every, device, skipped_steps_expected=scaler.is_enabled())
+    samples, steps, skipped = 0, 0, 0
+    scale = scaler.get_scale() if scaler.is_enabled() else 0.0
     start = time.perf_counter()
     timer.start()
     stopped = False
@@ -107,36 +110,81 @@ def train_epoch(
             event = state.micro.recover(
                 step=state.step + 1, message=message, optimizer=optimizer, scaler=scaler, device=device
             )
-            log(
-                {
-                    "oom/events": len(state.micro.events),
-                    "oom/micro_batch_size": state.micro.micro_batch,
-                    "oom/memory_mb": event.memory_mb,
-                },
-                state.step + 1,
-            )
+            oom = {"oom/events": len(state.micro.events), "oom/micro_batch_size": state.micro.micro_batch}
+            log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
         scaler.step(optimizer)
         scaler.update()
+        if scaler.is_enabled():  # float16: the scaler already synced this step; a lower scale = a skipped step
+            skipped, scale = skipped + (scaler.get_scale() < scale), scaler.get_scale()
 
-        window_loss.add_(loss, alpha=n)  # one small device op per step, no sync
-        samples, steps, window_samples = samples + n, steps + 1, window_samples + n
         state.step += 1
+        window.add(loss, n, state.step)  # one small device copy per step, no sync
+        samples, steps = samples + n, steps + 1
         timer.done(n)
         on_step(n)
         if state.step % log_every == 0:
-            log({"train/loss": (window_loss / window_samples).item()}, state.step)  # host sync point
-            epoch_loss += window_loss
-            window_loss.zero_()
-            window_samples = 0
+            log({"train/loss": window.close()}, state.step)  # host sync point; raises on NaN/inf
         if state.step == max_steps:
             break
         if should_stop():
             stopped = True
             break
+    window.close()  # the epoch's last, unlogged steps are checked and counted too
     breakdown = timer.finish()  # waits for the device (CUDA: the epoch's one event sync)
-    mean_loss = ((epoch_loss + window_loss) / max(samples, 1)).item()
+    mean_loss = window.epoch_mean()
     seconds = time.perf_counter() - start
-    return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown, stopped)
+    return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown, stopped, skipped)
+
+
+class NonFiniteLoss(PipelineError):
+    """The training loss became NaN or infinite."""
+
+    def __init__(self, step: int, value: float) -> None:
+        self.step, self.value = step, value
+        super().__init__(
+            f"training loss became {value} at step {step}: lower trainer.lr, with amp=true try precision=bf16 "
+            f"(float16 overflows easily), and check the data for NaN or infinite values"
+        )
+
+
+class LossWindow:
+    """The per-step losses since the last logging point, kept on the device until ``close()``.
+
+    ``close()`` is the host sync: it returns the window's sample-weighted mean and raises
+    ``NonFiniteLoss`` naming the first bad step, except under float16's GradScaler, whose skipped
+    steps (inf/NaN) are normal: those are left out of the mean.
+    """
+
+    def __init__(self, size: int, device: torch.device, *, skipped_steps_expected: bool) -> None:
+        self.losses = torch.zeros(size, device=device)
+        self.sizes: list[int] = []
+        self.first_step = 0
+        self.tolerate = skipped_steps_expected
+        self.total = 0.0
+        self.samples = 0
+
+    def add(self, loss: torch.Tensor, samples: int, step: int) -> None:
+        if not self.sizes:
+            self.first_step = step
+        self.losses[len(self.sizes)] = loss
+        self.sizes.append(samples)
+
+    def close(self) -> float:
+        if not self.sizes:
+            return float("nan")
+        values = self.losses[: len(self.sizes)].tolist()  # host sync point
+        total = samples = 0.0
+        for offset, (value, n) in enumerate(zip(values, self.sizes, strict=True)):
+            if math.isfinite(value):
+                total, samples = total + value * n, samples + n
+            elif not self.tolerate:
+                raise NonFiniteLoss(self.first_step + offset, value)
+        self.sizes.clear()
+        self.total, self.samples = self.total + total, self.samples + int(samples)
+        return total / samples if samples else float("nan")
+
+    def epoch_mean(self) -> float:
+        return self.total / self.samples if self.samples else float("nan")
 
 
 def forward_backward(

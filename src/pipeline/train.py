@@ -313,6 +313,7 @@ def run_epoch(
             **stats.breakdown.metrics(),
             **sampler.summary(since=since).metrics(),
             **allocator_metrics(device),
+            **({"amp/skipped_steps": stats.skipped_steps} if setup.state.scaler.is_enabled() else {}),
             **(launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}),
         },
         step=epoch,
