@@ -206,3 +206,25 @@ def test_micro_batch_config_is_validated(make_cfg: MakeCfg) -> None:
 def test_micro_batcher_chunks_cover_the_batch_exactly() -> None:
     micro = MicroBatcher(batch_size=10, micro_batch=4)
     assert micro.chunks(10) == [(0, 4), (4, 8), (8, 10)] and micro.chunks(3) == [(0, 3)]
+
+
+def test_out_of_memory_at_the_minimum_later_on_keeps_the_last_checkpoint_loadable(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path
+) -> None:
+    from pipeline.checkpoint import load
+
+    calls = {"n": 0}
+
+    def from_the_second_epoch(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] > 45:  # 45 steps per epoch at batch 32 on digits
+                raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with_hook(monkeypatch, from_the_second_epoch)
+    with pytest.raises(OutOfMemoryAtMinimum):
+        train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", "oom.min_micro_batch=8"), echo=False)
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED"
+    saved = load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
+    assert saved["position"].epoch == 2 and saved["position"].step == 45 and saved["micro_batch"] == 32

@@ -78,6 +78,7 @@ class LoaderConfig:
     prefetch_factor: int | None
     drop_last: bool
     resident: bool
+    timeout: float = 0.0
 
     def check(self) -> None:
         if self.batch_size < 1:
@@ -86,7 +87,11 @@ class LoaderConfig:
             raise ConfigError("loader.num_workers", self.num_workers, "an integer >= 0 (0 = main process)")
         if self.prefetch_factor is not None and self.prefetch_factor < 1:
             raise ConfigError("loader.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
+        if self.timeout < 0:
+            raise ConfigError("loader.timeout", self.timeout, "seconds >= 0 (0 = wait forever)")
         if self.num_workers == 0:
+            if self.timeout:
+                raise ConfigError("loader.timeout", self.timeout, "0 with loader.num_workers=0 (no worker to wait for)")
             if self.persistent_workers:
                 raise ConfigError("loader.persistent_workers", True, "false with loader.num_workers=0")
             if self.prefetch_factor is not None:

@@ -99,6 +99,7 @@ def make_loader(dataset: Dataset, cfg: LoaderConfig, *, device: torch.device, tr
         persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor,
         drop_last=train and cfg.drop_last,
+        timeout=cfg.timeout,
         generator=torch.Generator().manual_seed(seed),
     )
 

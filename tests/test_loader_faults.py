@@ -1,0 +1,94 @@
+"""Data loader faults: a worker killed by a signal, or a batch that never arrives, ends the run FAILED."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch.utils.data import Dataset
+
+import pipeline.train as train_module
+from pipeline.checkpoint import load
+from pipeline.config import ConfigError, RunConfig
+from pipeline.data import DataBundle, DataSpec
+from pipeline.train import train
+
+MakeCfg = Callable[..., RunConfig]
+
+
+class Faulty(Dataset):
+    """Digits-shaped samples; from sample ``fault_at`` on, a worker process kills itself or hangs."""
+
+    def __init__(self, n: int, fault: str, fault_at: int) -> None:
+        self.n, self.fault, self.fault_at = n, fault, fault_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if in_worker and self.fault and i >= self.fault_at:
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # "hang"
+        return torch.full((1, 28, 28), i % 255, dtype=torch.uint8), i % 10
+
+
+def faulty_data(monkeypatch: pytest.MonkeyPatch, fault: str, epochs_before: int = 1) -> None:
+    """The first ``epochs_before`` epochs (of 64 samples) load fine; the next one faults."""
+    spec = DataSpec("faulty", (1, 28, 28), 10, 64, 16, (0.5,), (0.25,), "test", "00000000")
+    train_set = Faulty(64, "", 0)
+    calls = {"n": 0}
+    original_iter = torch.utils.data.DataLoader.__iter__
+
+    def iter_with_fault(self):
+        if self.dataset is train_set:
+            calls["n"] += 1
+            if calls["n"] > epochs_before:
+                train_set.fault, train_set.fault_at = fault, 16
+        return original_iter(self)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", iter_with_fault)
+    monkeypatch.setattr(train_module, "load_data", lambda cfg: DataBundle(spec, train_set, Faulty(16, "", 0)))
+
+
+def test_timeout_needs_workers() -> None:
+    from pipeline.config import load as load_cfg
+
+    with pytest.raises(ConfigError, match=r"loader.timeout=5.0 .* 0 with loader.num_workers=0"):
+        load_cfg(["loader.timeout=5"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "extra", "message"),
+    [
+        ("kill", [], r"DataLoader worker \(pid.*(killed by signal|exited unexpectedly)"),
+        ("hang", ["loader.timeout=3"], r"DataLoader timed out after 3(\.0)? seconds"),
+    ],
+)
+def test_a_worker_fault_fails_the_run_and_keeps_the_last_checkpoint(
+    make_cfg: MakeCfg,
+    monkeypatch: pytest.MonkeyPatch,
+    store_uri: str,
+    tmp_path: Path,
+    fault: str,
+    extra: list[str],
+    message: str,
+) -> None:
+    faulty_data(monkeypatch, fault)
+    cfg = make_cfg("trainer.epochs=3", "trainer.max_steps=-1", "loader.batch_size=16", "loader.num_workers=2", *extra)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=message):
+        train(cfg, echo=False)
+    assert time.monotonic() - started < 50
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED" and "DataLoader" in run.data.tags["error"]
+    saved = load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")  # epoch 1's checkpoint, whole
+    assert saved["position"].epoch == 2 and saved["position"].batch == 0
