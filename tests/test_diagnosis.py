@@ -125,9 +125,18 @@ def test_input_hint_on_a_gpu_names_workers_and_pinned_memory(make_cfg: MakeCfg) 
     )
 
 
-def test_input_hint_with_workers_doubles_them_and_resident_suggests_a_bigger_batch(make_cfg: MakeCfg) -> None:
+@pytest.mark.parametrize(
+    ("loader", "hint"),
+    [
+        ("workers", "try loader.num_workers=8, or loader.resident=true"),
+        ("resident", "already resident; try a larger batch (loader.batch_size=64)"),
+    ],
+)
+def test_input_hint_with_workers_doubles_them_and_resident_suggests_a_bigger_batch(
+    make_cfg: MakeCfg, loader: str, hint: str
+) -> None:
     verdict = judge(
-        make_cfg("loader=workers"),
+        make_cfg(f"loader={loader}"),
         device_type="cuda",
         data_wait_pct=40,
         h2d_pct=0,
@@ -135,17 +144,7 @@ def test_input_hint_with_workers_doubles_them_and_resident_suggests_a_bigger_bat
         precision="fp32",
         cpus=16,
     )
-    assert "try loader.num_workers=8, or loader.resident=true" in verdict.message
-    verdict = judge(
-        make_cfg("loader=resident"),
-        device_type="cuda",
-        data_wait_pct=40,
-        h2d_pct=0,
-        gpu_util_pct=30,
-        precision="fp32",
-        cpus=16,
-    )
-    assert "already resident; try a larger batch (loader.batch_size=64)" in verdict.message
+    assert hint in verdict.message
 
 
 def test_compute_hints_follow_device_and_precision(make_cfg: MakeCfg) -> None:

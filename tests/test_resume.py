@@ -21,7 +21,7 @@ from pipeline.checkpoint import CheckpointError, Position
 from pipeline.config import RunConfig
 from pipeline.stopping import Stopped
 from pipeline.train import train
-from test_cli import run_main
+from test_cli import cli, run_main
 
 MakeCfg = Callable[..., RunConfig]
 BASE = ["trainer.epochs=2", "trainer.max_steps=-1", "loader.batch_size=64"]  # 23 steps an epoch on digits
@@ -154,19 +154,14 @@ def test_sigterm_to_a_real_training_process(tmp_path: Path) -> None:
     (run,) = client.search_runs(experiment_ids=["1"])
     assert run.info.status == "KILLED"
     saved = checkpoint.load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
-    resumed = subprocess.run(
-        [
-            *args[:-3],
-            "trainer.epochs=" + str(saved["position"].epoch),
-            "loader.batch_size=16",
-            "monitor.plots=false",
-            "resume=latest",
-        ],
+    epochs = saved["position"].epoch  # finish the epoch that was interrupted
+    resumed = cli(
+        "device=cpu",
+        f"trainer.epochs={epochs}",
+        "loader.batch_size=16",
+        "monitor.plots=false",
+        "resume=latest",
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert client.get_run(run.info.run_id).info.status == "FINISHED"

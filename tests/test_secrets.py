@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from mlflow import MlflowClient
 
 from pipeline.config import compose
 from pipeline.secrets import MASK, env_keys, mask_overrides, mask_text, mask_tree
-from test_cli import run_main
+from test_cli import cli, run_main
 
 SECRET = "hunter2-7Q9zX"
 
@@ -134,22 +133,12 @@ def test_credentials_in_a_server_uri_appear_nowhere_in_the_store(tmp_path: Path)
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise
                 time.sleep(0.5)
-        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "device=cpu",
-                "trainer.max_steps=2",
-                "trainer.epochs=1",
-                f"tracking.uri=http://alice:{SECRET}@127.0.0.1:{port}",
-            ],
+        proc = cli(
+            "device=cpu",
+            "trainer.max_steps=2",
+            "trainer.epochs=1",
+            f"tracking.uri=http://alice:{SECRET}@127.0.0.1:{port}",
             cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert SECRET not in proc.stdout and "alice:***@" in proc.stdout

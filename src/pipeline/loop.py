@@ -115,7 +115,8 @@ def train_epoch(
         scaler.step(optimizer)
         scaler.update()
         if scaler.is_enabled():  # float16: the scaler already synced this step; a lower scale = a skipped step
-            skipped, scale = skipped + (scaler.get_scale() < scale), scaler.get_scale()
+            new_scale = scaler.get_scale()
+            skipped, scale = skipped + (new_scale < scale), new_scale
 
         state.step += 1
         window.add(loss, n, state.step)  # one small device copy per step, no sync
