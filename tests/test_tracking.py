@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -167,3 +168,15 @@ def test_git_tags_record_the_commit_and_whether_the_tree_was_dirty(tmp_path: Pat
 
 def test_git_tags_are_absent_outside_a_repository(tmp_path: Path) -> None:
     assert git_tags(str(tmp_path)) == {}
+
+
+def test_the_doctors_report_is_attached_as_environment_json(
+    recorded: tuple[MlflowClient, str, RunConfig], tmp_path: Path
+) -> None:
+    client, run_id, _ = recorded
+    report = json.loads(Path(client.download_artifacts(run_id, "environment.json", str(tmp_path))).read_text())
+    assert {c["name"] for c in report["checks"]} >= {"NVIDIA GPU", "torch build", "data loading"}
+    assert report["facts"]["torch_version"].startswith("2.")
+    tags = client.get_run(run_id).data.tags
+    assert tags["driver.version"] == (report["facts"]["driver_version"] or "none")
+    assert tags["driver.cuda"] == (report["facts"]["driver_cuda"] or "none")

@@ -84,7 +84,13 @@ def resolve_device(cfg: DeviceConfig) -> DeviceChoice:
     if cfg.name == "cuda":
         gpus = cuda_devices()
         if not gpus:
-            raise DeviceError(f"device=cuda requested, but CUDA is not usable: {_cuda_findings()}")
+            from pipeline.doctor import main_finding  # the doctor's diagnosis, not just the symptom
+
+            finding = main_finding()
+            raise DeviceError(
+                f"device=cuda requested, but CUDA is not usable: {_cuda_findings()}"
+                + (f". The doctor finds {finding}" if finding else ". Run python -m pipeline.doctor for the checks")
+            )
         index = cfg.index or 0
         if index >= len(gpus):
             raise DeviceError(

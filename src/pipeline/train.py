@@ -6,6 +6,7 @@ so a missing GPU or dataset fails fast and leaves no half-made run behind.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from pipeline import checkpoint
+from pipeline import checkpoint, doctor
 from pipeline.config import RunConfig, flatten
 from pipeline.data import DataSpec, Normalize, load_data, make_loader
 from pipeline.devices import DeviceChoice, resolve_device
@@ -140,6 +141,9 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
             tracker.log_dataset(setup.spec, context="train")
             tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
             tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
+            environment = doctor.report(smoke=False)  # the doctor's findings, kept with the run
+            tracker.log_text(json.dumps(environment, indent=2), "environment.json")
+            tracker.set_tags(environment_tags(environment, setup.device))
         else:  # MLflow keeps a run's params fixed: the resumed part is described by tags
             tracker.set_tags({"resumed_at_step": resumed["position"].step, "resume.overrides": " ".join(typed)})
         saver = checkpointer(setup, tracker.run_id, recorded)
@@ -196,6 +200,17 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
     if echo:
         print(summary, flush=True)
     return result
+
+
+def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[str, str]:
+    """The key facts of environment.json as tags: driver, its CUDA, cuDNN, the device's compute capability."""
+    facts = environment["facts"]
+    tags = {"driver.version": facts["driver_version"] or "none", "driver.cuda": facts["driver_cuda"] or "none"}
+    if device.type == "cuda":
+        gpu = next(g for g in facts["torch_gpus"] if g["index"] == (device.index or 0))
+        tags["device.capability"] = "sm_{}{}".format(*gpu["capability"])
+        tags["torch.cudnn"] = str(facts["cudnn"])
+    return tags
 
 
 def checkpointer(setup: Setup, run_id: str | None, recorded: dict[str, Any]) -> checkpoint.Checkpointer:

@@ -1,0 +1,210 @@
+"""The doctor: each failure mode of the guides, in a fake environment; the report attached to runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.config import DeviceConfig
+from pipeline.devices import DeviceError, resolve_device
+from pipeline.doctor import Facts, NvidiaGpu, checks, gather, kernel_for, main, render, wheel_for
+
+T4 = NvidiaGpu(0, "Tesla T4", "GPU-aaaa", 15360)
+
+
+def by_name(facts: Facts) -> dict[str, object]:
+    return {c.name: c for c in checks(facts, smoke=False)}
+
+
+class FakeNvml:
+    """nvidia-ml-py with one GPU and a driver for CUDA ``cuda`` (e.g. 12040)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, cuda: int = 12040) -> None:
+        self.cuda = cuda
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "550.54"
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self.cuda
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        return "h0"
+
+    def nvmlDeviceGetName(self, h: str) -> bytes:
+        return b"Tesla T4"
+
+    def nvmlDeviceGetUUID(self, h: str) -> str:
+        return "GPU-aaaa"
+
+    def nvmlDeviceGetMemoryInfo(self, h: str):
+        return SimpleNamespace(total=15360 * 2**20)
+
+
+def test_no_gpu_at_all_passes_with_an_informative_note(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "INFO  NVIDIA GPU" in out and "no NVIDIA GPU found" in out and "training runs on the CPU" in out
+    assert "PASS  compute on CPU" in out and out.rstrip().endswith("no check failed")
+
+
+def test_json_output_parses_and_matches_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert main([]) == 0
+    table = capsys.readouterr().out
+    for check in document["checks"]:
+        assert f"{check['status']:<4}  {check['name']}" in table
+    assert document["facts"]["torch_version"] == torch.__version__
+
+
+def test_cpu_only_torch_with_a_gpu_present_fails_with_the_matching_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(cuda=12040))
+    facts = gather()
+    assert facts.driver_cuda == "12.4" and facts.nvidia_gpus == [T4]
+    check = by_name(facts)["torch build"]
+    assert check.status == "FAIL" and "CPU-only build, but an NVIDIA GPU is present" in check.evidence
+    assert check.fix.endswith("--index-url https://download.pytorch.org/whl/cu124")
+    assert main([]) == 1
+
+
+def test_device_cuda_on_that_machine_fails_with_the_doctors_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    with pytest.raises(DeviceError, match=r"The doctor finds torch build: .*CPU-only build.*whl/cu124"):
+        resolve_device(DeviceConfig("cuda", 0))
+
+
+def test_a_driver_older_than_the_runtime_fails_with_both_remedies() -> None:
+    facts = Facts(
+        torch_cuda="13.0", driver_cuda="12.4", driver_version="550.54", nvidia_gpus=[T4], arch_list=["sm_75", "sm_80"]
+    )
+    check = by_name(facts)["driver vs runtime"]
+    assert check.status == "FAIL" and "supports CUDA up to 12.4, torch needs 13.0" in check.evidence
+    assert "update the NVIDIA driver" in check.fix and "whl/cu124" in check.fix
+
+
+def test_a_compute_capability_missing_from_the_arch_list_predicts_no_kernel_image() -> None:
+    gpu = {"index": 0, "name": "Tesla K80", "capability": [3, 7], "memory_mb": 11441, "uuid": "aaaa"}
+    facts = Facts(
+        torch_cuda="12.4",
+        driver_cuda="12.4",
+        nvidia_gpus=[T4],
+        torch_gpus=[gpu],
+        arch_list=["sm_50", "sm_60", "sm_70", "sm_80", "sm_90"],
+    )
+    check = by_name(facts)["kernels for the GPU"]
+    assert check.status == "FAIL" and "no kernel image is available for execution on the device" in check.evidence
+    assert "sm_37" in check.evidence
+
+
+def test_ptx_of_the_same_major_version_counts_as_a_kernel() -> None:
+    assert kernel_for((8, 6), ["sm_80", "sm_90"]) is False
+    assert kernel_for((8, 6), ["sm_80", "compute_80"]) is True
+    assert kernel_for((9, 0), ["sm_80", "compute_80"]) is False
+    assert kernel_for((7, 5), ["sm_75"]) is True
+
+
+def test_reordered_visible_devices_warn_with_the_mapping() -> None:
+    torch_gpus = [
+        {"index": 0, "name": "B", "capability": [8, 6], "memory_mb": 1, "uuid": "bbbb"},
+        {"index": 1, "name": "A", "capability": [8, 6], "memory_mb": 1, "uuid": "aaaa"},
+    ]
+    nvidia = [NvidiaGpu(0, "A", "GPU-aaaa", 1), NvidiaGpu(1, "B", "GPU-bbbb", 1)]
+    facts = Facts(
+        torch_cuda="12.4",
+        driver_cuda="12.4",
+        nvidia_gpus=nvidia,
+        torch_gpus=torch_gpus,
+        arch_list=["sm_86"],
+        env={"CUDA_VISIBLE_DEVICES": "1,0"},
+    )
+    check = by_name(facts)["GPU numbering"]
+    assert check.status == "WARN"
+    assert check.evidence == "torch 0 = nvidia-smi 1; torch 1 = nvidia-smi 0 (CUDA_VISIBLE_DEVICES=1,0)"
+
+
+def test_hybrid_graphics_say_the_integrated_gpu_is_not_a_cuda_device() -> None:
+    facts = Facts(adapters=["card0: Intel", "card1: NVIDIA"], nvidia_gpus=[T4], torch_cuda="12.4", driver_cuda="12.4")
+    check = by_name(facts)["graphics adapters"]
+    assert "card0: Intel; card1: NVIDIA" in check.evidence and "not CUDA devices" in check.evidence
+    assert "device=auto picks" in check.evidence
+
+
+def test_monitoring_reports_why_gputil_cannot_work() -> None:
+    facts = Facts(
+        nvidia_gpus=[T4],
+        torch_cuda="12.4",
+        driver_cuda="12.4",
+        nvidia_smi="/usr/bin/nvidia-smi",
+        gputil_error="ModuleNotFoundError: No module named 'distutils'",
+    )
+    found = by_name(facts)
+    assert found["GPU monitoring (NVML)"].status == "PASS"
+    gputil = found["GPU monitoring (GPUtil)"]
+    assert gputil.status == "WARN" and "distutils" in gputil.evidence and "setuptools" in gputil.fix
+
+
+def test_a_small_shared_memory_warns_about_loader_workers() -> None:
+    check = by_name(Facts(shm_mb=64, cpus=8))["data loading"]
+    assert check.status == "WARN" and "/dev/shm 64 MiB" in check.evidence and "--shm-size" in check.fix
+
+
+def test_nvidia_smi_is_read_when_nvml_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = tmp_path / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--query-gpu=index,name,uuid,memory.total" ]; then\n'
+        '  echo "0, Tesla T4, GPU-aaaa, 15360"; exit 0\n'
+        "fi\n"
+        'echo "| NVIDIA-SMI 550.54    Driver Version: 550.54    CUDA Version: 12.4 |"\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    facts = gather()
+    assert (facts.driver_version, facts.driver_cuda, facts.nvidia_gpus) == ("550.54", "12.4", [T4])
+
+
+def test_a_broken_driver_in_nvidia_smi_is_evidence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = tmp_path / "nvidia-smi"
+    script.write_text(
+        '#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    facts = gather()
+    assert "couldn't communicate with the NVIDIA driver" in (facts.nvml_error or "")
+    assert "couldn't communicate" in by_name(facts)["NVIDIA GPU"].evidence
+
+
+def test_wheel_choice_follows_the_drivers_cuda() -> None:
+    assert wheel_for("12.2").endswith("cu121") and wheel_for("13.1").endswith("cu130")
+    assert wheel_for(None).endswith("cu118")
+
+
+def test_render_lists_fixes_under_their_checks() -> None:
+    text = render(checks(Facts(torch_cuda=None, nvidia_gpus=[T4], driver_cuda="12.4"), smoke=False))
+    assert "FAIL  torch build" in text and "fix: pip install --force-reinstall torch" in text
+    assert text.rstrip().endswith("1 check(s) failed")
