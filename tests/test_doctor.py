@@ -95,27 +95,33 @@ def test_device_cuda_on_that_machine_fails_with_the_doctors_finding(monkeypatch:
         resolve_device(DeviceConfig("cuda", 0))
 
 
-def test_a_driver_older_than_the_runtime_fails_with_both_remedies() -> None:
-    facts = Facts(
-        torch_cuda="13.0", driver_cuda="12.4", driver_version="550.54", nvidia_gpus=[T4], arch_list=["sm_75", "sm_80"]
-    )
-    check = by_name(facts)["driver vs runtime"]
+def test_a_driver_older_than_the_runtime_fails_with_both_remedies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(cuda=12040))
+    check = by_name(gather())["driver vs runtime"]
     assert check.status == "FAIL" and "supports CUDA up to 12.4, torch needs 13.0" in check.evidence
     assert "update the NVIDIA driver" in check.fix and "whl/cu124" in check.fix
 
 
-def test_a_compute_capability_missing_from_the_arch_list_predicts_no_kernel_image() -> None:
-    gpu = {"index": 0, "name": "Tesla K80", "capability": [3, 7], "memory_mb": 11441, "uuid": "aaaa"}
-    facts = Facts(
-        torch_cuda="12.4",
-        driver_cuda="12.4",
-        nvidia_gpus=[T4],
-        torch_gpus=[gpu],
-        arch_list=["sm_50", "sm_60", "sm_70", "sm_80", "sm_90"],
+def test_a_compute_capability_missing_from_the_arch_list_predicts_no_kernel_image(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(cuda=12040))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_50", "sm_60", "sm_70", "sm_80", "sm_90"])
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: SimpleNamespace(name="Tesla K80", major=3, minor=7, total_memory=11441 * 2**20, uuid="aaaa"),
     )
-    check = by_name(facts)["kernels for the GPU"]
+    found = by_name(gather())
+    check = found["kernels for the GPU"]
     assert check.status == "FAIL" and "no kernel image is available for execution on the device" in check.evidence
-    assert "sm_37" in check.evidence
+    assert "sm_37" in check.evidence and "Tesla K80" in check.evidence
+    if torch.backends.cudnn.is_available():  # this torch's cuDNN refuses such old GPUs: said, not raised
+        assert found["cuDNN"].status == "FAIL" and "not compatible" in found["cuDNN"].evidence
 
 
 def test_ptx_of_the_same_major_version_counts_as_a_kernel() -> None:

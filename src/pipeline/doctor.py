@@ -55,6 +55,7 @@ class Facts:
     torch_gpus: list[dict[str, Any]] = field(default_factory=list)  # index, name, capability, memory_mb, uuid
     arch_list: list[str] = field(default_factory=list)
     cudnn: int | None = None
+    cudnn_error: str | None = None
     bf16: bool | None = None
     nvml_error: str | None = None
     driver_version: str | None = None
@@ -87,7 +88,10 @@ def gather() -> Facts:
                     "uuid": str(getattr(p, "uuid", "")),
                 }
             )
-        facts.cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        try:
+            facts.cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        except RuntimeError as err:  # e.g. "cuDNN version 92400 is not compatible with devices with SM < 7.5"
+            facts.cudnn_error = " ".join(str(err).split())
         with contextlib.suppress(Exception):  # the GPU may be unusable: the compute check says so
             facts.bf16 = torch.cuda.is_bf16_supported()
     _nvml(facts)
@@ -304,6 +308,15 @@ def _device_checks(facts: Facts, *, smoke: bool) -> list[Check]:
             )
             continue
         out.append(_smoke(gpu["index"], label) if smoke else Check("kernels for the GPU", "PASS", label))
+    if facts.cudnn_error:
+        out.append(
+            Check(
+                "cuDNN",
+                "FAIL",
+                facts.cudnn_error,
+                "install a torch build whose cuDNN supports this GPU (older GPUs need an older torch)",
+            )
+        )
     if facts.torch_gpus:
         bf16 = {True: "supported", False: "not supported (amp uses float16 + GradScaler)", None: "unknown"}[facts.bf16]
         out.append(
