@@ -116,12 +116,15 @@ def test_a_compute_capability_missing_from_the_arch_list_predicts_no_kernel_imag
         "get_device_properties",
         lambda i: SimpleNamespace(name="Tesla K80", major=3, minor=7, total_memory=11441 * 2**20, uuid="aaaa"),
     )
-    found = by_name(gather())
-    check = found["kernels for the GPU"]
+    check = by_name(gather())["kernels for the GPU"]  # gathering does not raise, whatever cuDNN thinks of it
     assert check.status == "FAIL" and "no kernel image is available for execution on the device" in check.evidence
     assert "sm_37" in check.evidence and "Tesla K80" in check.evidence
-    if torch.backends.cudnn.is_available():  # this torch's cuDNN refuses such old GPUs: said, not raised
-        assert found["cuDNN"].status == "FAIL" and "not compatible" in found["cuDNN"].evidence
+
+
+def test_a_cudnn_that_refuses_the_gpu_is_a_failed_check() -> None:
+    error = "cuDNN version 92400 is not compatible with devices with SM < 7.5."
+    check = by_name(Facts(torch_cuda="12.4", cudnn_error=error))["cuDNN"]
+    assert check.status == "FAIL" and check.evidence == error and "older torch" in check.fix
 
 
 def test_ptx_of_the_same_major_version_counts_as_a_kernel() -> None:
