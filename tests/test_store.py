@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.store import TrackingUnavailable, check_reachable, redact, retrying, sqlite_path, store_lock
+from pipeline.secrets import mask_text
+from pipeline.store import TrackingUnavailable, check_reachable, retrying, sqlite_path, store_lock
 from test_cli import run_main
 
 
@@ -72,8 +73,8 @@ def test_the_cli_refuses_an_unreachable_tracking_uri_before_loading_anything(
 
 
 def test_credentials_in_uris_are_redacted() -> None:
-    assert redact("https://alice:s3cr3t@mlflow.example.org") == "https://alice:***@mlflow.example.org"
-    assert redact("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
+    assert mask_text("https://alice:s3cr3t@mlflow.example.org") == "https://alice:***@mlflow.example.org"
+    assert mask_text("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
 
 
 def test_the_store_lock_sits_beside_the_database(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pipeline.monitor.gpu import normalize_uuid
+
 PCI_VENDORS = {"0x10de": "NVIDIA", "0x1002": "AMD", "0x8086": "Intel"}
 # CUDA versions of PyTorch's wheel indexes (download.pytorch.org/whl/cuXYZ), newest last
 WHEEL_CUDA = ["11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0"]
@@ -360,10 +362,10 @@ def _smoke(index: int | None, label: str) -> Check:
 def _order_checks(facts: Facts) -> list[Check]:
     if not facts.torch_gpus or not facts.nvidia_gpus:
         return []
-    by_uuid = {g.uuid.lower().removeprefix("gpu-"): g for g in facts.nvidia_gpus}
+    by_uuid = {normalize_uuid(g.uuid): g for g in facts.nvidia_gpus}
     pairs, differ = [], False
     for gpu in facts.torch_gpus:
-        nv = by_uuid.get(gpu["uuid"].lower().removeprefix("gpu-"))
+        nv = by_uuid.get(normalize_uuid(gpu["uuid"]))
         pairs.append(f"torch {gpu['index']} = nvidia-smi {nv.index if nv else '?'}")
         differ |= nv is None or nv.index != gpu["index"]
     env = ", ".join(f"{k}={v}" for k, v in facts.env.items()) or "CUDA_VISIBLE_DEVICES unset"

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 from pipeline.errors import PipelineError
+from pipeline.secrets import mask_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,7 +130,7 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
         except (urllib.error.URLError, OSError) as err:
             problem = str(getattr(err, "reason", err))
         raise TrackingUnavailable(
-            f"tracking.uri={redact(uri)} cannot be reached ({problem}): start the server "
+            f"tracking.uri={mask_text(uri)} cannot be reached ({problem}): start the server "
             f"(mlflow server --port {parsed.port or 5000}), fix the URI, or record locally with "
             f"tracking.uri=sqlite:///mlflow.db"
         )
@@ -140,11 +141,3 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
             f"tracking.uri={uri}: the folder {folder} does not exist (SQLite creates the database file, not its "
             f"folder); create it or choose another path"
         )
-
-
-def redact(uri: str) -> str:
-    """``user:password@`` in a URI becomes ``user:***@``."""
-    parsed = urlparse(uri)
-    if parsed.password:
-        return uri.replace(f":{parsed.password}@", ":***@", 1)
-    return uri

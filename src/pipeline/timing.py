@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,48 +67,55 @@ class Breakdown:
         }
 
 
-class WallTimer:
-    """Marks with ``time.perf_counter`` (CPU and MPS: the host waits for the work anyway)."""
+class _Marks:
+    """Three marks a step; subclasses say what a mark is and how marks become seconds."""
 
     def __init__(self) -> None:
-        self._marks: list[tuple[float, float, float]] = []
+        self._marks: list[tuple[Any, Any, Any]] = []
         self._sizes: list[int] = []
-        self._start = 0.0
-        self._ready = self._copied = 0.0
+        self._start: Any = None
+        self._ready: Any = None
+        self._copied: Any = None
+
+    def _mark(self) -> Any:
+        raise NotImplementedError
 
     def start(self) -> None:
         self._marks.clear()
         self._sizes.clear()
-        self._start = time.perf_counter()
+        self._start = self._mark()
 
     def ready(self) -> None:
-        self._ready = time.perf_counter()
+        self._ready = self._mark()
 
     def copied(self) -> None:
-        self._copied = time.perf_counter()
+        self._copied = self._mark()
 
     def done(self, samples: int) -> None:
-        self._marks.append((self._ready, self._copied, time.perf_counter()))
+        self._marks.append((self._ready, self._copied, self._mark()))
         self._sizes.append(samples)
+
+
+class WallTimer(_Marks):
+    """Marks with ``time.perf_counter`` (CPU and MPS: the host waits for the work anyway)."""
+
+    def _mark(self) -> float:
+        return time.perf_counter()
 
     def finish(self) -> Breakdown:
         return _breakdown(self._start, self._marks, self._sizes)
 
 
-class CudaEventTimer:
+class CudaEventTimer(_Marks):
     """Marks with CUDA events on the current stream; read once, in ``finish``."""
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
         self._pool: list[torch.cuda.Event] = []  # reused every epoch: no event creation in steady state
         self._used = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
-        self._sizes: list[int] = []
-        self._start: torch.cuda.Event | None = None
-        self._ready: torch.cuda.Event | None = None
-        self._copied: torch.cuda.Event | None = None
 
-    def _record(self) -> torch.cuda.Event:
+    def _mark(self) -> torch.cuda.Event:
         if self._used == len(self._pool):
             self._pool.append(torch.cuda.Event(enable_timing=True))
         event = self._pool[self._used]
@@ -117,29 +125,14 @@ class CudaEventTimer:
 
     def start(self) -> None:
         self._used = 0
-        self._events.clear()
-        self._sizes.clear()
-        self._start = self._record()
-
-    def ready(self) -> None:
-        self._ready = self._record()
-
-    def copied(self) -> None:
-        self._copied = self._record()
-
-    def done(self, samples: int) -> None:
-        self._events.append((self._ready, self._copied, self._record()))
-        self._sizes.append(samples)
+        super().start()
 
     def finish(self) -> Breakdown:
-        if not self._events:
+        if not self._marks:
             return _breakdown(0.0, [], [])
-        self._events[-1][2].synchronize()  # the epoch's only wait for the GPU
+        self._marks[-1][2].synchronize()  # the epoch's only wait for the GPU
         start = self._start
-        marks = [
-            (start.elapsed_time(a) / 1e3, start.elapsed_time(b) / 1e3, start.elapsed_time(c) / 1e3)
-            for a, b, c in self._events
-        ]
+        marks = [tuple(start.elapsed_time(event) / 1e3 for event in step) for step in self._marks]
         return _breakdown(0.0, marks, self._sizes)
 
 

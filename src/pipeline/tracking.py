@@ -28,7 +28,7 @@ from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
 from pipeline.secrets import mask_text, mask_value
 from pipeline.stopping import Stopped
-from pipeline.store import absolute, connect, redact, retrying
+from pipeline.store import absolute, connect, retrying
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class MlflowTracker:
             if parsed.scheme in ("http", "https")
             else UI_URL
         )
-        lines = [f"MLflow run {self.run_id} in experiment '{self.experiment}' ({redact(self.uri)})"]
+        lines = [f"MLflow run {self.run_id} in experiment '{self.experiment}' ({mask_text(self.uri)})"]
         if parsed.scheme not in ("http", "https", "databricks"):
             lines.append(f"  open the UI:  mlflow ui --backend-store-uri {self.uri}")
         lines += [
