@@ -53,3 +53,18 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120
     ).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1] == str(site / "pipeline" / "conf") and out[2] == "resnet50"
+
+
+def test_the_linter_sees_every_python_file_of_the_package_and_the_tests() -> None:
+    """An exclude pattern that matches a package folder (``data`` once hid ``src/pipeline/data/``) is caught here."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--show-files", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    seen = {Path(line.strip()).resolve() for line in listed.splitlines() if line.strip().endswith(".py")}
+    ours = {p.resolve() for folder in ("src", "tests", "scripts") for p in (ROOT / folder).rglob("*.py")}
+    ours = {p for p in ours if "__pycache__" not in p.parts}
+    assert ours and sorted(map(str, ours - seen)) == []

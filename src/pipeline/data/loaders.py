@@ -29,8 +29,9 @@ class ResidentLoader:
     per-sample Python, no collation, no host-to-device copy.
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, shuffle: bool,
-                 drop_last: bool, seed: int) -> None:
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, shuffle: bool, drop_last: bool, seed: int
+    ) -> None:
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
         if batch_size < 1:
@@ -47,19 +48,20 @@ class ResidentLoader:
         n, size = len(self.labels), self.batch_size
         if not self.shuffle:
             for start in range(0, len(self) * size, size):
-                yield self.images[start:start + size], self.labels[start:start + size]
+                yield self.images[start : start + size], self.labels[start : start + size]
             return
         order = torch.randperm(n, generator=self.generator).to(self.images.device, non_blocking=True)
         for start in range(0, len(self) * size, size):
-            index = order[start:start + size]
+            index = order[start : start + size]
             yield self.images[index], self.labels[index]
 
 
 class Normalize:
     """uint8 ``[N, C, H, W]`` on the device -> float32 ``(x / 255 - mean) / std`` in one fused pass."""
 
-    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], *, device: torch.device,
-                 channels_last: bool = False) -> None:
+    def __init__(
+        self, mean: tuple[float, ...], std: tuple[float, ...], *, device: torch.device, channels_last: bool = False
+    ) -> None:
         m = torch.tensor(mean, device=device).view(1, -1, 1, 1)
         s = torch.tensor(std, device=device).view(1, -1, 1, 1)
         self.scale = 1.0 / (255.0 * s)
@@ -71,8 +73,9 @@ class Normalize:
         return x.contiguous(memory_format=self.memory_format)
 
 
-def make_loader(dataset: Dataset, cfg: LoaderConfig, *, device: torch.device, train: bool,
-                seed: int) -> Iterable[Batch]:
+def make_loader(
+    dataset: Dataset, cfg: LoaderConfig, *, device: torch.device, train: bool, seed: int
+) -> Iterable[Batch]:
     """The batches of one split, as ``loader.*`` configures them.
 
     Args:
@@ -84,11 +87,18 @@ def make_loader(dataset: Dataset, cfg: LoaderConfig, *, device: torch.device, tr
     """
     if cfg.resident:
         images, labels = materialize(dataset)
-        return ResidentLoader(images.to(device), labels.to(device), batch_size=cfg.batch_size, shuffle=train,
-                              drop_last=train and cfg.drop_last, seed=seed)
+        return ResidentLoader(
+            images.to(device),
+            labels.to(device),
+            batch_size=cfg.batch_size,
+            shuffle=train,
+            drop_last=train and cfg.drop_last,
+            seed=seed,
+        )
     if cfg.pin_memory is True and device.type != "cuda":
-        log.warning("loader.pin_memory=true has no effect on %s: pinned memory speeds up copies to CUDA only",
-                    device.type)
+        log.warning(
+            "loader.pin_memory=true has no effect on %s: pinned memory speeds up copies to CUDA only", device.type
+        )
     pin = device.type == "cuda" and cfg.pin_memory in ("auto", True)
     return DataLoader(
         dataset,

@@ -68,9 +68,16 @@ def load_data(cfg: DataConfig) -> DataBundle:
     return _synthetic(cfg)
 
 
-def tensor_bundle(name: str, *, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-                  num_classes: int, source: str, mean: tuple[float, ...] | None = None,
-                  std: tuple[float, ...] | None = None) -> DataBundle:
+def tensor_bundle(
+    name: str,
+    *,
+    train: tuple[torch.Tensor, torch.Tensor],
+    val: tuple[torch.Tensor, torch.Tensor],
+    num_classes: int,
+    source: str,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+) -> DataBundle:
     """Wrap in-memory uint8 images ``[N, C, H, W]`` and labels; mean/std default to the train split's."""
     images, labels = train
     if mean is None or std is None:
@@ -78,8 +85,15 @@ def tensor_bundle(name: str, *, train: tuple[torch.Tensor, torch.Tensor], val: t
         mean = tuple(pixels.mean(dim=(0, 2, 3)).tolist())
         std = tuple(pixels.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
     spec = DataSpec(
-        name=name, in_shape=tuple(images.shape[1:]), num_classes=num_classes, train_size=len(labels),
-        val_size=len(val[1]), mean=mean, std=std, source=source, digest=_tensor_digest(*train, *val),
+        name=name,
+        in_shape=tuple(images.shape[1:]),
+        num_classes=num_classes,
+        train_size=len(labels),
+        val_size=len(val[1]),
+        mean=mean,
+        std=std,
+        source=source,
+        digest=_tensor_digest(*train, *val),
     )
     return DataBundle(spec, TensorDataset(*train), TensorDataset(*val))
 
@@ -96,8 +110,11 @@ def _digits(cfg: DataConfig) -> DataBundle:
     labels = torch.from_numpy(digits.target).long()
     train_idx, val_idx = split_indices(len(labels), cfg.val_fraction or 0.2)
     return tensor_bundle(
-        "digits", train=(images[train_idx], labels[train_idx]), val=(images[val_idx], labels[val_idx]),
-        num_classes=10, source="sklearn.datasets.load_digits",
+        "digits",
+        train=(images[train_idx], labels[train_idx]),
+        val=(images[val_idx], labels[val_idx]),
+        num_classes=10,
+        source="sklearn.datasets.load_digits",
     )
 
 
@@ -131,8 +148,13 @@ def _torchvision(cfg: DataConfig) -> DataBundle:
         labels = [d.targets.long() for d in (train, val)]
     mean, std = _STATS[cfg.name]
     return tensor_bundle(
-        cfg.name, train=(images[0], labels[0]), val=(images[1], labels[1]), num_classes=len(train.classes),
-        source=str(root.resolve()), mean=mean, std=std,
+        cfg.name,
+        train=(images[0], labels[0]),
+        val=(images[1], labels[1]),
+        num_classes=len(train.classes),
+        source=str(root.resolve()),
+        mean=mean,
+        std=std,
     )
 
 
@@ -166,8 +188,14 @@ def _imagefolder(cfg: DataConfig) -> DataBundle:
     listing = "\n".join(f"{Path(p).relative_to(root)}:{Path(p).stat().st_size}" for p, _ in folder.samples)
     mean, std = _STATS["imagefolder"] if channels == 3 else ((0.5,), (0.25,))
     spec = DataSpec(
-        name="imagefolder", in_shape=(channels, size, size), num_classes=len(folder.classes),
-        train_size=len(train_idx), val_size=len(val_idx), mean=mean, std=std, source=str(root.resolve()),
+        name="imagefolder",
+        in_shape=(channels, size, size),
+        num_classes=len(folder.classes),
+        train_size=len(train_idx),
+        val_size=len(val_idx),
+        mean=mean,
+        std=std,
+        source=str(root.resolve()),
         digest=hashlib.sha256(listing.encode()).hexdigest()[:8],
     )
     return DataBundle(spec, Subset(folder, train_idx.tolist()), Subset(folder, val_idx.tolist()))
@@ -184,7 +212,12 @@ def _synthetic(cfg: DataConfig) -> DataBundle:
 
     train, val = make(n_train), make(n_val)
     return tensor_bundle(
-        "synthetic", train=train, val=val, num_classes=classes, mean=(0.5,) * shape[0], std=(0.2887,) * shape[0],
+        "synthetic",
+        train=train,
+        val=val,
+        num_classes=classes,
+        mean=(0.5,) * shape[0],
+        std=(0.2887,) * shape[0],
         source=f"synthetic: uniform uint8 {list(shape)}, {classes} classes, seed {SPLIT_SEED}",
     )
 
