@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
 import time
@@ -72,14 +73,52 @@ def test_sampler_stops_within_one_interval_even_with_a_long_interval() -> None:
 
 def test_a_sample_that_raises_stops_sampling_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     class Exploding(NoGpu):
+        def __init__(self) -> None:
+            self.reads = 0
+            self.tried = threading.Event()
+
         def read(self) -> list[GpuReading]:
+            self.reads += 1
+            self.tried.set()
             raise RuntimeError("sensor fell off")
 
-    sampler = Sampler(interval_s=0.02, gpu=Exploding()).start()
-    time.sleep(0.15)
-    sampler.stop()
-    assert not sampler.alive
-    assert sum("sensor fell off" in w for w in warnings_in(caplog)) <= 2  # the thread's, then stop()'s last try
+    gpu = Exploding()
+    sampler = Sampler(interval_s=0.02, gpu=gpu).start()
+    assert gpu.tried.wait(timeout=10)  # the thread's first reading has failed (or is failing)
+    sampler.stop()  # joins the thread, so its warning is logged by now
+    assert not sampler.alive and sampler.samples == []
+    assert gpu.reads == 1  # stop() does not take a closing reading once sampling has failed
+    assert sum("sensor fell off" in w for w in warnings_in(caplog)) == 1
+
+
+def test_process_cpu_counts_a_busy_child_process_across_readings() -> None:
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        sampler = Sampler(interval_s=1.0, children=True)
+        readings = []
+        for _ in range(4):  # the first reading primes the child's counters; the next three cover 0.2 s each
+            readings.append(sampler.read().process_cpu_pct)
+            time.sleep(0.2)
+        # One busy core is 100; the test process itself sleeps, so the figure is the child's work.
+        # 40 leaves room for a second core shared with other jobs.
+        assert max(readings[1:]) > 40, readings
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_process_cpu_forgets_children_that_have_exited() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    sampler = Sampler(interval_s=1.0, children=True)
+    try:
+        sampler.read()
+        assert child.pid in sampler._family
+    finally:
+        child.kill()
+        child.wait()
+    sampler.read()
+    assert child.pid not in sampler._family and sampler._process.pid in sampler._family
 
 
 def test_gpu_readings_become_mlflow_system_metric_names() -> None:
@@ -245,6 +284,7 @@ def test_a_blocked_gputil_import_falls_back_to_no_gpu_with_one_warning(
 def test_auto_without_an_nvidia_driver_tries_nvml_then_gputil(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # as without a driver, even on a host where NVML works
     monkeypatch.setitem(sys.modules, "GPUtil", None)
     backend = open_backend("auto", [TARGET], timeout_s=1)
     assert isinstance(backend, NoGpu)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,14 +19,29 @@ def _figure(rows: int, height: float) -> tuple[Any, Any]:
     return plt.subplots(rows, 1, figsize=(9, height), sharex=True, squeeze=False)
 
 
-def utilisation_timeline(samples: Sequence[Sample], epoch_starts: Sequence[float], *, title: str) -> Any:
-    """CPU (machine and process), RAM, and per-GPU utilisation and memory over time, epochs marked."""
+def utilisation_timeline(
+    samples: Sequence[Sample], epoch_starts: Sequence[float], *, title: str, cpu_count: int | None = None
+) -> Any:
+    """CPU (machine and process), RAM, and per-GPU utilisation and memory over time, epochs marked.
+
+    Args:
+        samples: the sampler's readings.
+        epoch_starts: seconds on the sampler's clock at which each epoch began.
+        title: the figure's title.
+        cpu_count: logical CPUs of the machine the samples came from (default: this one's).
+
+    Returns:
+        The matplotlib figure.
+    """
+    # The run's CPU is sampled with 100 = one core; on the shared 0-100 axis it is drawn as a share
+    # of the whole machine, like the machine's own line, so a run using several cores is not clipped.
+    cores = cpu_count or os.cpu_count() or 1
     gpu_indices = sorted({g.index for s in samples for g in s.gpus})
     fig, axes = _figure(2 if gpu_indices else 1, 5.5 if gpu_indices else 3.2)
     t = [s.t for s in samples]
     cpu = axes[0][0]
     cpu.plot(t, [s.cpu_pct for s in samples], label="CPU, whole machine %")
-    cpu.plot(t, [s.process_cpu_pct for s in samples], label="CPU, this run % (100 = one core)")
+    cpu.plot(t, [s.process_cpu_pct / cores for s in samples], label="CPU, this run (% of the machine)")
     cpu.plot(t, [s.ram_pct for s in samples], label="RAM %", linestyle=":")
     cpu.set_ylabel("%")
     for index in gpu_indices:

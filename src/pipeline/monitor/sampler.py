@@ -73,9 +73,13 @@ class Sampler:
         self.interval_s = interval_s
         self.gpu = gpu or NoGpu()
         self.log_metrics = log_metrics
-        self.children = children  # also count child processes (loader workers): a scan of /proc, ~1 ms
+        self.children = children  # also count child processes (loader workers)
         self.samples: list[Sample] = []
         self._process = psutil.Process()
+        # pid -> Process, kept across readings: cpu_percent() measures since the same object's last
+        # call, so a fresh object per reading would always read 0.0 for the loader workers.
+        self._family: dict[int, psutil.Process] = {self._process.pid: self._process}
+        self._failed = False  # a reading raised: sampling stays stopped, stop() takes no closing reading
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -96,7 +100,8 @@ class Sampler:
         """Stop within one interval (a hung GPU read is abandoned, not waited for).
 
         A last reading covers the time since the previous one, so a run shorter than one
-        interval still gets its CPU and GPU figures.
+        interval still gets its CPU and GPU figures; none is taken once a reading has failed
+        (that failure was already reported, once).
         """
         self._stop.set()
         if self._thread is None:
@@ -104,7 +109,7 @@ class Sampler:
         self._thread.join(timeout=2 * self.interval_s + 1.0)
         if self._thread.is_alive():
             log.warning("the utilisation sampler did not stop within %.1f s", 2 * self.interval_s + 1.0)
-        else:
+        elif not self._failed:
             self._record(int(self.now() / self.interval_s) + 1)
         self.gpu.close()
         self._thread = None
@@ -127,6 +132,7 @@ class Sampler:
             self.log_metrics(system_metrics(sample), tick)
         except Exception as err:  # never let a reading (or its logging) kill the thread or training
             log.warning("utilisation sample failed (%s: %s); sampling stops", type(err).__name__, err)
+            self._failed = True
             return False
         return True
 
@@ -142,14 +148,34 @@ class Sampler:
         )
 
     def _process_cpu(self) -> float:
+        """This process's CPU since the last call, plus its children's when ``children`` is set.
+
+        A child seen for the first time reads 0.0 (its counters start now) and counts from the
+        next reading on.
+        """
+        if self.children:
+            self._refresh_family()
         total = 0.0
-        family = [self._process, *self._process.children(recursive=True)] if self.children else [self._process]
-        for proc in family:
+        for proc in self._family.values():
             try:
                 total += proc.cpu_percent(interval=None)
-            except psutil.Error:  # a loader worker that just exited
+            except psutil.Error:  # a loader worker that exited since the refresh
                 continue
         return total
+
+    def _refresh_family(self) -> None:
+        """Keep the Process objects of children still running; add new ones, drop those gone.
+
+        Workers restart every epoch without ``persistent_workers``, so dropping matters on long
+        runs. Process equality includes the creation time, so a new process that reuses an old
+        pid gets a new object rather than the old one's counters.
+        """
+        known = self._family
+        family = {self._process.pid: self._process}
+        for child in self._process.children(recursive=True):  # a scan of /proc, ~1 ms
+            old = known.get(child.pid)
+            family[child.pid] = old if old is not None and old == child else child
+        self._family = family
 
     def summary(self, since: float = 0.0, until: float | None = None) -> UtilSummary:
         window = [s for s in list(self.samples) if s.t >= since and (until is None or s.t <= until)]
