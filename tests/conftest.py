@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,17 @@ TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI."""
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI, and take
+    back the logging handlers a test added (Hydra's entry point points some at a captured, later closed, stream)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

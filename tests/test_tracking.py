@@ -1,44 +1,59 @@
-"""The MLflow record, read back through the MLflow client: params, tags, metrics, artifacts, status."""
+"""The MLflow record, read back through the MLflow client: params, tags, metrics, artifacts, status; and the
+tracker's buffer and writer thread under blocked, failing and locked writes (faults injected into log_batch)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import shlex
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from mlflow import MlflowClient
 
+import pipeline.tracking as tracking
 import pipeline.train as train_module
 from pipeline.config import RunConfig, flatten
 from pipeline.provenance import git_tags
+from pipeline.store import connect
+from pipeline.tracking import FLUSH_AT, MlflowTracker
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowClient, str, RunConfig]:
-    """One tiny tracked run shared by the read-back tests (a store costs seconds to create)."""
-    from pipeline.config import load
+def store_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("store")
 
-    folder = tmp_path_factory.mktemp("store")
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    overrides = [
+
+@pytest.fixture(scope="module")
+def recorded_overrides(store_folder: Path) -> list[str]:
+    return [
         "device=cpu",
-        f"tracking.uri={uri}",
+        f"tracking.uri=sqlite:///{store_folder / 'mlflow.db'}",
         "trainer.epochs=2",
         "trainer.max_steps=30",
         "trainer.log_every_n_steps=5",
         "+tracking.tags.team=vision",
     ]
-    cfg = load(overrides)
+
+
+@pytest.fixture(scope="module")
+def recorded(store_folder: Path, recorded_overrides: list[str]) -> tuple[MlflowClient, str, RunConfig]:
+    """One tiny tracked run shared by the read-back tests (a store costs seconds to create)."""
+    from pipeline.config import load
+
+    cfg = load(recorded_overrides)
     with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(folder)
-        result = train(cfg, overrides=overrides, echo=False)
-    return MlflowClient(uri), result.run_id, cfg
+        mp.chdir(store_folder)
+        result = train(cfg, overrides=recorded_overrides, echo=False)
+    return MlflowClient(f"sqlite:///{store_folder / 'mlflow.db'}"), result.run_id, cfg
 
 
 def test_every_config_key_is_a_param(recorded: tuple[MlflowClient, str, RunConfig]) -> None:
@@ -49,13 +64,15 @@ def test_every_config_key_is_a_param(recorded: tuple[MlflowClient, str, RunConfi
     assert params["model.hidden_sizes"] == "[512]" and params["device.index"] == "null"
 
 
-def test_tags_say_where_and_how_it_ran(recorded: tuple[MlflowClient, str, RunConfig]) -> None:
+def test_tags_say_where_and_how_it_ran(
+    recorded: tuple[MlflowClient, str, RunConfig], recorded_overrides: list[str]
+) -> None:
     client, run_id, _ = recorded
     tags = client.get_run(run_id).data.tags
     assert tags["mlflow.runName"] == "mlp-digits-cpu-bs64-w0"
     assert tags["device.type"] == "cpu" and tags["device.name"] and tags["precision"] == "fp32"
     assert tags["torch.version"].startswith("2.") and tags["mlflow.source.name"] == "python -m pipeline"
-    assert "tracking.log_every_n_steps" not in tags["overrides"] and "trainer.max_steps=30" in tags["overrides"]
+    assert tags["overrides"] == shlex.join(recorded_overrides)  # as typed, in order, quoted for a shell
     assert tags["team"] == "vision"
     assert "val/acc" in tags["mlflow.note.content"] and "samples/s" in tags["mlflow.note.content"]
 
@@ -119,11 +136,13 @@ def test_a_failing_run_is_marked_failed_with_the_error(
 
     monkeypatch.setattr(train_module, "evaluate", broken)
     with pytest.raises(RuntimeError, match="evaluation exploded"):
-        train(make_cfg(), echo=False)
-    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+        train(make_cfg("trainer.log_every_n_steps=1"), echo=False)
+    client = MlflowClient(store_uri)
+    (run,) = client.search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED"
     assert run.data.tags["error"] == "RuntimeError: evaluation exploded"
-    assert "train/loss" in run.data.metrics or run.data.params  # what was logged before the failure is kept
+    history = client.get_metric_history(run.info.run_id, "train/loss")  # logged before the failure, kept
+    assert [m.step for m in history] == [1, 2, 3]
 
 
 def test_ctrl_c_marks_the_run_killed(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str) -> None:
@@ -180,3 +199,198 @@ def test_the_doctors_report_is_attached_as_environment_json(
     tags = client.get_run(run_id).data.tags
     assert tags["driver.version"] == (report["facts"]["driver_version"] or "none")
     assert tags["driver.cuda"] == (report["facts"]["driver_cuda"] or "none")
+
+
+# The tracker's buffer and writer thread, on a real store with faults injected into log_batch.
+
+WRITER = "pipeline-tracking-writer"
+
+
+class HookedClient:
+    """The real ``MlflowClient``, with every metric write shown to ``hook`` first (to block, fail or record it)."""
+
+    def __init__(self, real: MlflowClient, hook: Callable[[list[Any]], None]) -> None:
+        self.real, self.hook = real, hook
+        self.written = threading.Event()  # set once metrics are in the store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def log_batch(self, run_id: str, metrics=(), params=(), tags=(), synchronous=None) -> None:
+        if metrics:
+            self.hook(list(metrics))
+        self.real.log_batch(run_id, metrics=metrics, params=params, tags=tags)
+        if metrics:
+            self.written.set()
+
+
+def new_run(store_uri: str, hook: Callable[[list[Any]], None]) -> tuple[MlflowClient, MlflowTracker]:
+    """A run in a real SQLite store and a tracker on it whose metric writes pass through ``hook``."""
+    client, experiment = connect(store_uri, "unit")
+    run_id = client.create_run(experiment).info.run_id
+    tracker = MlflowTracker(
+        HookedClient(client, hook), uri=store_uri, experiment_id=experiment, experiment="unit", run_id=run_id
+    )
+    return client, tracker
+
+
+def steps(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
+    return [m.step for m in client.get_metric_history(run_id, key)]
+
+
+def test_log_metrics_returns_while_a_write_is_blocked_in_the_store(store_uri: str) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def block(metrics: list[Any]) -> None:
+        entered.set()
+        release.wait(10)
+
+    client, tracker = new_run(store_uri, block)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    flusher = threading.Thread(target=tracker.flush)
+    flusher.start()
+    try:
+        assert entered.wait(5), "the flush never reached log_batch"
+        logger = threading.Thread(target=tracker.log_metrics, args=({"train/loss": 0.5}, 2))
+        logger.start()
+        logger.join(5)  # a deadlock guard: an append takes microseconds
+        assert not logger.is_alive(), "log_metrics waited for the write in flight"
+    finally:
+        release.set()
+        flusher.join(5)
+    tracker.flush()
+    assert steps(client, tracker.run_id) == [1, 2]
+
+
+def test_metrics_logged_past_flush_at_on_another_thread_are_written_by_the_writer_thread(
+    store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tracking, "WRITE_EVERY_S", 3600.0)  # only passing FLUSH_AT can wake the writer
+    writers: list[str] = []
+    wrote = threading.Event()
+
+    def record(metrics: list[Any]) -> None:
+        writers.append(threading.current_thread().name)
+        wrote.set()
+
+    client, tracker = new_run(store_uri, record)
+    tracker.start()
+
+    def sample() -> None:
+        for tick in range(FLUSH_AT):
+            tracker.log_metrics({"system/cpu_utilization_percentage": 50.0}, tick)
+
+    sampler = threading.Thread(target=sample, name="pipeline-sampler")
+    sampler.start()
+    sampler.join(5)
+    assert wrote.wait(5), "passing FLUSH_AT did not wake the writer thread"
+    tracker.end("FINISHED")
+    assert writers == [WRITER]  # one write, of all FLUSH_AT metrics, never on the sampler's thread
+    assert steps(client, tracker.run_id, "system/cpu_utilization_percentage") == list(range(FLUSH_AT))
+
+
+def test_the_writer_thread_shows_live_metrics_without_a_flush_and_stops_with_the_run(
+    store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tracking, "WRITE_EVERY_S", 0.05)
+    writers: list[str] = []
+    client, tracker = new_run(store_uri, lambda metrics: writers.append(threading.current_thread().name))
+    tracker.start()
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    assert tracker.client.written.wait(5), "the writer thread never wrote"
+    assert steps(client, tracker.run_id) == [1]  # in the store mid-epoch, before any flush
+    assert tracker.write_s == 0.0  # the training thread paid nothing for it
+    tracker.end("FINISHED")
+    assert writers == [WRITER] and tracker.background_write_s > 0
+    assert WRITER not in [t.name for t in threading.enumerate()]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_a_failed_write_keeps_its_metrics_for_the_next_flush_and_warns_once(
+    store_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    batches: list[list[int]] = []
+
+    def down_twice(metrics: list[Any]) -> None:
+        batches.append([m.step for m in metrics])
+        if len(batches) <= 2:
+            raise ConnectionError("the tracking server is not answering")
+
+    client, tracker = new_run(store_uri, down_twice)
+    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        for step in (1, 2, 3):
+            tracker.log_metrics({"train/loss": 1.0 / step}, step)
+            tracker.flush()  # fails twice without raising into the loop, then writes all three
+    assert batches == [[1], [1, 2], [1, 2, 3]]
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "train/loss")] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, 1 / 3),
+    ]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not answering" in warnings[0].getMessage()
+
+
+def test_metrics_logged_during_a_failed_write_stay_behind_the_ones_it_puts_back(store_uri: str) -> None:
+    entered, release = threading.Event(), threading.Event()
+    batches: list[list[int]] = []
+
+    def fail_first(metrics: list[Any]) -> None:
+        batches.append([m.step for m in metrics])
+        if len(batches) == 1:
+            entered.set()
+            release.wait(10)
+            raise ConnectionError("the tracking server is not answering")
+
+    client, tracker = new_run(store_uri, fail_first)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    tracker.log_metrics({"train/loss": 0.5}, step=2)
+    flusher = threading.Thread(target=tracker.flush)
+    flusher.start()
+    try:
+        assert entered.wait(5), "the flush never reached log_batch"
+        logger = threading.Thread(target=tracker.log_metrics, args=({"train/loss": 0.25}, 3))
+        logger.start()
+        logger.join(5)  # a deadlock guard
+        assert not logger.is_alive(), "log_metrics waited for the write in flight"
+    finally:
+        release.set()
+        flusher.join(5)
+    tracker.flush()
+    assert batches == [[1, 2], [1, 2, 3]]  # put back in front, in order
+    assert steps(client, tracker.run_id) == [1, 2, 3]
+
+
+def test_a_locked_database_is_retried_within_the_same_write_without_a_warning(
+    store_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[int] = []
+
+    def locked_once(metrics: list[Any]) -> None:
+        calls.append(len(metrics))
+        if len(calls) == 1:
+            raise RuntimeError("(sqlite3.OperationalError) database is locked")
+
+    client, tracker = new_run(store_uri, locked_once)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        tracker.flush()
+    assert calls == [1, 1] and steps(client, tracker.run_id) == [1]
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_ctrl_c_during_a_flush_keeps_its_metrics_for_the_runs_end(store_uri: str) -> None:
+    calls: list[int] = []
+
+    def interrupted_once(metrics: list[Any]) -> None:
+        calls.append(len(metrics))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    client, tracker = new_run(store_uri, interrupted_once)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.flush()
+    tracker.end("KILLED")
+    assert calls == [1, 1] and steps(client, tracker.run_id) == [1]
+    assert client.get_run(tracker.run_id).info.status == "KILLED"

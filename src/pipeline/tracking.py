@@ -3,13 +3,26 @@
 ``open_tracker(cfg.tracking, run_name=...)`` is a context manager yielding a ``Tracker``: an
 ``MlflowTracker`` bound to one run id (every call names the run explicitly, so other threads
 can log to it too), or a ``NullTracker`` when ``tracking.enabled=false``, so the training code
-has no ``if tracking:`` branches. Metrics are buffered and written with one ``log_batch`` per
-epoch: a synchronous ``log_metric`` costs about 3.5 ms on SQLite, longer than an MLP step.
-The write is synchronous on purpose: between epochs it stays out of every epoch's timing,
-where a background writer would compete with training for the CPUs and the GIL.
+has no ``if tracking:`` branches.
+
+Metrics are buffered: ``log_metrics`` only appends under a lock held for the append, on every
+thread (the training loop and the utilisation sampler), and never writes; a synchronous
+``log_metric`` costs about 3.5 ms on SQLite, longer than an MLP step, and a write can take
+seconds when the store is busy or down. The training thread writes the buffer with ``flush()``
+between epochs, out of every epoch's timing (``write_s`` adds up that cost). A writer thread
+owned by the tracker also writes it every ``WRITE_EVERY_S`` seconds, or as soon as it passes
+``FLUSH_AT``, so a long epoch still shows live metrics in the UI; it costs one ``log_batch`` of a
+few hundred metrics per interval (milliseconds of CPU and GIL; ``background_write_s``).
+
+A failed write keeps its metrics: they go back in front of the buffer, one warning says the
+store is failing, and the next write retries them. If the store still refuses them when the run
+ends, they go to ``./unsent_metrics/<run_id>.jsonl`` with the run's final status, and the one
+command that imports them is printed (``python -m pipeline.outbox``, see ``pipeline.outbox``).
 
 The run ends FINISHED when the block completes, KILLED on Ctrl-C or a stop request (SIGTERM),
-and FAILED (with the error as the ``error`` tag) on any other exception; never left RUNNING.
+and FAILED (with the error as the ``error`` tag) on any other exception; never left RUNNING
+unless the store is unreachable, and then the outbox file holds the status to set. The block's
+exception always propagates unchanged: a failing end-of-run write never replaces it.
 """
 
 from __future__ import annotations
@@ -17,13 +30,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from pipeline import outbox
 from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
 from pipeline.secrets import mask_text, mask_value
@@ -32,7 +48,10 @@ from pipeline.store import absolute, connect, retrying
 
 log = logging.getLogger(__name__)
 
-FLUSH_AT = 500  # buffered metrics that trigger a write; log_batch takes at most 1,000
+FLUSH_AT = 500  # buffered metrics that wake the writer thread early
+METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
+WRITE_EVERY_S = 10.0  # the writer thread's period: how stale the UI's live metrics may get
+STOP_WITHIN_S = 30.0  # how long a run's end waits for a write in flight ("database is locked" retries take ~13 s)
 PARAMS_PER_BATCH = 100  # MLflow's limit per log_batch call
 UI_URL = "http://127.0.0.1:5000"
 
@@ -40,7 +59,8 @@ UI_URL = "http://127.0.0.1:5000"
 class Tracker(Protocol):
     run_id: str | None
     experiment_id: str | None
-    write_s: float  # seconds spent writing metrics so far
+    write_s: float  # seconds the calling (training) thread spent in flush() so far
+    background_write_s: float  # seconds the tracker's writer thread spent writing so far
 
     def log_params(self, params: Mapping[str, Any]) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
@@ -58,6 +78,7 @@ class NullTracker:
     run_id: str | None = None
     experiment_id: str | None = None
     write_s = 0.0
+    background_write_s = 0.0
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         pass
@@ -85,14 +106,31 @@ class NullTracker:
 
 
 class MlflowTracker:
-    """One MLflow run, written through ``MlflowClient`` with its run id."""
+    """One MLflow run, written through ``MlflowClient`` with its run id.
+
+    ``start()`` starts the writer thread; ``end(status)`` stops it and records how the run ended.
+    Without ``start()`` (benchmarks, tests) metrics are written only by ``flush()``.
+    """
 
     def __init__(self, client: Any, *, uri: str, experiment_id: str, experiment: str, run_id: str) -> None:
         self.client, self.uri = client, uri
         self.experiment_id, self.experiment, self.run_id = experiment_id, experiment, run_id
-        self._pending: list[Any] = []
-        self._lock = threading.Lock()  # the buffer is shared with sampler threads
-        self.write_s = 0.0  # seconds spent writing metrics
+        self._pending: list[Any] = []  # Metric records not yet written, in logging order
+        self._inflight: list[Any] = []  # the batch a write holds now; the outbox takes it if that write hangs
+        self._lock = threading.Lock()  # guards the two lists; held for an append or a swap, never for a write
+        self._write_lock = threading.Lock()  # one write at a time: a put-back cannot land behind a later batch
+        self._due = threading.Event()  # wakes the writer: the buffer passed FLUSH_AT, or the run is ending
+        self._closing = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._failing = False  # one warning per outage, not one per failed write (read under _write_lock)
+        self.write_s = 0.0  # seconds the calling thread spent in flush()
+        self.background_write_s = 0.0  # seconds the writer thread spent writing
+
+    def start(self) -> MlflowTracker:
+        """Start the writer thread (a daemon: a process that must exit is never held by a hung write)."""
+        self._writer = threading.Thread(target=self._run, name="pipeline-tracking-writer", daemon=True)
+        self._writer.start()
+        return self
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -108,25 +146,133 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Buffer ``metrics`` at ``step``; safe from any thread, and never waits for a write."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        records = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         with self._lock:
-            self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-            full = len(self._pending) >= FLUSH_AT
-        if full:
-            self.flush()
+            self._pending.extend(records)
+            due = len(self._pending) >= FLUSH_AT
+        if due:
+            self._due.set()  # the writer thread writes; the caller may be the training thread mid-epoch
 
     def flush(self) -> None:
-        """Write the buffered metrics now, in batches of up to 1,000 (the loop calls this between
-        epochs, so the write never lands inside an epoch's timing; ``write_s`` adds up its cost)."""
+        """Write the buffered metrics now, on the calling thread (the loop calls this between epochs, so the write
+        never lands inside an epoch's timing; ``write_s`` adds up its cost, waiting for a background write included).
+        A failed write does not raise: its metrics stay buffered for the next write."""
         start = time.perf_counter()
+        try:
+            self._write()
+        finally:
+            self.write_s += time.perf_counter() - start
+
+    def end(self, status: str, *, tags: Mapping[str, str] | None = None) -> Path | None:
+        """Stop the writer, write what is left, then ``tags`` and the final ``status``.
+
+        What the store still refuses goes to an outbox file, announced by a warning and, on stderr, the
+        command that imports it.
+
+        Returns:
+            The outbox file's path, or None when the store took everything.
+        """
+        unsent = self._close()
+        end_time = int(time.time() * 1000)
+        left = dict(tags or {})
+        try:
+            self.set_tags(left)
+            left = {}
+            retrying(lambda: self.client.set_terminated(self.run_id, status, end_time=end_time))
+        except Exception as err:
+            log.warning(
+                "the run's end (%s) could not be written to %s (%s: %s)",
+                status,
+                mask_text(self.uri),
+                type(err).__name__,
+                mask_text(str(err))[:300],
+            )
+        else:
+            if not unsent:
+                return None
+        points = [outbox.Point(m.key, m.value, m.timestamp, m.step) for m in unsent]
+        record = outbox.Outbox(self.run_id, self.experiment_id, self.uri, status, end_time, left, points)
+        path = outbox.save(record, outbox.fresh_path(self.run_id))
+        log.warning(
+            "%d metrics and the run's status %s are kept in %s until they are imported", len(points), status, path
+        )
+        print(f"import the unsent metrics into MLflow with: {outbox.command(path)}", file=sys.stderr, flush=True)
+        return path
+
+    def _close(self) -> list[Any]:
+        """Stop the writer thread and write what is left; returns the metrics that could not be written."""
+        self._closing.set()
+        self._due.set()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join(timeout=STOP_WITHIN_S)
+            if writer.is_alive():  # it holds the write lock: take its batch too rather than wait any longer
+                with self._lock:
+                    stuck, self._inflight, self._pending = self._inflight + self._pending, [], []
+                log.warning(
+                    "a metric write has not returned after %.0f s; its metrics go to the outbox too "
+                    "(they appear twice if that write lands later)",
+                    STOP_WITHIN_S,
+                )
+                return stuck
+        self.flush()
         with self._lock:
-            pending, self._pending = self._pending, []
-            for i in range(0, len(pending), 1000):
-                chunk = pending[i : i + 1000]
-                retrying(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
-        self.write_s += time.perf_counter() - start
+            left, self._pending = self._pending, []
+        return left
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            self._due.wait(WRITE_EVERY_S)
+            self._due.clear()
+            if self._closing.is_set():
+                return  # _close() writes the rest on its caller's thread
+            start = time.perf_counter()
+            written = self._write()
+            self.background_write_s += time.perf_counter() - start
+            if not written:
+                self._closing.wait(WRITE_EVERY_S)  # a store that is down is asked again later, not in a busy loop
+
+    def _write(self) -> bool:
+        """Write everything buffered; True when it all went. The buffer lock is held only to swap the buffer
+        out and to put back what failed, in front, so the history keeps its logging order."""
+        with self._write_lock:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                self._inflight = batch
+            written = 0
+            try:
+                for i in range(0, len(batch), METRICS_PER_BATCH):
+                    chunk = batch[i : i + METRICS_PER_BATCH]
+                    retrying(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
+                    written = i + len(chunk)
+            except BaseException as err:  # kept and retried: the store may be back at the next write
+                with self._lock:
+                    self._pending[:0] = batch[written:]
+                    self._inflight = []
+                    kept = len(self._pending)
+                if not isinstance(err, Exception):
+                    raise  # Ctrl-C mid-write: the metrics stay buffered for the run's end (KILLED)
+                if not self._failing:
+                    log.warning(
+                        "metrics could not be written to %s (%s: %s); %d kept, retried in %.0f s or at the next flush",
+                        mask_text(self.uri),
+                        type(err).__name__,
+                        mask_text(str(err))[:300],
+                        kept,
+                        WRITE_EVERY_S,
+                    )
+                self._failing = True
+                return False
+            with self._lock:
+                self._inflight = []
+            if self._failing and batch:
+                log.info("metrics are being written to %s again", mask_text(self.uri))
+                self._failing = False
+            return True
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
@@ -207,21 +353,24 @@ def open_tracker(
     tracker = MlflowTracker(client, uri=uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run_id)
     if all_tags:
         tracker.set_tags(all_tags)
-    status = "FAILED"
+    tracker.start()
     try:
         yield tracker
-        status = "FINISHED"
     except (KeyboardInterrupt, Stopped):
-        status = "KILLED"
+        _end_under(tracker, "KILLED")
         raise
     except BaseException as err:
-        tracker.set_tags({"error": mask_text(f"{type(err).__name__}: {err}")[:5000]})
+        _end_under(tracker, "FAILED", tags={"error": mask_text(f"{type(err).__name__}: {err}")[:5000]})
         raise
-    finally:
-        try:
-            tracker.flush()
-        finally:
-            retrying(lambda: client.set_terminated(tracker.run_id, status))
+    tracker.end("FINISHED")  # raises only if the outbox cannot be written: then metrics would be lost
+
+
+def _end_under(tracker: MlflowTracker, status: str, *, tags: Mapping[str, str] | None = None) -> None:
+    """End the run while the block's exception propagates: a failure here is logged, never raised over it."""
+    try:
+        tracker.end(status, tags=tags)
+    except Exception:
+        log.exception("the run's end (%s) could not be recorded; the run's own error follows", status)
 
 
 def _param_value(value: Any) -> str:
