@@ -10,9 +10,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipeline import doctor, precision
 from pipeline.config import DeviceConfig
 from pipeline.devices import DeviceError, resolve_device
-from pipeline.doctor import Facts, NvidiaGpu, checks, gather, kernel_for, main, render, wheel_for
+from pipeline.doctor import (
+    Check,
+    Facts,
+    NvidiaGpu,
+    _cpu_bf16_flags,
+    checks,
+    gather,
+    gather_speed,
+    kernel_for,
+    main,
+    main_finding,
+    render,
+    report,
+    wheel_for,
+)
+from pipeline.precision import Timing
 
 T4 = NvidiaGpu(0, "Tesla T4", "GPU-aaaa", 15360)
 
@@ -74,6 +90,7 @@ def test_json_output_parses_and_matches_the_table(capsys: pytest.CaptureFixture[
     for check in document["checks"]:
         assert f"{check['status']:<4}  {check['name']}" in table
     assert document["facts"]["torch_version"] == torch.__version__
+    assert document["facts"]["cpu_bf16_matmul_speed"] > 0 and document["facts"]["cpu_bf16_conv_speed"] > 0
 
 
 def test_cpu_only_torch_with_a_gpu_present_fails_with_the_matching_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +109,44 @@ def test_device_cuda_on_that_machine_fails_with_the_doctors_finding(monkeypatch:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
     with pytest.raises(DeviceError, match=r"The doctor finds torch build: .*CPU-only build.*whl/cu124"):
-        resolve_device(DeviceConfig("cuda", 0))
+        resolve_device(DeviceConfig("cuda", 0), explain=main_finding)
+
+
+def test_devices_do_not_depend_on_the_doctor() -> None:
+    """The doctor uses devices; devices get the doctor's diagnosis passed in (no import cycle)."""
+    import ast
+    import inspect
+
+    import pipeline.devices
+
+    tree = ast.parse(inspect.getsource(pipeline.devices))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "pipeline.doctor" not in imported and "pipeline.config" in imported
+
+
+def test_the_doctor_reads_the_start_method_without_fixing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing.context
+
+    monkeypatch.setattr(multiprocessing.context._default_context, "_actual_context", None)  # nothing chosen yet
+    facts = gather()
+    assert multiprocessing.get_start_method(allow_none=True) is None  # still free for the program to choose
+    assert facts.start_method == f"{multiprocessing.get_all_start_methods()[0]} (the default)"
+
+
+def test_a_cudnn_that_refuses_the_gpu_is_a_tag_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.devices import DeviceChoice
+    from pipeline.precision import PrecisionPolicy
+    from pipeline.provenance import run_tags
+
+    def refuse() -> int:
+        raise RuntimeError("cuDNN version 92400 is not compatible with devices with SM < 7.5")
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", refuse)
+    choice = DeviceChoice(torch.device("cpu"), "cpu", "test")
+    tags = run_tags(choice, PrecisionPolicy("cpu", None), [], {"tf32": "n/a", "cudnn_benchmark": "n/a"})
+    assert tags["torch.cudnn"] == "error: cuDNN version 92400 is not compatible with devices with SM < 7.5"
 
 
 def test_a_driver_older_than_the_runtime_fails_with_both_remedies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,3 +271,72 @@ def test_render_lists_fixes_under_their_checks() -> None:
     text = render(checks(Facts(torch_cuda=None, nvidia_gpus=[T4], driver_cuda="12.4"), smoke=False))
     assert "FAIL  torch build" in text and "fix: pip install --force-reinstall torch" in text
     assert text.rstrip().endswith("1 check(s) failed")
+
+
+def cpu_bf16(matmul: float, conv: float, *, amx: bool | None = False) -> Check:
+    facts = Facts(cpu_bf16_matmul_speed=matmul, cpu_bf16_conv_speed=conv, cpu_avx512_bf16=True, cpu_amx=amx)
+    return {c.name: c for c in checks(facts, smoke=True)}["CPU bfloat16"]
+
+
+def test_bfloat16_slower_than_float32_on_the_cpu_warns_to_train_with_amp_false() -> None:
+    check = cpu_bf16(0.48, 0.11)
+    assert check.status == "WARN"
+    assert check.evidence == (
+        "bfloat16 runs at 0.48x float32 for a 1024x1024 matmul and 0.11x for a 3x3 convolution "
+        "(avx512_bf16: yes, AMX: no)"
+    )
+    assert check.fix == "amp=true will be slower than float32 on this CPU: train with amp=false here, or on a GPU"
+    assert cpu_bf16(1.5, 0.85).status == "WARN"  # either format being slow is enough
+
+
+def test_bfloat16_at_least_nearly_as_fast_as_float32_is_information_only() -> None:
+    check = cpu_bf16(2.2, 0.95, amx=None)
+    assert check.status == "INFO" and check.fix == ""
+    assert check.evidence.endswith(
+        "2.20x float32 for a 1024x1024 matmul and 0.95x for a 3x3 convolution (avx512_bf16: yes, AMX: unknown)"
+    )
+
+
+def test_the_cpu_bfloat16_check_comes_only_with_the_smoke_tests() -> None:
+    facts = Facts(cpu_bf16_matmul_speed=0.5, cpu_bf16_conv_speed=0.1)
+    assert "CPU bfloat16" not in by_name(facts)
+    unmeasured = {c.name: c for c in checks(Facts(), smoke=True)}["CPU bfloat16"]
+    assert unmeasured.status == "INFO" and "not measured" in unmeasured.evidence
+
+
+def test_the_report_attached_to_runs_does_not_time_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[Facts] = []
+    monkeypatch.setattr(doctor, "gather_speed", lambda facts: timed.append(facts) or facts)
+    monkeypatch.setattr(precision, "measure", lambda *a, **k: pytest.fail("the run's report timed something"))
+    document = report(smoke=False)
+    assert timed == [] and document["facts"]["cpu_bf16_conv_speed"] is None
+    assert "CPU bfloat16" not in [c["name"] for c in document["checks"]]
+    report(smoke=True)
+    assert len(timed) == 1  # the patched function is the one the doctor's full run calls
+
+
+def test_gather_speed_divides_float32_time_by_bfloat16_time_for_each_operation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seconds = iter([0.01, 0.02, 0.03, 0.3])  # matmul fp32, bf16; conv fp32, bf16
+    dtypes: list[torch.dtype] = []
+
+    def fake_measure(fn, *, until: float, repeats: int = 3) -> Timing:
+        dtypes.append(fn().dtype)
+        return Timing(next(seconds), warm=True)
+
+    monkeypatch.setattr(precision, "measure", fake_measure)
+    facts = gather_speed(Facts())
+    assert dtypes == [torch.float32, torch.bfloat16] * 2
+    assert facts.cpu_bf16_matmul_speed == pytest.approx(0.5) and facts.cpu_bf16_conv_speed == pytest.approx(0.1)
+
+
+def test_cpu_flags_are_read_from_cpuinfo_and_unknown_without_it(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert _cpu_bf16_flags(cpuinfo) == (True, True)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
+    assert _cpu_bf16_flags(cpuinfo) == (True, False)
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # Arm
+    assert _cpu_bf16_flags(cpuinfo) == (None, None)
+    assert _cpu_bf16_flags(tmp_path / "missing") == (None, None)

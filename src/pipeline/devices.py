@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import platform
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -73,8 +74,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def resolve_device(cfg: DeviceConfig) -> DeviceChoice:
+def resolve_device(cfg: DeviceConfig, *, explain: Callable[[], str] = lambda: "") -> DeviceChoice:
     """Pick the run's device as configured.
+
+    Args:
+        cfg: the device group.
+        explain: when CUDA was asked for and is unusable, the diagnosis to add to the error (the
+            doctor's main finding; passed in, so this module does not depend on the doctor).
 
     Raises:
         DeviceError: ``cuda`` or ``mps`` was asked for and is not usable, or the index is out of range.
@@ -84,9 +90,7 @@ def resolve_device(cfg: DeviceConfig) -> DeviceChoice:
     if cfg.name == "cuda":
         gpus = cuda_devices()
         if not gpus:
-            from pipeline.doctor import main_finding  # the doctor's diagnosis, not just the symptom
-
-            finding = main_finding()
+            finding = explain()
             raise DeviceError(
                 f"device=cuda requested, but CUDA is not usable: {_cuda_findings()}"
                 + (f". The doctor finds {finding}" if finding else ". Run python -m pipeline.doctor for the checks")
@@ -113,6 +117,26 @@ def resolve_device(cfg: DeviceConfig) -> DeviceChoice:
             )
         return DeviceChoice(torch.device("mps"), "Apple MPS", "device=mps requested")
     return _auto()
+
+
+def activate(device: torch.device) -> None:
+    """Make ``device`` the target of every implicit CUDA call, and start its memory figures afresh.
+
+    Without ``set_device``, calls that take the *current* device (streams, events, ``empty_cache``,
+    new contexts) would go to GPU 0 while the run trains on another. The allocator's peaks are
+    per process: reset here, each run (and each in-process sweep job) reports its own.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cudnn_version() -> tuple[int | None, str | None]:
+    """cuDNN's version, or None; and the error when cuDNN refuses this machine's GPU (it raises then)."""
+    try:
+        return (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None), None
+    except RuntimeError as err:  # e.g. "cuDNN version 92400 is not compatible with devices with SM < 7.5"
+        return None, " ".join(str(err).split())
 
 
 def _auto() -> DeviceChoice:

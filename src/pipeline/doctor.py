@@ -18,12 +18,15 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.config import DeviceConfig
+from pipeline.devices import cudnn_version, resolve_device
 from pipeline.monitor.gpu import normalize_uuid
 
 PCI_VENDORS = {"0x10de": "NVIDIA", "0x1002": "AMD", "0x8086": "Intel"}
@@ -71,6 +74,11 @@ class Facts:
     cpus: int = 1
     shm_mb: int | None = None
     start_method: str = ""
+    # bfloat16's speed relative to float32 on the CPU; measured only by gather_speed (about a second)
+    cpu_bf16_matmul_speed: float | None = None  # 1024x1024 matmul
+    cpu_bf16_conv_speed: float | None = None  # 3x3 convolution, batch 8, 64 -> 64 channels, 56x56
+    cpu_avx512_bf16: bool | None = None  # from /proc/cpuinfo; None where it does not exist
+    cpu_amx: bool | None = None  # amx_bf16: the tile unit that makes bfloat16 pay off on the CPU
 
 
 def gather() -> Facts:
@@ -90,10 +98,7 @@ def gather() -> Facts:
                     "uuid": str(getattr(p, "uuid", "")),
                 }
             )
-        try:
-            facts.cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        except RuntimeError as err:  # e.g. "cuDNN version 92400 is not compatible with devices with SM < 7.5"
-            facts.cudnn_error = " ".join(str(err).split())
+        facts.cudnn, facts.cudnn_error = cudnn_version()
         with contextlib.suppress(Exception):  # the GPU may be unusable: the compute check says so
             facts.bf16 = torch.cuda.is_bf16_supported()
     _nvml(facts)
@@ -109,8 +114,52 @@ def gather() -> Facts:
     facts.env = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER") if k in os.environ}
     if Path("/dev/shm").is_dir():
         facts.shm_mb = shutil.disk_usage("/dev/shm").total // 2**20
-    facts.start_method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_start_method()
+    # get_start_method() without allow_none would fix the method for the whole process: read, never set
+    facts.start_method = multiprocessing.get_start_method(allow_none=True) or (
+        f"{multiprocessing.get_all_start_methods()[0]} (the default)"
+    )
     return facts
+
+
+def gather_speed(facts: Facts) -> Facts:
+    """Time bfloat16 against float32 on the CPU for a matmul and a convolution: about a second.
+
+    Only the doctor's own run (and ``report(smoke=True)``) pays for this, never the report
+    attached to each training run. Fills ``facts.cpu_bf16_*`` and the CPU's bfloat16 flags.
+    """
+    facts.cpu_avx512_bf16, facts.cpu_amx = _cpu_bf16_flags()
+    start = time.perf_counter()
+    rng = torch.Generator().manual_seed(0)  # leaves the global stream alone when called in-process
+    a, b = torch.randn(1024, 1024, generator=rng), torch.randn(1024, 1024, generator=rng)
+    x, w = torch.randn(8, 64, 56, 56, generator=rng), torch.randn(64, 64, 3, 3, generator=rng)
+    facts.cpu_bf16_matmul_speed = _bf16_speed(torch.matmul, (a, b), until=start + 0.3)
+    conv = torch.nn.functional.conv2d
+    facts.cpu_bf16_conv_speed = _bf16_speed(lambda x, w: conv(x, w, padding=1), (x, w), until=start + 1.0)
+    return facts
+
+
+def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> float:
+    """float32's time over bfloat16's for ``op(*args)``; inputs are cast beforehand, so only compute counts."""
+    from pipeline.precision import measure  # the amp probe's timer: warm-up, median, deadline
+
+    narrow = tuple(t.bfloat16() for t in args)
+    now = time.perf_counter()
+    fp32 = measure(lambda: op(*args), until=now + (until - now) / 4, repeats=5)  # bfloat16 may be 10x slower
+    bf16 = measure(lambda: op(*narrow), until=until, repeats=5)
+    return fp32.seconds / bf16.seconds
+
+
+def _cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[bool | None, bool | None]:
+    """(avx512_bf16, amx_bf16) from the CPU's flags; (None, None) without /proc/cpuinfo or its x86 flags."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:  # macOS, Windows
+        return None, None
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    if not match:  # Arm lists "Features" instead
+        return None, None
+    flags = set(match.group(1).split())
+    return "avx512_bf16" in flags, "amx_bf16" in flags
 
 
 def _nvml(facts: Facts) -> None:
@@ -228,6 +277,8 @@ def checks(facts: Facts, *, smoke: bool = True) -> list[Check]:
         )
     out += _build_checks(facts, nvidia_seen)
     out += _device_checks(facts, smoke=smoke)
+    if smoke:
+        out.append(_cpu_bf16_check(facts))
     out += _order_checks(facts)
     out.append(_hybrid_check(facts, nvidia_seen))
     if platform.system() == "Darwin":
@@ -383,9 +434,6 @@ def _order_checks(facts: Facts) -> list[Check]:
 
 
 def _hybrid_check(facts: Facts, nvidia_seen: bool) -> Check:
-    from pipeline.config import DeviceConfig
-    from pipeline.devices import resolve_device
-
     choice = resolve_device(DeviceConfig("auto"))
     adapters = "; ".join(facts.adapters) or "none listed in /sys/class/drm"
     integrated = [a for a in facts.adapters if "AMD" in a or "Intel" in a]
@@ -414,6 +462,26 @@ def _monitoring_checks(facts: Facts, nvidia_seen: bool) -> list[Check]:
         "" if usable else "pip install setuptools (GPUtil needs distutils), or use monitor=nvml",
     )
     return [nvml, gputil]
+
+
+# bfloat16 below this fraction of float32's speed makes amp=true on the CPU a slowdown
+CPU_BF16_SLOW = 0.9
+
+
+def _cpu_bf16_check(facts: Facts) -> Check:
+    known = {True: "yes", False: "no", None: "unknown"}
+    flags = f"avx512_bf16: {known[facts.cpu_avx512_bf16]}, AMX: {known[facts.cpu_amx]}"
+    matmul, conv = facts.cpu_bf16_matmul_speed, facts.cpu_bf16_conv_speed
+    if matmul is None or conv is None:
+        return Check("CPU bfloat16", "INFO", f"speed not measured (gather_speed did not run); {flags}")
+    slow = min(matmul, conv) < CPU_BF16_SLOW
+    return Check(
+        "CPU bfloat16",
+        "WARN" if slow else "INFO",
+        f"bfloat16 runs at {matmul:.2f}x float32 for a 1024x1024 matmul and {conv:.2f}x for a 3x3 convolution "
+        f"({flags})",
+        "amp=true will be slower than float32 on this CPU: train with amp=false here, or on a GPU" if slow else "",
+    )
 
 
 def _loading_check(facts: Facts) -> Check:
@@ -446,6 +514,8 @@ def render(found: list[Check]) -> str:
 def report(facts: Facts | None = None, *, smoke: bool = True) -> dict[str, Any]:
     """The doctor's findings as one JSON-able document (also attached to runs as environment.json)."""
     facts = facts or gather()
+    if smoke and facts.cpu_bf16_matmul_speed is None:
+        gather_speed(facts)  # about a second; the report attached to runs (smoke=False) skips it
     return {"facts": asdict(facts), "checks": [asdict(c) for c in checks(facts, smoke=smoke)]}
 
 
@@ -462,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the checks and facts as JSON")
     args = parser.parse_args(argv)
-    facts = gather()
+    facts = gather_speed(gather())
     found = checks(facts)
     if args.json:
         print(json.dumps({"facts": asdict(facts), "checks": [asdict(c) for c in found]}, indent=2))

@@ -1,7 +1,8 @@
-"""Where a run came from: versions, device, git commit, the overrides as typed.
+"""Where a run came from, and what it is called: versions, device, git commit, the overrides as typed.
 
 These become MLflow tags, using MLflow's own system tag names where they exist so the UI's
-Source, commit and description fields fill in.
+Source, commit and description fields fill in. Reading them has no side effects: a cuDNN that
+refuses the GPU is recorded as such (the doctor's report explains it), not raised.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import platform
 import shlex
 import subprocess
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from pipeline import __version__
-from pipeline.devices import DeviceChoice
+from pipeline.config import RunConfig
+from pipeline.devices import DeviceChoice, cudnn_version
 from pipeline.precision import PrecisionPolicy
 
 
@@ -38,11 +41,45 @@ def run_tags(
         "python.version": platform.python_version(),
         "torch.version": torch.__version__,
         "torch.cuda": torch.version.cuda or "none (CPU-only build)",
-        "torch.cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
+        "torch.cudnn": _cudnn(),
         "platform": platform.platform(terse=True),
     }
     tags.update(git_tags())
     return tags
+
+
+def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[str, str]:
+    """The key facts of the doctor's report as tags: driver, its CUDA, cuDNN, the device's compute capability."""
+    facts = environment["facts"]
+    tags = {"driver.version": facts["driver_version"] or "none", "driver.cuda": facts["driver_cuda"] or "none"}
+    if device.type == "cuda":
+        gpu = next(g for g in facts["torch_gpus"] if g["index"] == (device.index or 0))
+        tags["device.capability"] = "sm_{}{}".format(*gpu["capability"])
+        tags["torch.cudnn"] = str(facts["cudnn"] or f"error: {facts['cudnn_error']}")
+    return tags
+
+
+def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
+    """A readable name that differs wherever comparable runs differ: ``resnet50-cifar10-cuda-amp-bf16-bs128-w4``."""
+    parts = [cfg.model.name, cfg.data.name, device_type]
+    if precision != "fp32":
+        parts.append(precision)
+    parts.append(f"bs{cfg.loader.batch_size}")
+    parts.append("resident" if cfg.loader.resident else f"w{cfg.loader.num_workers}")
+    return "-".join(parts)
+
+
+def describe_loader(cfg: RunConfig) -> str:
+    if cfg.loader.resident:
+        return f"resident, batch {cfg.loader.batch_size}"
+    return f"DataLoader, {cfg.loader.num_workers} worker(s), batch {cfg.loader.batch_size}"
+
+
+def _cudnn() -> str:
+    version, error = cudnn_version()
+    if error:
+        return f"error: {error}"[:500]
+    return str(version) if version is not None else "none"
 
 
 def git_tags(cwd: str | None = None) -> dict[str, str]:
