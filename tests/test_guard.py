@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from mlflow import MlflowClient
 from torch import nn
 
+import pipeline.checkpoint as checkpoint
 import pipeline.train as train_module
 from pipeline.config import RunConfig
 from pipeline.loop import NonFiniteLoss
@@ -49,6 +51,21 @@ def test_a_nan_loss_stops_the_run_naming_the_step(
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED" and "NonFiniteLoss" in run.data.tags["error"]
     assert [m.step for m in MlflowClient(store_uri).get_metric_history(run.info.run_id, "train/loss")] == [5]
+
+
+def test_a_nan_never_overwrites_the_last_good_checkpoint(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path: Path
+) -> None:
+    """With checkpoints every 5 steps and losses read every 100, the step-10 checkpoint would hold NaN weights."""
+    poison_step(monkeypatch, 7, float("nan"))
+    with pytest.raises(NonFiniteLoss, match="at step 7"):
+        train(
+            make_cfg("trainer.max_steps=-1", "trainer.log_every_n_steps=100", "checkpoint.every_n_steps=5"), echo=False
+        )
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    saved = checkpoint.load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
+    assert saved["position"].step == 5
+    assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
 
 
 def test_an_infinite_loss_in_the_last_unlogged_steps_is_caught_too(

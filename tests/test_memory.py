@@ -13,7 +13,7 @@ from torch import nn
 
 import pipeline.train as train_module
 from pipeline.config import ConfigError, RunConfig
-from pipeline.memory import MicroBatcher, OutOfMemoryAtMinimum, is_oom
+from pipeline.memory import MicroBatcher, OomEvent, OomFailure, OutOfMemoryAtMinimum, is_oom
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -24,7 +24,6 @@ MakeCfg = Callable[..., RunConfig]
     [
         "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 7.79 GiB total capacity)",
         "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
-        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
         "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
         "MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)",
@@ -124,21 +123,32 @@ def test_accumulated_micro_batches_match_the_whole_batch_in_float64(
 def test_the_failed_steps_tensors_are_freed_before_the_retry(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    refs: list[weakref.ref] = []
+    """The fake OOM is raised inside the forward pass, after the first layer's activations exist and are
+    saved for backward; by the retry they must be gone (only the traceback could have kept them)."""
+    activations: list[weakref.ref] = []
     alive_at_retry: list[bool] = []
+    original = train_module.build_model
 
-    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-        if inputs[0].shape[0] > 16:
-            activation = inputs[0] * 2  # a tensor only the failed attempt's frame holds
-            refs.append(weakref.ref(activation))
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        if refs and len(alive_at_retry) < len(refs):
-            gc.collect()
-            alive_at_retry.append(refs[-1]() is not None)
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)  # Flatten, Linear, ReLU, Linear
 
-    with_hook(monkeypatch, hook)
+        def after_relu(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            if module.training and output.shape[0] > 16:
+                activations.append(weakref.ref(output))  # held by autograd (ReLU saves its output) and the frames
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+        def before_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if module.training and activations and len(alive_at_retry) < len(activations):
+                gc.collect()
+                alive_at_retry.append(activations[-1]() is not None)
+
+        model[2].register_forward_hook(after_relu)
+        model.register_forward_pre_hook(before_forward)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
     result = train(make_cfg("tracking=none", "loader.batch_size=32", "trainer.max_steps=2"), echo=False)
-    assert result.micro_batch == 16 and refs and alive_at_retry == [False]
+    assert result.micro_batch == 16 and len(activations) == 1 and alive_at_retry == [False]
 
 
 def test_out_of_memory_at_the_minimum_fails_the_run_clearly(
@@ -176,16 +186,77 @@ def test_disabled_fallback_raises_the_out_of_memory_error(make_cfg: MakeCfg, mon
         train(make_cfg("tracking=none", "oom.enabled=false"), echo=False)
 
 
-def test_evaluation_falls_back_too(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluation_falls_back_on_its_own_without_shrinking_the_training_micro_batch(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
     def eval_only(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         if not module.training and inputs[0].shape[0] > 10:
             raise torch.OutOfMemoryError("CUDA out of memory")
 
+    reference = train(make_cfg("tracking=none", "trainer.epochs=2", "trainer.max_steps=-1"), echo=False)
     with_hook(monkeypatch, eval_only)
-    reference = train(make_cfg("tracking=none"), echo=False)
-    result = train(make_cfg("tracking=none"), echo=False)  # same seed: same weights, same val figures
-    assert result.micro_batch == 8 and result.epochs[0].val_acc == reference.epochs[0].val_acc
-    assert result.epochs[0].val_loss == pytest.approx(reference.epochs[0].val_loss, rel=1e-6)
+    result = train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1"), echo=False)
+    assert result.micro_batch == 32 and not result.oom_events  # training kept its whole batch
+    assert result.eval_micro_batch == 8
+    assert torch.equal(weights(result.model), weights(reference.model))
+    assert result.epochs[-1].val_acc == reference.epochs[-1].val_acc
+    assert result.epochs[-1].val_loss == pytest.approx(reference.epochs[-1].val_loss, rel=1e-6)
+    history = MlflowClient(store_uri).get_metric_history(result.run_id, "oom/eval_micro_batch_size")
+    assert [(m.step, m.value) for m in history] == [(1, 8.0), (2, 8.0)]
+
+
+CUDNN_NOT_SUPPORTED = (
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+)
+
+
+def test_cudnn_not_supported_is_out_of_memory_only_on_a_nearly_full_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = RuntimeError(CUDNN_NOT_SUPPORTED)
+    assert not is_oom(err) and is_oom(err, nearly_full=True)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 78_000e6)
+    micro = MicroBatcher(batch_size=64, micro_batch=64)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40e9, 80e9))  # half free: a layout problem
+    assert micro.diagnose(err, gpu) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1e9, 80e9))  # 1.25% free: no workspace fits
+    assert micro.diagnose(err, gpu) == OomFailure(CUDNN_NOT_SUPPORTED, 78_000.0)
+
+
+def test_an_out_of_memory_event_records_the_allocators_peak_at_the_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read inside the except block; by the time ``recover`` runs, the failed step's memory is freed."""
+    gpu = torch.device("cuda", 0)
+    peak = {"mb": 7_900e6}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak["mb"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100e6)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1e9, 8e9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: peak.update(mb=0.0))
+    micro = MicroBatcher(batch_size=64, micro_batch=64)
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    except torch.OutOfMemoryError as err:
+        failure = micro.diagnose(err, gpu)
+    event = micro.recover(failure, step=3, optimizer=None, scaler=None, device=gpu)
+    assert event == OomEvent(3, 64, 7_900.0, "CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_micro_batched_batchnorm_runs_are_tagged_and_others_are_not(make_cfg: MakeCfg, store_uri: str) -> None:
+    small = [
+        "data=synthetic",
+        "data.num_samples=16",
+        "data.val_samples=4",
+        "loader.batch_size=8",
+        "trainer.max_steps=1",
+    ]
+    resnet = train(make_cfg(*small, "model=resnet18", "oom.micro_batch_size=4"), echo=False)
+    mlp = train(make_cfg(*small, "oom.micro_batch_size=4"), echo=False)
+    whole = train(make_cfg(*small, "model=resnet18"), echo=False)
+    client = MlflowClient(store_uri)
+    assert client.get_run(resnet.run_id).data.tags["oom.batchnorm"] == (
+        "BatchNorm normalised micro-batches of 4, not batches of 8: its statistics, and so the gradients, "
+        "differ from whole-batch training"
+    )
+    assert "oom.batchnorm" not in client.get_run(mlp.run_id).data.tags
+    assert "oom.batchnorm" not in client.get_run(whole.run_id).data.tags
 
 
 def test_the_summary_says_the_fallback_acted(

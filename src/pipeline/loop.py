@@ -7,7 +7,6 @@ the end of the epoch.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -20,9 +19,9 @@ from torch import nn
 from pipeline.errors import PipelineError
 from pipeline.memory import MicroBatcher
 from pipeline.precision import PrecisionPolicy
-from pipeline.timing import Breakdown, CudaEventTimer, WallTimer
+from pipeline.timing import Breakdown, EventTimer, WallTimer
 
-StepTimer = WallTimer | CudaEventTimer
+StepTimer = WallTimer | EventTimer
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -75,14 +74,16 @@ def train_epoch(
     timer: StepTimer,
     on_step: Callable[[int], None] = lambda samples: None,
     should_stop: Callable[[], bool] = lambda: False,
-    skip: int = 0,
+    checkpoint_every: int = 0,
+    save_checkpoint: Callable[[], None] = lambda: None,
 ) -> EpochStats:
     """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
 
-    ``timer`` is marked three times a step (batch in hand, batch on the device, step done);
+    ``timer`` is marked four times a step (batch asked for, in hand, on the device, step done);
     ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
-    ``should_stop`` is asked after every step (a stop request ends the epoch there); ``skip`` passes
-    over the first batches of the epoch (resuming mid-epoch: the order is the same, see ``checkpoint``).
+    ``should_stop`` is asked after every step (a stop request ends the epoch there). Every
+    ``checkpoint_every`` steps (0 = never) the losses since the last check are verified finite,
+    then ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
@@ -92,8 +93,7 @@ def train_epoch(
     start = time.perf_counter()
     timer.start()
     stopped = False
-    for images, labels in itertools.islice(batches, skip, None):
-        timer.ready()
+    for images, labels in timer.batches(batches):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         timer.copied()
@@ -103,13 +103,11 @@ def train_epoch(
                 loss = forward_backward(state, images, labels, policy=policy, prepare=prepare)
                 break
             except Exception as err:
-                if not state.micro.should_retry(err):
+                failure = state.micro.diagnose(err, device)  # here, while the failed step's memory is held
+                if failure is None:
                     raise
-                message = str(err)
             # outside the except block: the traceback, and the failed step's tensors with it, are gone
-            event = state.micro.recover(
-                step=state.step + 1, message=message, optimizer=optimizer, scaler=scaler, device=device
-            )
+            event = state.micro.recover(failure, step=state.step + 1, optimizer=optimizer, scaler=scaler, device=device)
             oom = {"oom/events": len(state.micro.events), "oom/micro_batch_size": state.micro.micro_batch}
             log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
         scaler.step(optimizer)
@@ -125,16 +123,20 @@ def train_epoch(
         on_step(n)
         if state.step % log_every == 0:
             log({"train/loss": window.close()}, state.step)  # host sync point; raises on NaN/inf
-        if state.step == max_steps:
+        if checkpoint_every and state.step % checkpoint_every == 0:
+            window.verify()  # host sync point; raises on NaN/inf before anything is written
+            save_checkpoint()
+        if 0 < max_steps <= state.step:
             break
         if should_stop():
             stopped = True
             break
     window.close()  # the epoch's last, unlogged steps are checked and counted too
-    breakdown = timer.finish()  # waits for the device (CUDA: the epoch's one event sync)
+    breakdown = timer.finish()  # waits for the device (CUDA, MPS: the epoch's one event sync)
     mean_loss = window.epoch_mean()
     seconds = time.perf_counter() - start
-    return EpochStats(mean_loss, samples, steps, seconds, state.step == max_steps, breakdown, stopped, skipped)
+    reached = 0 < max_steps <= state.step
+    return EpochStats(mean_loss, samples, steps, seconds, reached, breakdown, stopped, skipped)
 
 
 class NonFiniteLoss(PipelineError):
@@ -170,19 +172,30 @@ class LossWindow:
         self.losses[len(self.sizes)] = loss
         self.sizes.append(samples)
 
+    def verify(self) -> None:
+        """Raise ``NonFiniteLoss`` if a step since the last ``close`` had a non-finite loss (host sync);
+        the window stays open."""
+        self._values()
+
     def close(self) -> float:
         if not self.sizes:
             return float("nan")
-        values = self.losses[: len(self.sizes)].tolist()  # host sync point
+        values = self._values()
         total = samples = 0.0
-        for offset, (value, n) in enumerate(zip(values, self.sizes, strict=True)):
+        for value, n in zip(values, self.sizes, strict=True):
             if math.isfinite(value):
                 total, samples = total + value * n, samples + n
-            elif not self.tolerate:
-                raise NonFiniteLoss(self.first_step + offset, value)
         self.sizes.clear()
         self.total, self.samples = self.total + total, self.samples + int(samples)
         return total / samples if samples else float("nan")
+
+    def _values(self) -> list[float]:
+        values = self.losses[: len(self.sizes)].tolist()  # host sync point
+        if not self.tolerate:
+            for offset, value in enumerate(values):
+                if not math.isfinite(value):
+                    raise NonFiniteLoss(self.first_step + offset, value)
+        return values
 
     def epoch_mean(self) -> float:
         return self.total / self.samples if self.samples else float("nan")
@@ -230,8 +243,8 @@ def evaluate(
 ) -> EvalStats:
     """Mean loss and accuracy over ``batches``; one host sync at the end.
 
-    With ``micro``, batches run in its micro-batches and an out-of-memory error shrinks them and
-    replays the batch (no accumulation needed: evaluation only sums).
+    With ``micro`` (evaluation's own, never training's), batches run in its micro-batches and an
+    out-of-memory error shrinks them and replays the batch (no accumulation needed: evaluation only sums).
     """
     model.eval()
     total_loss = torch.zeros((), device=device)
@@ -248,10 +261,10 @@ def evaluate(
                 )
                 break
             except Exception as err:
-                if micro is None or not micro.should_retry(err):
+                failure = micro.diagnose(err, device) if micro else None  # while the failed pass's memory is held
+                if failure is None:
                     raise
-                message = str(err)
-            micro.recover(step=-1, message=message, optimizer=None, scaler=None, device=device)
+            micro.recover(failure, step=-1, optimizer=None, scaler=None, device=device)
         total_loss += batch_loss
         correct += batch_correct
         samples += n

@@ -5,7 +5,12 @@ untouched. ``MicroBatcher`` owns the current micro-batch size: after an OOM the 
 ``except`` block (so the traceback, and with it the failed step's tensors, can be freed), calls
 ``recover()``, and replays the same batch in halves, scaling each half's loss by its share of the
 batch so the gradients — and so the optimizer's step and learning rate — are those of the whole
-batch. The smaller size is kept for the rest of the run.
+batch. The smaller size is kept for the rest of the run. Evaluation has a micro-batcher of its
+own, so an out-of-memory error there never shrinks the training micro-batch.
+
+Accumulation gives the whole batch's gradients only for models whose layers treat samples
+independently: BatchNorm normalises each micro-batch with its own statistics, so such runs are
+tagged (``batchnorm_note``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.config import OomConfig
 from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -24,19 +30,54 @@ log = logging.getLogger(__name__)
 OOM_PATTERNS = (
     "CUDA out of memory",  # the caching allocator (torch.OutOfMemoryError's message)
     "CUDA error: out of memory",  # a kernel launch or context allocation
-    "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN found no algorithm whose workspace fits: OOM in disguise
     "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN's own allocation
     "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS handle or workspace
     "MPS backend out of memory",  # Apple MPS
     "DefaultCPUAllocator: can't allocate memory",  # the CPU allocator
 )
+# Out of memory only when the device is nearly full: cuDNN also says NOT_SUPPORTED when no algorithm's
+# workspace fits, but more often for a layout or dtype it has no kernel for, where a retry cannot help.
+AMBIGUOUS_PATTERNS = ("CUDNN_STATUS_NOT_SUPPORTED",)
+NEARLY_FULL = 0.10  # less than this share of the device's memory free (as the driver counts it)
 
 
-def is_oom(err: BaseException) -> bool:
-    """Whether ``err`` means the device ran out of memory (and a smaller micro-batch may fit)."""
+def is_oom(err: BaseException, *, nearly_full: bool = False) -> bool:
+    """Whether ``err`` means the device ran out of memory (and a smaller micro-batch may fit).
+
+    Args:
+        err: the exception raised by a training or evaluation step.
+        nearly_full: the device had little memory free when it was raised (see ``nearly_full``);
+            the evidence that turns an ambiguous cuDNN error into an out-of-memory one.
+    """
     if isinstance(err, torch.OutOfMemoryError):
         return True
-    return isinstance(err, RuntimeError) and any(pattern in str(err) for pattern in OOM_PATTERNS)
+    if not isinstance(err, RuntimeError):
+        return False
+    text = str(err)
+    return any(p in text for p in OOM_PATTERNS) or (nearly_full and any(p in text for p in AMBIGUOUS_PATTERNS))
+
+
+def nearly_full(device: torch.device) -> bool:
+    """Whether less than ``NEARLY_FULL`` of the CUDA device's memory is free (False elsewhere)."""
+    if device.type != "cuda":
+        return False
+    free, total = torch.cuda.mem_get_info(device)
+    return free < NEARLY_FULL * total
+
+
+def memory_at_failure_mb(device: torch.device) -> float:
+    """The memory figure an out-of-memory event records, read while the failed step's tensors still exist.
+
+    CUDA: the allocator's peak since the run started (``reset_peak_memory_stats`` at start-up), which
+    includes the failed step's allocations; MPS: memory allocated now; elsewhere the process's RSS.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e6
+    if device.type == "mps":
+        return torch.mps.current_allocated_memory() / 1e6
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e6
 
 
 class OutOfMemoryAtMinimum(PipelineError):
@@ -44,10 +85,18 @@ class OutOfMemoryAtMinimum(PipelineError):
 
 
 @dataclass(frozen=True)
+class OomFailure:
+    """What an out-of-memory error left to know once its traceback (and the step's tensors) are gone."""
+
+    message: str  # the error's first line
+    memory_mb: float  # ``memory_at_failure_mb``, read inside the ``except`` block
+
+
+@dataclass(frozen=True)
 class OomEvent:
-    step: int  # the global step being attempted
+    step: int  # the global step being attempted (-1: evaluation)
     micro_batch: int  # the size that failed
-    memory_mb: float  # memory in use when it failed (device allocator on CUDA, process RSS elsewhere)
+    memory_mb: float  # see ``memory_at_failure_mb``
     message: str
 
 
@@ -68,14 +117,23 @@ class MicroBatcher:
     enabled: bool = True
     events: list[OomEvent] = field(default_factory=list)
 
-    def should_retry(self, err: BaseException) -> bool:
-        return self.enabled and is_oom(err)
+    @classmethod
+    def from_config(cls, cfg: OomConfig, *, batch_size: int) -> MicroBatcher:
+        return cls(batch_size, cfg.micro_batch_size or batch_size, cfg.min_micro_batch, cfg.enabled)
+
+    def diagnose(self, err: BaseException, device: torch.device) -> OomFailure | None:
+        """The failure to recover from, or None when ``err`` must be raised. Call inside the ``except`` block,
+        where the failed step's memory is still held, so the figures are those of the failure."""
+        if not self.enabled or not is_oom(err, nearly_full=nearly_full(device)):
+            return None
+        lines = str(err).splitlines() or [type(err).__name__]
+        return OomFailure(lines[0][:300], memory_at_failure_mb(device))
 
     def recover(
         self,
+        failure: OomFailure,
         *,
         step: int,
-        message: str,
         optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None,
         device: torch.device,
@@ -89,19 +147,19 @@ class MicroBatcher:
             optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             reset_scaler_step(scaler)
-        memory_mb = memory_in_use_mb(device)
         release_memory(device)
-        event = OomEvent(step, self.micro_batch, memory_mb, message.splitlines()[0][:300])
+        memory_mb = failure.memory_mb
+        event = OomEvent(step, self.micro_batch, memory_mb, failure.message)
         self.events.append(event)
         if self.micro_batch <= self.min_micro_batch:
             raise OutOfMemoryAtMinimum(
                 f"out of memory at step {step} even with a micro-batch of {self.micro_batch} "
-                f"(oom.min_micro_batch={self.min_micro_batch}; {memory_mb:,.0f} MB in use): use a smaller model "
-                f"or input size, amp=true, or a device with more memory. Last error: {event.message}"
+                f"(oom.min_micro_batch={self.min_micro_batch}; {memory_mb:,.0f} MB at the failure): use a smaller "
+                f"model or input size, amp=true, or a device with more memory. Last error: {event.message}"
             )
         self.micro_batch = max(self.min_micro_batch, self.micro_batch // 2)
         log.warning(
-            "out of memory at step %d with micro-batch %d (%.0f MB in use): retrying the same batch as "
+            "out of memory at step %d with micro-batch %d (%.0f MB at the failure): retrying the same batch as "
             "micro-batches of %d, effective batch %d kept",
             step,
             event.micro_batch,
@@ -131,9 +189,13 @@ def release_memory(device: torch.device) -> None:
         torch.mps.empty_cache()
 
 
-def memory_in_use_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 1e6
-    import psutil
-
-    return psutil.Process().memory_info().rss / 1e6
+def batchnorm_note(model: torch.nn.Module, micro: MicroBatcher) -> str | None:
+    """Why a micro-batched run of a model with BatchNorm is not exactly whole-batch training, or None."""
+    if micro.micro_batch >= micro.batch_size:
+        return None
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return None
+    return (
+        f"BatchNorm normalised micro-batches of {micro.micro_batch}, not batches of {micro.batch_size}: "
+        "its statistics, and so the gradients, differ from whole-batch training"
+    )

@@ -39,9 +39,12 @@ class RunResult:
     tracking_write_s: float = 0.0  # time the training thread spent writing metrics
     oom_events: list[Any] = field(default_factory=list)  # pipeline.memory.OomEvent, in order
     micro_batch: int = 0  # samples per forward/backward at the end (the effective batch is the loader's)
+    eval_micro_batch: int = 0  # samples per evaluation forward at the end (evaluation shrinks on its own)
     bottleneck: str = ""
     verdict: str = ""
     tracking: list[str] = field(default_factory=list)
+    amp_probe: Any = None  # pipeline.precision.AmpProbe: amp=true on the CPU, timed against float32 at start
+    notes: list[str] = field(default_factory=list)  # caveats about what the numbers mean (e.g. BatchNorm)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
 
     @property
@@ -69,7 +72,7 @@ def format_summary(result: RunResult) -> str:
             f"  speed       {last.samples_per_s:,.0f} samples/s in the last epoch (steady state; "
             f"epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
             f"  step time   {b.data_wait_pct:.0f}% waiting for data · {b.h2d_pct:.0f}% copying to the device · "
-            f"{b.compute_pct:.0f}% compute",
+            f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]
     if u.samples:
         util = f"  utilisation CPU {u.cpu_mean_pct:.0f}% of the machine"
@@ -84,7 +87,20 @@ def format_summary(result: RunResult) -> str:
             f"  OOM fallback {len(result.oom_events)} out-of-memory event(s): micro-batch {first} -> "
             f"{result.micro_batch}, gradients accumulated so every step still saw the full batch"
         )
+    if result.eval_micro_batch and result.eval_micro_batch < result.micro_batch:
+        lines.append(
+            f"  OOM fallback evaluation ran out of memory and continued in micro-batches of {result.eval_micro_batch}"
+        )
+    if result.amp_probe is not None:
+        p = result.amp_probe
+        verdict = "amp=false is faster here" if p.speed < 1 else "amp pays off here"
+        lines.append(
+            f"  amp check   {p.dtype} autocast ran at {p.speed:.2f}x float32's speed on this CPU "
+            f"(one training step each at batch {p.batch}, {p.amp_s:.2f} s vs {p.fp32_s:.2f} s, before training): "
+            f"{verdict}"
+        )
     if result.verdict:
         lines.append(f"  bottleneck  {result.verdict}")
+    lines += [f"  note        {note}" for note in result.notes]
     lines += ["  " + line for line in result.tracking]
     return "\n".join(lines)

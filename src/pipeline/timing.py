@@ -1,10 +1,17 @@
-"""Where a step's time goes: waiting for the batch, copying it to the device, computing.
+"""Where a step's time goes: the pipeline's own bookkeeping, waiting for the batch, copying it, computing.
 
-The loop marks three points per step (batch in hand, batch on the device, optimizer step
-done). On the CPU the marks are wall clocks. On CUDA they are events recorded on the stream,
-so nothing waits for the GPU until the epoch ends: the gap between the previous step's end and
-this step's copy is time the GPU sat idle waiting for input, the copy is the H2D transfer as
-the GPU executed it, and the rest is compute. ``finish()`` is the one sync point.
+The loop marks four points per step: it asks the loader for the next batch (``fetch``), has the
+batch in hand (``ready``), has it on the device (``copied``), and has enqueued the optimizer step
+(``done``). So the time between the previous step's end and the next ``fetch`` is the
+pipeline's own work (reading the loss back at logging points, writing metrics to the buffer, a
+mid-epoch checkpoint, the progress bar), which is never booked as waiting for data.
+
+On the CPU the marks are wall clocks. On CUDA and Apple MPS they are device events recorded on
+the training device's stream, so nothing waits for the device until the epoch ends, and a gap
+between two marks is time the device sat idle: a host that is busy with bookkeeping while the
+device still computes costs nothing, as it should. A wall clock would book the device's
+asynchronous work wherever the host happens to wait for it (on MPS, typically while fetching
+the next batch) and call a compute-bound run input-bound. ``finish()`` is the epoch's one sync.
 
 The first step of an epoch (warm-up, cuDNN autotuning, compilation, worker start-up) is kept
 out of the shares and of the steady-state throughput and reported on its own.
@@ -13,28 +20,32 @@ out of the shares and of the steady-state throughput and reported on its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Breakdown:
     """One epoch's step-time breakdown; shares and throughput cover the steady-state steps."""
 
-    data_wait_s: float
-    h2d_s: float
-    compute_s: float
+    data_wait_s: float  # waiting for the loader to hand over the next batch
+    h2d_s: float  # copying the batch to the device
+    compute_s: float  # forward, backward, optimizer step
     steady_steps: int
     steady_samples: int
     first_step_s: float
     steps: int
     samples: int
+    overhead_s: float = 0.0  # the pipeline's own work between steps: logging, checkpoints, progress
 
     @property
     def step_s(self) -> float:
-        return self.data_wait_s + self.h2d_s + self.compute_s
+        return self.overhead_s + self.data_wait_s + self.h2d_s + self.compute_s
 
     def share(self, part_s: float) -> float:
         return 100.0 * part_s / self.step_s if self.step_s > 0 else 0.0
@@ -52,6 +63,10 @@ class Breakdown:
         return self.share(self.compute_s)
 
     @property
+    def overhead_pct(self) -> float:
+        return self.share(self.overhead_s)
+
+    @property
     def samples_per_s(self) -> float:
         """Steady-state throughput: the first step's samples and time left out."""
         return self.steady_samples / self.step_s if self.step_s > 0 else 0.0
@@ -61,6 +76,7 @@ class Breakdown:
             "time/data_wait_pct": self.data_wait_pct,
             "time/h2d_pct": self.h2d_pct,
             "time/compute_pct": self.compute_pct,
+            "time/overhead_pct": self.overhead_pct,
             "time/first_step_s": self.first_step_s,
             "time/step_ms": 1000.0 * self.step_s / self.steady_steps if self.steady_steps else 0.0,
             "throughput/samples_per_s": self.samples_per_s,
@@ -68,12 +84,13 @@ class Breakdown:
 
 
 class _Marks:
-    """Three marks a step; subclasses say what a mark is and how marks become seconds."""
+    """Four marks a step; subclasses say what a mark is and how marks become seconds."""
 
     def __init__(self) -> None:
-        self._marks: list[tuple[Any, Any, Any]] = []
+        self._marks: list[tuple[Any, Any, Any, Any]] = []
         self._sizes: list[int] = []
         self._start: Any = None
+        self._fetch: Any = None
         self._ready: Any = None
         self._copied: Any = None
 
@@ -85,6 +102,9 @@ class _Marks:
         self._sizes.clear()
         self._start = self._mark()
 
+    def fetch(self) -> None:
+        self._fetch = self._mark()
+
     def ready(self) -> None:
         self._ready = self._mark()
 
@@ -92,12 +112,24 @@ class _Marks:
         self._copied = self._mark()
 
     def done(self, samples: int) -> None:
-        self._marks.append((self._ready, self._copied, self._mark()))
+        self._marks.append((self._fetch, self._ready, self._copied, self._mark()))
         self._sizes.append(samples)
+
+    def batches(self, iterable: Iterable[T]) -> Iterator[T]:
+        """``iterable``'s items with ``fetch`` marked as each is asked for and ``ready`` as it arrives."""
+        iterator = iter(iterable)  # starts loader workers: part of the epoch's first step
+        while True:
+            self.fetch()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self.ready()
+            yield item
 
 
 class WallTimer(_Marks):
-    """Marks with ``time.perf_counter`` (CPU and MPS: the host waits for the work anyway)."""
+    """Marks with ``time.perf_counter`` (the CPU, where the host does the work itself)."""
 
     def _mark(self) -> float:
         return time.perf_counter()
@@ -106,21 +138,26 @@ class WallTimer(_Marks):
         return _breakdown(self._start, self._marks, self._sizes)
 
 
-class CudaEventTimer(_Marks):
-    """Marks with CUDA events on the current stream; read once, in ``finish``."""
+class EventTimer(_Marks):
+    """Marks as device events (CUDA or MPS) recorded where the training device's work is queued.
 
-    def __init__(self, device: torch.device) -> None:
+    Args:
+        new_event: makes a timing event (``torch.cuda.Event(enable_timing=True)``, ...).
+        record: records an event on the training device's stream.
+    """
+
+    def __init__(self, new_event: Callable[[], Any], record: Callable[[Any], None]) -> None:
         super().__init__()
-        self.device = device
-        self._pool: list[torch.cuda.Event] = []  # reused every epoch: no event creation in steady state
+        self._new_event, self._record = new_event, record
+        self._pool: list[Any] = []  # reused every epoch: no event creation in steady state
         self._used = 0
 
-    def _mark(self) -> torch.cuda.Event:
+    def _mark(self) -> Any:
         if self._used == len(self._pool):
-            self._pool.append(torch.cuda.Event(enable_timing=True))
+            self._pool.append(self._new_event())
         event = self._pool[self._used]
         self._used += 1
-        event.record()  # about a microsecond on the host; nothing waits
+        self._record(event)  # about a microsecond on the host; nothing waits
         return event
 
     def start(self) -> None:
@@ -130,31 +167,40 @@ class CudaEventTimer(_Marks):
     def finish(self) -> Breakdown:
         if not self._marks:
             return _breakdown(0.0, [], [])
-        self._marks[-1][2].synchronize()  # the epoch's only wait for the GPU
+        self._marks[-1][3].synchronize()  # the epoch's only wait for the device
         start = self._start
         marks = [tuple(start.elapsed_time(event) / 1e3 for event in step) for step in self._marks]
         return _breakdown(0.0, marks, self._sizes)
 
 
-def make_timer(device: torch.device) -> WallTimer | CudaEventTimer:
-    return CudaEventTimer(device) if device.type == "cuda" else WallTimer()
+def make_timer(device: torch.device) -> WallTimer | EventTimer:
+    """The step timer for ``device``: events on its current stream for CUDA and MPS, wall clocks on the CPU."""
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)  # the training device's, whatever device is current
+        return EventTimer(lambda: torch.cuda.Event(enable_timing=True), lambda event: event.record(stream))
+    if device.type == "mps":
+        return EventTimer(lambda: torch.mps.event.Event(enable_timing=True), lambda event: event.record())
+    return WallTimer()
 
 
-def _breakdown(start: float, marks: list[tuple[float, float, float]], sizes: list[int]) -> Breakdown:
-    """Sum the parts of steps 2..N from (ready, copied, done) times; step 1 is reported alone."""
+def _breakdown(start: float, marks: list[tuple[float, ...]], sizes: list[int]) -> Breakdown:
+    """Sum the parts of steps 2..N from (fetch, ready, copied, done) times; step 1 is reported alone."""
     if not marks:
         return Breakdown(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0)
-    first_step_s = marks[0][2] - start
+    first_step_s = marks[0][3] - start
     steady = marks[1:] if len(marks) > 1 else marks
-    previous_done = marks[0][2] if len(marks) > 1 else start
-    wait = h2d = compute = 0.0
-    for ready, copied, done in steady:
-        wait += max(ready - previous_done, 0.0)
+    previous_done = marks[0][3] if len(marks) > 1 else start
+    overhead = wait = h2d = compute = 0.0
+    for fetch, ready, copied, done in steady:
+        overhead += max(fetch - previous_done, 0.0)
+        wait += max(ready - fetch, 0.0)
         h2d += max(copied - ready, 0.0)
         compute += max(done - copied, 0.0)
         previous_done = done
     steady_samples = sum(sizes[1:]) if len(marks) > 1 else sum(sizes)
-    return Breakdown(wait, h2d, compute, len(steady), steady_samples, first_step_s, len(marks), sum(sizes))
+    return Breakdown(
+        wait, h2d, compute, len(steady), steady_samples, first_step_s, len(marks), sum(sizes), overhead_s=overhead
+    )
 
 
 def combine(breakdowns: list[Breakdown]) -> Breakdown:
@@ -170,4 +216,14 @@ def combine(breakdowns: list[Breakdown]) -> Breakdown:
         first_step_s=breakdowns[0].first_step_s,
         steps=sum(b.steps for b in breakdowns),
         samples=sum(b.samples for b in breakdowns),
+        overhead_s=sum(b.overhead_s for b in breakdowns),
     )
+
+
+def launch_metrics(first_epoch_started_at: float, breakdown: Breakdown) -> dict[str, float]:
+    """Seconds from the process's start (as the OS records it) to the end of the first training step."""
+    import psutil
+
+    return {
+        "time/launch_to_first_step_s": first_epoch_started_at - psutil.Process().create_time() + breakdown.first_step_s
+    }

@@ -7,6 +7,10 @@ copying it to the device) and, when a GPU was sampled, its mean utilisation:
 - ``compute``: input < 10% of step time (and, with a GPU, busy >= 50% or not measured).
 - ``mixed``:   everything in between.
 
+The pipeline's own work between steps (reading the loss back, checkpoints, the progress bar;
+``time/overhead_pct``) is not input: it never makes a run input-bound. When it takes
+``OVERHEAD_PCT`` or more of the step time, the verdict says so and how to reduce it.
+
 The hint names the overrides to try next, chosen from the run's own loader and device.
 """
 
@@ -21,6 +25,7 @@ INPUT_BOUND_PCT = 30.0
 INPUT_WITH_IDLE_GPU_PCT = 15.0
 IDLE_GPU_PCT = 50.0
 COMPUTE_BOUND_PCT = 10.0
+OVERHEAD_PCT = 10.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ def judge(
     h2d_pct: float,
     gpu_util_pct: float | None,
     precision: str,
+    overhead_pct: float = 0.0,
     cpus: int | None = None,
 ) -> Verdict:
     """The verdict with its evidence and a hint made of concrete overrides."""
@@ -55,6 +61,12 @@ def judge(
     evidence = f"{data_wait_pct:.0f}% of step time waiting for data, {h2d_pct:.0f}% copying it"
     if gpu_util_pct is not None:
         evidence += f", GPU busy {gpu_util_pct:.0f}% on average"
+    bookkeeping = ""
+    if overhead_pct >= OVERHEAD_PCT:
+        evidence += f", {overhead_pct:.0f}% the pipeline's own work between steps"
+        bookkeeping = f"; to cut that, raise trainer.log_every_n_steps (now {cfg.trainer.log_every_n_steps})" + (
+            f" or checkpoint.every_n_steps (now {cfg.checkpoint.every_n_steps})" if cfg.checkpoint.every_n_steps else ""
+        )
     if kind == "input":
         hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
     elif kind == "compute":
@@ -66,7 +78,7 @@ def judge(
             + compute_hint(cfg, device_type=device_type, precision=precision)
         )
     label = {"input": "input-bound", "compute": "compute-bound", "mixed": "mixed"}[kind]
-    return Verdict(kind, f"{label}: {evidence} — {hint}")
+    return Verdict(kind, f"{label}: {evidence} — {hint}{bookkeeping}")
 
 
 def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -> str:
@@ -90,7 +102,7 @@ def compute_hint(cfg: RunConfig, *, device_type: str, precision: str) -> str:
     if device_type == "cpu":
         hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
         if precision != "fp32":
-            hint += "; amp=false may be faster on CPUs without native bfloat16"
+            hint += "; amp=false is usually faster on a CPU (amp/cpu_speed_vs_fp32 has this one's measure)"
         return hint
     steps = []
     if precision == "fp32":
