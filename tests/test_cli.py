@@ -39,11 +39,14 @@ def run_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
 def test_bad_input_exits_2_with_one_line_and_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], message: str
 ) -> None:
+    touched: list[str] = []  # any query of CUDA, even "is it there?", would mean the run got that far
+    for name in ("is_available", "device_count", "init", "_lazy_init", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: touched.append(name))
     assert run_main(monkeypatch, *args) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no mlflow.db, no mlruns/, no outputs/
-    assert not torch.cuda.is_initialized()
+    assert touched == []
 
 
 def test_missing_gpu_exits_2_before_any_run_is_created(

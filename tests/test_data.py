@@ -15,7 +15,7 @@ import torchvision.datasets as tvd
 
 from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
 from pipeline.config import DataConfig, LoaderConfig
-from pipeline.data import Normalize, ResidentLoader, load_data, make_loader
+from pipeline.data import EpochOrder, Normalize, ResidentLoader, load_data, make_loader
 from pipeline.errors import DatasetError
 
 LOADER = LoaderConfig(
@@ -151,7 +151,10 @@ def test_resident_loader_visits_every_sample_once_per_epoch_in_a_new_order() -> 
     images = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1)
     labels = torch.arange(10)
     loader = ResidentLoader(images, labels, batch_size=4, shuffle=True, drop_last=False, seed=0)
-    epochs = [[b[1] for b in loader] for _ in range(2)]
+    epochs = []
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        epochs.append([b[1] for b in loader])
     assert len(loader) == 3 and [len(b) for b in epochs[0]] == [4, 4, 2]
     orders = [torch.cat(e).tolist() for e in epochs]
     assert sorted(orders[0]) == list(range(10)) and sorted(orders[1]) == list(range(10))
@@ -159,7 +162,46 @@ def test_resident_loader_visits_every_sample_once_per_epoch_in_a_new_order() -> 
     for batch_images, batch_labels in loader:
         assert torch.equal(batch_images.view(-1).long(), batch_labels)  # images stay with their labels
     again = ResidentLoader(images, labels, batch_size=4, shuffle=True, drop_last=False, seed=0)
-    assert torch.cat([b[1] for b in again]).tolist() == orders[0]
+    again.set_epoch(2)
+    assert torch.cat([b[1] for b in again]).tolist() == orders[1]  # epoch 2's order, whatever ran before
+    again.set_epoch(2, skip=2)
+    assert len(again) == 1 and torch.cat([b[1] for b in again]).tolist() == orders[1][8:]
+
+
+def test_the_epoch_order_depends_on_the_seed_and_the_epoch_alone() -> None:
+    order = EpochOrder(100, seed=7, shuffle=True)
+    order.set_epoch(3)
+    third = list(order)
+    torch.manual_seed(123)
+    torch.rand(1000)  # other random draws in the process change nothing
+    fresh = EpochOrder(100, seed=7, shuffle=True)
+    fresh.set_epoch(3)
+    assert list(fresh) == third and sorted(third) == list(range(100))
+    fresh.set_epoch(4)
+    assert list(fresh) != third
+    fresh.set_epoch(3, start=40)
+    assert len(fresh) == 60 and list(fresh) == third[40:]
+    assert list(EpochOrder(5, seed=7, shuffle=False)) == [0, 1, 2, 3, 4]
+
+
+def test_a_dataloader_skips_batches_in_its_sampler_without_loading_them() -> None:
+    loaded: list[int] = []
+
+    class Counting(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            loaded.append(i)
+            return torch.zeros(1, 2, 2, dtype=torch.uint8), i
+
+    loader = make_loader(Counting(), LOADER, device=torch.device("cpu"), train=True, seed=0)
+    loader.set_epoch(1)
+    whole = torch.cat([labels for _, labels in loader]).tolist()
+    loaded.clear()
+    loader.set_epoch(1, skip=2)  # batches of 16: only the last 8 samples are left
+    assert len(loader) == 1 and torch.cat([labels for _, labels in loader]).tolist() == whole[32:]
+    assert sorted(loaded) == sorted(whole[32:])
 
 
 def test_resident_loader_drop_last_and_no_shuffle() -> None:

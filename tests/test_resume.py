@@ -77,11 +77,15 @@ def test_sigterm_stops_at_a_step_boundary_and_resume_ends_with_the_same_weights(
     assert [m.step for m in client.get_metric_history(resumed.run_id, "val/acc")] == [1, 2]
 
 
+def find(resume: str, folder: Path, experiment: str = "pipeline", store: str = "") -> Path:
+    return checkpoint.find(resume, folder=folder, experiment=experiment, store=store)
+
+
 def test_resume_by_run_id_and_by_path(make_cfg: MakeCfg, tmp_path: Path) -> None:
     first = train(make_cfg("trainer.epochs=1", "trainer.max_steps=-1"), echo=False)
     path = tmp_path / "checkpoints" / first.run_id / "last.pt"
-    assert checkpoint.find(first.run_id, folder=tmp_path / "checkpoints") == path
-    assert checkpoint.find(str(path), folder=tmp_path / "elsewhere") == path
+    assert find(first.run_id, tmp_path / "checkpoints") == path
+    assert find(str(path), tmp_path / "elsewhere") == path
     more = train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", f"resume={first.run_id}"), echo=False)
     assert more.run_id == first.run_id and more.steps == 2 * 45 and [e.epoch for e in more.epochs] == [2]
 
@@ -92,14 +96,140 @@ def test_resume_without_a_checkpoint_is_a_clear_error(
     assert run_main(monkeypatch, "device=cpu", "resume=latest") == 2
     assert "error: resume=latest: no checkpoint under checkpoints/*/last.pt" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="resume=abc: neither a checkpoint file nor a run id"):
-        checkpoint.find("abc", folder=Path("checkpoints"))
+        find("abc", Path("checkpoints"))
+
+
+def crash_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Raise an unrelated error in the forward pass of training step ``step`` (a crash, not a stop)."""
+    original = train_module.build_model
+    calls = {"n": 0}
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] == step:
+                    raise RuntimeError("the machine fell over")
+
+        model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
+
+
+def test_every_n_steps_checkpoints_let_a_crashed_run_resume_to_the_same_weights(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path: Path
+) -> None:
+    uninterrupted = train(make_cfg(*BASE, "tracking.experiment=whole"), echo=False)
+    with monkeypatch.context() as patch:
+        crash_at_step(patch, 36)
+        with pytest.raises(RuntimeError, match="fell over"):
+            train(make_cfg(*BASE, "checkpoint.every_n_steps=10"), echo=False)
+    client = MlflowClient(store_uri)
+    (failed,) = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
+    saved = checkpoint.load(tmp_path / "checkpoints" / failed.info.run_id / "last.pt")
+    assert failed.info.status == "FAILED" and saved["position"] == Position(epoch=2, batch=7, step=30)
+    resumed = train(make_cfg(*BASE, "checkpoint.every_n_steps=10", "resume=latest"), echo=False)
+    assert resumed.run_id == failed.info.run_id and resumed.steps == 46
+    assert torch.equal(weights(resumed.model), weights(uninterrupted.model))
+
+
+@pytest.mark.slow
+def test_resume_with_persistent_loader_workers_across_an_epoch_boundary_ends_with_the_same_weights(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DataLoader draws its workers' seed when it makes an iterator: once per process with persistent workers,
+    so a resumed process used to shuffle epochs >= 2 differently. The order is now the epoch's alone."""
+    workers = [
+        "loader=workers",
+        "loader.num_workers=2",
+        "loader.batch_size=64",
+        "trainer.epochs=3",
+        "trainer.max_steps=-1",
+    ]
+    uninterrupted = train(make_cfg(*workers, "tracking=none"), echo=False)
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 30)  # epoch 2, batch 7
+        with pytest.raises(Stopped):
+            train(make_cfg(*workers), echo=False)
+    resumed = train(make_cfg(*workers, "resume=latest"), echo=False)
+    assert resumed.steps == 3 * 23 and [e.epoch for e in resumed.epochs] == [2, 3]
+    assert torch.equal(weights(resumed.model), weights(uninterrupted.model))
+
+
+def test_an_epoch_cut_short_by_max_steps_is_checkpointed_where_it_stopped(
+    make_cfg: MakeCfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    three = ["trainer.epochs=3", "loader.batch_size=64"]
+    whole = train(make_cfg(*three, "trainer.max_steps=-1", "tracking=none"), echo=False)
+    first = train(make_cfg(*three, "trainer.max_steps=30"), echo=False)
+    saved = checkpoint.load(tmp_path / "checkpoints" / first.run_id / "last.pt")
+    assert saved["position"] == Position(epoch=2, batch=7, step=30)  # not "epoch 2 done"
+
+    # at (or past) max_steps there is nothing to train: refused before anything is opened
+    assert run_main(monkeypatch, "device=cpu", *three, "trainer.max_steps=30", f"resume={first.run_id}") == 2
+    assert "has trained 30 steps (epoch 2 done in part); nothing to do" in capsys.readouterr().err
+    assert run_main(monkeypatch, "device=cpu", *three, "trainer.max_steps=20", f"resume={first.run_id}") == 2
+
+    more = train(make_cfg(*three, "trainer.max_steps=-1", f"resume={first.run_id}"), echo=False)
+    assert more.steps == 3 * 23 and [e.epoch for e in more.epochs] == [2, 3]
+    assert torch.equal(weights(more.model), weights(whole.model))
+
+
+def test_resume_latest_takes_the_newest_unfinished_run_of_this_experiment(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 5)
+        with pytest.raises(Stopped):
+            train(make_cfg(*BASE), echo=False)
+    (stopped_id,) = [p.name for p in Path("checkpoints").iterdir()]
+    finished = train(make_cfg(*BASE), echo=False)  # newer, but finished
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 5)
+        with pytest.raises(Stopped):
+            train(make_cfg(*BASE, "tracking.experiment=other"), echo=False)  # newer, but another experiment
+    found = find("latest", Path("checkpoints"), store=checkpoint.store_id(make_cfg().tracking))
+    assert found == Path("checkpoints") / stopped_id / "last.pt"
+    assert f"resume=latest: continuing run {stopped_id} (stopped at epoch 1, batch 5, step 5" in caplog.text
+    resumed = train(make_cfg(*BASE, "resume=latest"), echo=False)
+    assert resumed.run_id == stopped_id != finished.run_id
+    with pytest.raises(CheckpointError, match=rf"no unfinished run .*finished: ({stopped_id}|{finished.run_id})"):
+        find("latest", Path("checkpoints"), store=checkpoint.store_id(make_cfg().tracking))
+
+
+def test_resume_refuses_a_different_model_and_records_other_changes(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 5)
+        with pytest.raises(Stopped):
+            train(make_cfg(*BASE), echo=False)
+    with pytest.raises(CheckpointError, match=r"model.hidden_sizes: \[512\] in the checkpoint, \[256\] now"):
+        train(make_cfg(*BASE, "model.hidden_sizes=[256]", "resume=latest"), echo=False)
+    with pytest.raises(CheckpointError, match=r"loader.batch_size: 64 in the checkpoint, 32 now"):
+        train(make_cfg(*BASE, "loader.batch_size=32", "resume=latest"), echo=False)
+    resumed = train(make_cfg(*BASE, "trainer.lr=0.02", "resume=latest"), echo=False)
+    tags = MlflowClient(store_uri).get_run(resumed.run_id).data.tags
+    assert tags["resume.changed"] == "trainer.lr: 0.01 -> 0.02"
+
+
+def test_a_stop_without_checkpoints_says_that_none_exists(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    sigterm_at_step(monkeypatch, 3)
+    with pytest.raises(Stopped):
+        train(make_cfg(*BASE, "checkpoint.enabled=false"), echo=False)
+    assert "no checkpoint (checkpoint.enabled=false)" in caplog.text and "checkpoint None" not in caplog.text
 
 
 def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_one_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "run" / "last.pt"
-    checkpoint.save(path, {"version": 1, "weights": torch.arange(4)})
+    checkpoint.save(path, {"format": checkpoint.FORMAT, "version": 1, "weights": torch.arange(4)})
 
     def broken_save(obj, f) -> None:
         f.write(b"PK\x03\x04 half a checkpoint")
@@ -107,7 +237,7 @@ def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_one_whole(
 
     monkeypatch.setattr(checkpoint.torch, "save", broken_save)
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save(path, {"version": 2})
+        checkpoint.save(path, {"format": checkpoint.FORMAT, "version": 2})
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]  # no temporary file left behind
     monkeypatch.undo()
     assert checkpoint.load(path)["version"] == 1

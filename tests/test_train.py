@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,9 @@ import pipeline.train as train_module
 from files import write_image_folder, write_mnist
 from pipeline.config import RunConfig
 from pipeline.models import build_model
-from pipeline.train import derive_run_name, train
+from pipeline.precision import PrecisionPolicy
+from pipeline.provenance import run_name
+from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
 
@@ -72,9 +75,24 @@ def test_amp_on_the_cpu_runs_forward_in_bfloat16(make_cfg: MakeCfg, monkeypatch:
     assert all(p.dtype == torch.float32 for p in result.model.parameters())  # master weights stay fp32
 
 
-def test_fp16_amp_on_the_cpu_runs_with_a_grad_scaler(make_cfg: MakeCfg) -> None:
+def test_fp16_amp_on_the_cpu_runs_with_an_enabled_grad_scaler_whose_scale_moves(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scalers: list[torch.amp.GradScaler] = []
+    original = PrecisionPolicy.make_scaler
+
+    def growing(self: PrecisionPolicy) -> torch.amp.GradScaler:
+        scaler = original(self)
+        scaler.set_growth_factor(2.0)
+        scaler._growth_interval = 1  # double after every finite step, so three steps move it three times
+        scalers.append(scaler)
+        return scaler
+
+    monkeypatch.setattr(PrecisionPolicy, "make_scaler", growing)
     result = train(make_cfg("tracking=none", "amp=true", "precision=fp16"), echo=False)
-    assert result.precision == "amp-fp16" and result.steps == 3
+    (scaler,) = scalers
+    assert result.precision == "amp-fp16" and result.steps == 3 and scaler.is_enabled()
+    assert scaler.get_scale() == 2.0**16 * 2**3  # the scaler stepped with the optimizer every step
 
 
 @pytest.mark.parametrize("model", ["mlp", "resnet18", "resnet50"])
@@ -89,10 +107,27 @@ def test_every_model_trains_two_steps(make_cfg: MakeCfg, model: str) -> None:
         "trainer.max_steps=2",
     )
     result = train(cfg, echo=False)
-    assert result.steps == 2 and result.epochs[0].val_loss == result.epochs[0].val_loss  # not NaN
+    torch.manual_seed(cfg.trainer.seed)  # what train() does before building the model
+    initial = build_model(cfg.model, in_shape=(1, 28, 28), num_classes=10)
+    assert type(result.model) is type(initial) and result.parameters == sum(p.numel() for p in initial.parameters())
+    assert result.steps == 2 and math.isfinite(result.epochs[0].val_loss)
+    assert not torch.equal(weights(initial), weights(result.model))  # two optimizer steps moved the weights
 
 
-def test_resnet_with_channels_last_and_adamw(make_cfg: MakeCfg) -> None:
+def test_resnet_with_channels_last_sees_nhwc_inputs_and_weights(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layouts: list[bool] = []
+    original = train_module.build_model
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+        model.conv1.register_forward_pre_hook(
+            lambda m, i: layouts.append(i[0].is_contiguous(memory_format=torch.channels_last)) if m.training else None
+        )
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
     cfg = make_cfg(
         "model=resnet18",
         "tracking=none",
@@ -106,7 +141,10 @@ def test_resnet_with_channels_last_and_adamw(make_cfg: MakeCfg) -> None:
         "trainer.lr=1e-3",
         "trainer.max_steps=2",
     )
-    assert train(cfg, echo=False).steps == 2
+    result = train(cfg, echo=False)
+    assert result.steps == 2 and layouts == [True, True]
+    assert result.model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert isinstance(result.model, nn.Module) and not hasattr(result.model, "_orig_mod")
 
 
 @pytest.mark.slow
@@ -118,15 +156,18 @@ def test_worker_processes_give_the_same_weights_as_the_main_process(make_cfg: Ma
 
 
 @pytest.mark.slow
-def test_compiled_model_trains(make_cfg: MakeCfg) -> None:
+def test_compiled_model_trains_through_torch_compile(make_cfg: MakeCfg) -> None:
+    eager = train(make_cfg("tracking=none", "trainer.max_steps=2"), echo=False)
     result = train(make_cfg("tracking=none", "trainer.compile=true", "trainer.max_steps=2"), echo=False)
-    assert result.steps == 2
+    assert isinstance(result.model, torch._dynamo.eval_frame.OptimizedModule)  # what torch.compile returns
+    assert result.steps == 2 and result.epochs[0].val_loss == result.epochs[0].val_loss
+    torch.testing.assert_close(weights(result.model._orig_mod), weights(eager.model), rtol=1e-4, atol=1e-5)
 
 
 def test_run_names_say_what_differs(make_cfg: MakeCfg) -> None:
     cfg = make_cfg("model=resnet50", "amp=true", "loader.batch_size=128", "loader=workers", "loader.batch_size=128")
-    assert derive_run_name(cfg, device_type="cuda", precision="amp-bf16") == "resnet50-digits-cuda-amp-bf16-bs128-w4"
-    assert derive_run_name(make_cfg("loader=resident"), device_type="cpu", precision="fp32") == (
+    assert run_name(cfg, device_type="cuda", precision="amp-bf16") == "resnet50-digits-cuda-amp-bf16-bs128-w4"
+    assert run_name(make_cfg("loader=resident"), device_type="cpu", precision="fp32") == (
         "mlp-digits-cpu-bs32-resident"
     )
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from pipeline.config import LoaderConfig
 
@@ -21,12 +21,54 @@ log = logging.getLogger(__name__)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+class EpochOrder(Sampler[int]):
+    """The samples an epoch visits, in order: a function of the seed and the epoch number alone.
+
+    A permutation drawn from a generator seeded with ``(seed, epoch)`` does not depend on how
+    many epochs ran in this process, on loader workers (a DataLoader draws its workers' base
+    seed from its own generator whenever it creates an iterator, which with persistent workers
+    happens once per process), or on anything else that draws random numbers. So a resumed run
+    visits the same samples in the same order as an uninterrupted one, and ``start`` skips the
+    samples already trained on without loading them.
+    """
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool) -> None:
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.start = 1, 0
+
+    def set_epoch(self, epoch: int, *, start: int = 0) -> None:
+        """Visit ``epoch``'s order from its ``start``-th sample (0 = the whole epoch)."""
+        self.epoch, self.start = epoch, min(max(start, 0), self.size)
+
+    def indices(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.start, self.size)
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+        return torch.randperm(self.size, generator=generator)[self.start :]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.size - self.start
+
+
+class EpochLoader(DataLoader):
+    """A DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch."""
+
+    sampler: EpochOrder
+
+    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+        """Use ``epoch``'s order and pass over its first ``skip`` batches (resume) without loading them."""
+        self.sampler.set_epoch(epoch, start=skip * (self.batch_size or 1))
+
+
 class ResidentLoader:
     """Batches cut by index from a dataset that lives on the device as two tensors.
 
-    One shuffle per epoch (a permutation made on the CPU with a seeded generator, so the order
-    does not depend on the device), then each batch is an index gather on the device: no
-    per-sample Python, no collation, no host-to-device copy.
+    One permutation per epoch (made on the CPU by an ``EpochOrder``, so the order does not
+    depend on the device), then each batch is an index gather on the device: no per-sample
+    Python, no collation, no host-to-device copy. Call ``set_epoch`` before each epoch.
     """
 
     def __init__(
@@ -38,19 +80,22 @@ class ResidentLoader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.images, self.labels = images, labels
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
-        self.generator = torch.Generator().manual_seed(seed)
+        self.order = EpochOrder(len(labels), seed=seed, shuffle=shuffle)
+
+    def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
+        self.order.set_epoch(epoch, start=skip * self.batch_size)
 
     def __len__(self) -> int:
-        n = len(self.labels)
+        n = len(self.order)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        n, size = len(self.labels), self.batch_size
-        if not self.shuffle:
-            for start in range(0, len(self) * size, size):
+        size, first = self.batch_size, self.order.start
+        if not self.shuffle:  # slices are views: no gather
+            for start in range(first, first + len(self) * size, size):
                 yield self.images[start : start + size], self.labels[start : start + size]
             return
-        order = torch.randperm(n, generator=self.generator).to(self.images.device, non_blocking=True)
+        order = self.order.indices().to(self.images.device, non_blocking=True)
         for start in range(0, len(self) * size, size):
             index = order[start : start + size]
             yield self.images[index], self.labels[index]
@@ -75,7 +120,7 @@ class Normalize:
 
 def make_loader(
     dataset: Dataset, cfg: LoaderConfig, *, device: torch.device, train: bool, seed: int
-) -> Iterable[Batch]:
+) -> EpochLoader | ResidentLoader:
     """The batches of one split, as ``loader.*`` configures them.
 
     Args:
@@ -100,17 +145,17 @@ def make_loader(
             "loader.pin_memory=true has no effect on %s: pinned memory speeds up copies to CUDA only", device.type
         )
     pin = device.type == "cuda" and cfg.pin_memory in ("auto", True)
-    return DataLoader(
+    return EpochLoader(
         dataset,
         batch_size=cfg.batch_size,
-        shuffle=train,
+        sampler=EpochOrder(len(dataset), seed=seed, shuffle=train),
         num_workers=cfg.num_workers,
         pin_memory=pin,
         persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor,
         drop_last=train and cfg.drop_last,
         timeout=cfg.timeout,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
     )
 
 
@@ -122,3 +167,12 @@ def materialize(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
     loader = DataLoader(dataset, batch_size=256, shuffle=False)
     parts = list(loader)
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def first_batch(dataset: Dataset, size: int) -> Batch:
+    """The dataset's first ``size`` samples as one batch (a slice of tensor datasets; decoded otherwise)."""
+    if isinstance(dataset, TensorDataset):
+        images, labels = dataset.tensors
+        return images[:size], labels[:size]
+    items = [dataset[i] for i in range(min(size, len(dataset)))]
+    return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])
