@@ -160,7 +160,7 @@ def test_compiled_model_trains_through_torch_compile(make_cfg: MakeCfg) -> None:
     eager = train(make_cfg("tracking=none", "trainer.max_steps=2"), echo=False)
     result = train(make_cfg("tracking=none", "trainer.compile=true", "trainer.max_steps=2"), echo=False)
     assert isinstance(result.model, torch._dynamo.eval_frame.OptimizedModule)  # what torch.compile returns
-    assert result.steps == 2 and result.epochs[0].val_loss == result.epochs[0].val_loss
+    assert result.steps == 2 and math.isfinite(result.epochs[0].val_loss)
     torch.testing.assert_close(weights(result.model._orig_mod), weights(eager.model), rtol=1e-4, atol=1e-5)
 
 

@@ -36,7 +36,8 @@ class RunResult:
     epochs: list[EpochRecord] = field(default_factory=list)
     breakdown: Breakdown = field(default_factory=lambda: combine([]))
     utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
-    tracking_write_s: float = 0.0  # time the training thread spent writing metrics
+    tracking_write_s: float = 0.0  # time the training thread spent writing metrics (between epochs)
+    tracking_background_write_s: float = 0.0  # time the tracker's writer thread spent writing (during epochs)
     oom_events: list[Any] = field(default_factory=list)  # pipeline.memory.OomEvent, in order
     micro_batch: int = 0  # samples per forward/backward at the end (the effective batch is the loader's)
     eval_micro_batch: int = 0  # samples per evaluation forward at the end (evaluation shrinks on its own)

@@ -417,6 +417,7 @@ def conclude(
         breakdown=breakdown,
         utilisation=utilisation,
         tracking_write_s=tracker.write_s,
+        tracking_background_write_s=tracker.background_write_s,
         oom_events=list(setup.state.micro.events),
         micro_batch=setup.state.micro.micro_batch,
         eval_micro_batch=setup.eval_micro.micro_batch,
