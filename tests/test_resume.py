@@ -31,8 +31,8 @@ def weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.state_dict().values()])
 
 
-def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    """Send this process SIGTERM during the forward pass of training step ``step``."""
+def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
+    """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds."""
     original = train_module.build_model
     calls = {"n": 0}
 
@@ -43,12 +43,17 @@ def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
             if module.training:
                 calls["n"] += 1
                 if calls["n"] == step:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    action()
 
         model.register_forward_pre_hook(hook)
         return model
 
     monkeypatch.setattr(train_module, "build_model", build)
+
+
+def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Send this process SIGTERM during the forward pass of training step ``step``."""
+    at_training_step(monkeypatch, step, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 def test_sigterm_stops_at_a_step_boundary_and_resume_ends_with_the_same_weights(
@@ -101,22 +106,11 @@ def test_resume_without_a_checkpoint_is_a_clear_error(
 
 def crash_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """Raise an unrelated error in the forward pass of training step ``step`` (a crash, not a stop)."""
-    original = train_module.build_model
-    calls = {"n": 0}
 
-    def build(*args, **kwargs):
-        model = original(*args, **kwargs)
+    def fall_over() -> None:
+        raise RuntimeError("the machine fell over")
 
-        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            if module.training:
-                calls["n"] += 1
-                if calls["n"] == step:
-                    raise RuntimeError("the machine fell over")
-
-        model.register_forward_pre_hook(hook)
-        return model
-
-    monkeypatch.setattr(train_module, "build_model", build)
+    at_training_step(monkeypatch, step, fall_over)
 
 
 def test_every_n_steps_checkpoints_let_a_crashed_run_resume_to_the_same_weights(

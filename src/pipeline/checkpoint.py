@@ -321,6 +321,33 @@ class Checkpointer:
         self.last = position
         return self.path
 
+    @classmethod
+    def for_run(
+        cls,
+        cfg: RunConfig,
+        *,
+        run_id: str | None,
+        run_name: str,
+        state: Any,
+        device: torch.device,
+        config: Mapping[str, Any],
+    ) -> Checkpointer:
+        """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
+        ``state`` (a ``loop.TrainState``) and ``config`` (the masked config, compared on resume)."""
+        folder = Path(cfg.checkpoint.dir) / (run_id or f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return cls(
+            folder=folder,
+            enabled=cfg.checkpoint.enabled,
+            contents=lambda: payload(state, run_id=run_id, run_name=run_name, config=config),
+            device=device,
+            scope={
+                "run_id": run_id,
+                "run_name": run_name,
+                "experiment": cfg.tracking.experiment,
+                "store": store_id(cfg.tracking),
+            },
+        )
+
     def __enter__(self) -> Checkpointer:
         return self
 

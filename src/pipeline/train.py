@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,19 +147,8 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
         ) as tracker,
     ):
         record_start(tracker, setup, recorded, typed, resumed)
-        with checkpoint.Checkpointer(
-            folder=Path(cfg.checkpoint.dir) / (tracker.run_id or f"{setup.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"),
-            enabled=cfg.checkpoint.enabled,
-            contents=lambda: checkpoint.payload(
-                setup.state, run_id=tracker.run_id, run_name=setup.run_name, config=recorded
-            ),
-            device=setup.device,
-            scope={
-                "run_id": tracker.run_id,
-                "run_name": setup.run_name,
-                "experiment": cfg.tracking.experiment,
-                "store": checkpoint.store_id(cfg.tracking),
-            },
+        with checkpoint.Checkpointer.for_run(
+            cfg, run_id=tracker.run_id, run_name=setup.run_name, state=setup.state, device=setup.device, config=recorded
         ) as saver:
             sampler = open_sampler(
                 cfg.monitor, device=setup.device, log_metrics=tracker.log_metrics, children=cfg.loader.num_workers > 0
