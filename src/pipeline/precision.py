@@ -286,16 +286,17 @@ def _seconds(value: float) -> str:
 
 
 def check_cpu_amp(
-    policy: PrecisionPolicy, model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+    policy: PrecisionPolicy, model: nn.Module, batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
 ) -> AmpProbe | None:
     """With amp=true on the CPU, time the run's model in both formats before training and warn if amp is slower.
 
-    The run still trains as asked; the warning gives the measured ratio and the faster override.
-    Returns None (and measures nothing) on other devices and without amp.
+    ``batch()`` gives the normalised images and labels to time with; it is called only when the
+    check runs. The run still trains as asked; the warning gives the measured ratio and the faster
+    override. Returns None (and measures nothing) on other devices and without amp.
     """
     if policy.device_type != "cpu" or policy.dtype is None:
         return None
-    probe = probe_cpu_amp(model, images, labels, dtype=policy.dtype)
+    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype)
     advice = amp_advice(probe)
     if advice:
         import logging

@@ -80,8 +80,12 @@ def build(cfg: RunConfig) -> Setup:
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
-    images, labels = first_batch(data.train, cfg.loader.batch_size)
-    amp_probe = check_cpu_amp(policy, model, prepare(images.to(device)), labels.to(device))
+
+    def first_prepared() -> tuple[torch.Tensor, torch.Tensor]:  # read only when the amp check runs
+        images, labels = first_batch(data.train, cfg.loader.batch_size)
+        return prepare(images.to(device)), labels.to(device)
+
+    amp_probe = check_cpu_amp(policy, model, first_prepared)
     parameters = count_parameters(model)
     if t.compile:
         model = torch.compile(model)
