@@ -82,3 +82,41 @@ def write_image_folder(
             pixels[..., i % 3] = 200
             Image.fromarray(pixels).save(root / name / f"{j}.png")
     return root
+
+
+# Damaged inputs: each writes one bad file (or folder) and returns its path, for tests/test_bad_data.py.
+
+
+def truncate(path: Path, keep: float = 0.5) -> Path:
+    """Cut ``path`` to its first ``keep`` share of bytes, as an interrupted copy or download leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    return path
+
+
+def write_random_bytes(path: Path, size: int = 1000, seed: int = 0) -> Path:
+    """Replace ``path`` with ``size`` random bytes (0 writes an empty file)."""
+    path.write_bytes(np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes())
+    return path
+
+
+def write_idx(path: Path, array: np.ndarray, magic: int | None = None) -> Path:
+    """Replace ``path`` with an idx file of ``array``; ``magic`` overrides the first four bytes."""
+    data = idx_bytes(array)
+    if magic is not None:
+        data = struct.pack(">I", magic) + data[4:]
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def write_pickle(path: Path, obj: object) -> Path:
+    """Replace ``path`` with ``obj`` pickled, e.g. a CIFAR-10 batch with a key missing."""
+    path.write_bytes(pickle.dumps(obj))
+    return path
+
+
+def write_image(path: Path, size: int = 20, seed: int = 0) -> Path:
+    """One random RGB image; the suffix picks the format (.png, .jpg)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+    return path

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from pipeline.config import DataConfig
+from pipeline.data.archives import read_published
+from pipeline.data.images import image_folder
 from pipeline.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -119,71 +122,44 @@ def _digits(cfg: DataConfig) -> DataBundle:
 
 
 def split_indices(n: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed-seed shuffle of ``range(n)`` cut into train and val indices."""
+    """A fixed-seed shuffle of ``range(n)`` cut into train and val indices, neither of them empty.
+
+    Raises:
+        DatasetError: ``val_fraction`` of ``n`` samples leaves none to train on, or ``n < 2``.
+    """
+    if n < 2:
+        raise DatasetError(f"{n} sample(s): need at least 2, one to train on and one to validate")
+    n_val = max(1, round(n * val_fraction))  # at least one: val is never empty
+    if n_val >= n:
+        most = math.floor((n - 1) / n * 10_000) / 10_000  # rounds n * most down to n - 1 at most
+        raise DatasetError(
+            f"data.val_fraction={val_fraction} holds out {n_val} of the {n} samples and leaves none to train on: "
+            f"use a value <= {most} (the default is 0.2)"
+        )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
-    n_val = max(1, round(n * val_fraction))
     return order[n_val:], order[:n_val]
 
 
 def _torchvision(cfg: DataConfig) -> DataBundle:
-    import torchvision.datasets as tvd
-
-    cls = {"mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST, "cifar10": tvd.CIFAR10}[cfg.name]
-    root = Path(cfg.root or "data")
-    try:
-        train, val = (cls(str(root), train=split, download=cfg.download) for split in (True, False))
-    except (RuntimeError, OSError) as err:
-        folder, expected = expected_files(cfg.name, root)
-        how = "the download failed" if cfg.download else "data.download=false"
-        cause = " ".join(str(err).split())[:400]  # torchvision's messages span lines
-        raise DatasetError(
-            f"data={cfg.name}: files missing under {folder} and {how} ({cause}). Expected: {', '.join(expected)}. "
-            f"Put them there (or point data.root at the folder that holds {folder.name}/)."
-        ) from err
-    if cfg.name == "cifar10":
-        images = [torch.from_numpy(d.data).permute(0, 3, 1, 2).contiguous() for d in (train, val)]
-        labels = [torch.tensor(d.targets, dtype=torch.long) for d in (train, val)]
-    else:
-        images = [d.data.unsqueeze(1) for d in (train, val)]
-        labels = [d.targets.long() for d in (train, val)]
+    """MNIST, Fashion-MNIST or CIFAR-10 from ``data.root``, downloaded by torchvision when missing (``archives``)."""
+    root = Path(cfg.root or "data").expanduser()
+    (train, val), num_classes = read_published(cfg.name, root, download=bool(cfg.download))
     mean, std = _STATS[cfg.name]
     return tensor_bundle(
         cfg.name,
-        train=(images[0], labels[0]),
-        val=(images[1], labels[1]),
-        num_classes=len(train.classes),
+        train=train,
+        val=val,
+        num_classes=num_classes,
         source=str(root.resolve()),
         mean=mean,
         std=std,
     )
 
 
-def expected_files(name: str, root: Path) -> tuple[Path, list[str]]:
-    """The folder torchvision reads ``name`` from, and the files it needs there."""
-    import torchvision.datasets as tvd
-
-    if name == "cifar10":
-        cls = tvd.CIFAR10
-        return root / cls.base_folder, [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
-    cls = {"mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST}[name]
-    return root / cls.__name__ / "raw", [Path(url).stem for url, _ in cls.resources]
-
-
 def _imagefolder(cfg: DataConfig) -> DataBundle:
-    from torchvision import datasets, transforms
-
-    root = Path(cfg.root or "")
-    if not root.is_dir():
-        raise DatasetError(f"data.root={str(root)!r} is not a folder (data=imagefolder needs one sub-folder per class)")
+    root = Path(cfg.root or "").expanduser()
     size, channels = cfg.image_size or 64, cfg.channels or 3
-    steps = [transforms.Resize((size, size))]
-    if channels == 1:
-        steps.append(transforms.Grayscale(1))
-    steps.append(transforms.PILToTensor())
-    try:
-        folder = datasets.ImageFolder(str(root), transform=transforms.Compose(steps))
-    except (FileNotFoundError, OSError) as err:
-        raise DatasetError(f"data=imagefolder: {err} (expected {root}/<class>/<image>.png|jpg)") from err
+    folder = image_folder(root, size=size, channels=channels)
     train_idx, val_idx = split_indices(len(folder), cfg.val_fraction or 0.2)
     listing = "\n".join(f"{Path(p).relative_to(root)}:{Path(p).stat().st_size}" for p, _ in folder.samples)
     mean, std = _STATS["imagefolder"] if channels == 3 else ((0.5,), (0.25,))
