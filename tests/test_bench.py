@@ -42,6 +42,15 @@ def test_unknown_benchmark_names_are_refused(capsys: pytest.CaptureFixture[str])
     assert info.value.code == 2 and "unknown benchmark(s) ['nope']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_non_positive_thread_counts_are_refused_in_one_line(capsys: pytest.CaptureFixture[str], threads: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--only", "overhead", "--threads", threads])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--threads must be >= 1" in err
+    assert err.splitlines()[-1].startswith("python -m pipeline.bench: error:")
+
+
 @pytest.mark.slow
 def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--quick"]) == 0

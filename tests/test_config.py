@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pipeline.config import ConfigError, compose, config_dir, flatten, from_dictconfig, load
+from pipeline.config import ConfigError, _build, compose, config_dir, flatten, from_dictconfig, load
 from pipeline.errors import OverrideError
 
 GROUPS = ["device", "model", "precision", "loader", "data", "trainer", "tracking"]
@@ -114,6 +114,43 @@ def test_unknown_options_and_keys_are_one_line_errors(overrides: list[str], matc
     with pytest.raises(OverrideError, match=match) as info:
         compose(overrides)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("blank", ["''", "'   '", "'\t'"])
+def test_a_blank_experiment_name_is_refused(blank: str) -> None:
+    with pytest.raises(ConfigError, match=r"^tracking\.experiment='(?:\s|\\t)*' is not allowed: expected a non-empty"):
+        load([f"tracking.experiment={blank}"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.lr=inf"],
+        ["trainer.lr=nan"],
+        ["trainer.momentum=nan"],
+        ["trainer.weight_decay=inf"],
+        ["data=imagefolder", "data.root=x", "data.val_fraction=nan"],
+        ["monitor.interval_s=inf"],
+        ["loader=workers", "loader.timeout=inf"],
+        ["trainer.lr=1e999"],  # too large for a float: Hydra reads it as inf
+    ],
+    ids=" ".join,
+)
+def test_every_float_key_must_be_finite(overrides: list[str]) -> None:
+    key = overrides[-1].split("=")[0].replace(".", r"\.")
+    with pytest.raises(ConfigError, match=rf"^{key}=(inf|nan) is not allowed: expected a finite number$"):
+        load(overrides)
+
+
+def test_a_float_key_can_opt_out_of_the_finite_rule() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Limits:
+        budget_s: float = dataclasses.field(metadata={"nonfinite": True})  # inf = no limit
+        rate: float = 1.0
+
+    assert _build(Limits, {"budget_s": float("inf")}, prefix="limits.").budget_s == float("inf")
+    with pytest.raises(ConfigError, match=r"limits\.rate=inf .* a finite number"):
+        _build(Limits, {"budget_s": 1.0, "rate": float("inf")}, prefix="limits.")
 
 
 def test_an_unresolvable_interpolation_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

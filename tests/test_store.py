@@ -2,17 +2,220 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
+import shutil
+import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
+from pipeline.config import load
 from pipeline.secrets import mask_text
-from pipeline.store import TrackingUnavailable, check_reachable, retrying, sqlite_path, store_lock
+from pipeline.store import (
+    DiskFull,
+    TrackingUnavailable,
+    check_reachable,
+    connect,
+    disk_full,
+    retrying,
+    sqlite_path,
+    store_lock,
+)
 from test_cli import run_main
+
+HOLD_LOCK = (  # a second process: takes SQLite's exclusive lock, says so, holds it until its stdin closes
+    "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+    "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); sys.stdin.read()"
+)
+
+
+@contextlib.contextmanager
+def locked_by_another_process(database: Path) -> Iterator[None]:
+    with sqlite3.connect(database) as db:
+        db.execute("CREATE TABLE IF NOT EXISTS experiments (name TEXT)")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(database)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        yield
+    finally:
+        holder.communicate(timeout=30)  # closes its stdin: the lock goes with the process
+
+
+def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``folder`` made read-only; as root, whom file modes do not stop, ``os.access`` answers as for a user."""
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(
+            "pipeline.store.os.access",
+            lambda path, mode: real(path, mode) and not (mode & os.W_OK and Path(path).resolve() == folder.resolve()),
+        )
+    return folder
+
+
+def a_folder(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
+    (tmp / "runs").mkdir()
+    return f"sqlite:///{tmp / 'runs'}"
+
+
+def not_sqlite(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
+    (tmp / "notes.db").write_text("these are notes, not a database\n")
+    return f"sqlite:///{tmp / 'notes.db'}"
+
+
+def read_only_folder(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
+    return f"sqlite:///{read_only(tmp / 'shared', mp) / 'mlflow.db'}"
+
+
+def read_only_artifacts(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
+    read_only(tmp / "mlruns", mp)  # the store's folder is writable; MLflow's artifact folder is not
+    return f"sqlite:///{tmp / 'mlflow.db'}"
+
+
+def locked(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
+    mp.setattr("pipeline.store.RETRIES", 2)  # wait 0.15 s, not MLflow's 13: the other process never lets go
+    stack.enter_context(locked_by_another_process(tmp / "busy.db"))
+    return f"sqlite:///{tmp / 'busy.db'}"
+
+
+def full_disk(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
+    real = shutil.disk_usage
+    mp.setattr("pipeline.store.shutil.disk_usage", lambda path: real(path)._replace(free=3 * 2**20))
+    return f"sqlite:///{tmp / 'mlflow.db'}"
+
+
+def environment_garbage(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> None:
+    mp.setenv("MLFLOW_TRACKING_URI", "garbage")  # the default tracking.uri reads it
+    return None
+
+
+BAD_STORES: dict[str, tuple[Callable[..., str | None] | str, str]] = {
+    "a folder": (
+        a_folder,
+        r"names the folder .*runs, not a database file: use tracking.uri=sqlite:///.*runs/mlflow\.db",
+    ),
+    "a file that is not SQLite": (not_sqlite, r"notes\.db is not an SQLite database .*point tracking.uri at a new"),
+    "a missing file store": (
+        "file:///nonexistent",
+        r"file:///nonexistent is a file: URI.*tracking.uri=sqlite:///mlflow\.db",
+    ),
+    "garbage from the environment": (
+        environment_garbage,
+        r"^tracking\.uri=garbage \(from MLFLOW_TRACKING_URI\) is a plain path, not a URI.*MLFLOW_TRACKING_URI=sqlite:///",
+    ),
+    "an unknown scheme": ("foo://alice:s3cret@x", r"^tracking\.uri=foo://alice:\*\*\*@x has an unknown scheme 'foo'"),
+    "a read-only folder": (read_only_folder, r"shared is read-only, and SQLite writes mlflow\.db and its journal"),
+    "read-only artifacts": (read_only_artifacts, r"artifacts to .*mlruns, and .*mlruns is read-only: launch from"),
+    "a locked database": (locked, r"busy\.db is locked by another process .*fuser"),
+    "a full disk": (full_disk, r"only 3 MB free on the disk holding the tracking store .*a run needs at least"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_STORES)
+def test_a_store_that_cannot_work_is_refused_in_one_line_before_any_data_is_loaded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, case: str
+) -> None:
+    make, expected = BAD_STORES[case]
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with contextlib.ExitStack() as stack:
+        uri = make(tmp_path, monkeypatch, stack) if callable(make) else make
+        resolved = uri or load().tracking.uri
+        with pytest.raises(TrackingUnavailable, match=expected) as info:
+            check_reachable(resolved)
+        assert "\n" not in str(info.value) and "s3cret" not in str(info.value)
+
+        monkeypatch.setattr("pipeline.train.load_data", lambda *a, **k: pytest.fail("data was loaded"))
+        assert run_main(monkeypatch, "device=cpu", *([f"tracking.uri={uri}"] if uri else [])) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {info.value}\n"
+    assert not (tmp_path / "mlflow.db").exists()  # no store was made
+    assert not (tmp_path / "mlruns").exists() or case == "read-only artifacts"
+
+
+def test_a_usable_store_passes_the_checks_and_they_leave_nothing_behind(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    check_reachable(uri)  # no file yet: SQLite makes it
+    connect(uri, "pipeline")
+    check_reachable(uri)  # a real MLflow store, with tables
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
+
+
+def test_an_old_file_store_is_opened_when_mlflow_is_told_to(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_reachable(f"file://{tmp_path / 'mlruns'}")
+    with pytest.raises(TrackingUnavailable, match="needs the folder .*nowhere to exist and be writable"):
+        check_reachable(f"file://{tmp_path / 'nowhere' / 'mlruns'}")
+
+
+@pytest.mark.slow
+def test_a_lock_taken_after_the_start_check_fails_in_one_line_rather_than_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr("pipeline.store.RETRIES", 0)  # SQLite itself waits 5 s per attempt
+    with (
+        locked_by_another_process(tmp_path / "mlflow.db"),
+        pytest.raises(TrackingUnavailable, match=r"mlflow\.db is locked by another process"),
+    ):
+        connect(f"sqlite:///{tmp_path / 'mlflow.db'}", "pipeline")
+
+
+def enospc_naming_the_file(self: object, local_file: str, artifact_path: str | None = None) -> None:
+    _, destination = self._get_destination_artifact_path(local_file, artifact_path)  # type: ignore[attr-defined]
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), destination)
+
+
+def enospc_mid_write(self: object, local_file: str, artifact_path: str | None = None) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # write() names no file
+
+
+@pytest.mark.parametrize(
+    ("write", "named"),
+    [
+        (enospc_naming_the_file, r"while writing /\S+/mlruns/1/[0-9a-f]+/artifacts/config\.yaml \(\d+ MB free\)"),
+        (enospc_mid_write, r"on one of /\S+/mlflow\.db \(\d+ MB free\), /\S+/mlruns \(\d+ MB free\), /\S+/checkpoints"),
+    ],
+    ids=["the file named", "no file named"],
+)
+def test_a_disk_that_fills_up_mid_run_stops_it_in_one_line_naming_where(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    write: Callable[..., None],
+    named: str,
+) -> None:
+    monkeypatch.setattr("mlflow.store.artifact.local_artifact_repo.LocalArtifactRepository.log_artifact", write)
+    assert run_main(monkeypatch, "device=cpu", "trainer.epochs=1", "trainer.max_steps=1") == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: no space left on the device ") and "checkpoint.dir" in err
+    assert re.search(named, err), err
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED"
+
+
+def test_full_disks_are_told_from_other_errors() -> None:
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert disk_full(RuntimeError("(sqlite3.OperationalError) database or disk is full"))
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as cause:
+            raise RuntimeError("could not save") from cause
+    except RuntimeError as wrapped:
+        assert disk_full(wrapped)
+    assert not disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not disk_full(RuntimeError("database is locked"))
+    message = str(DiskFull.explain(RuntimeError("database or disk is full"), uri="sqlite:////data/mlflow.db"))
+    assert message.startswith("no space left on the device while writing /data/mlflow.db")
 
 
 def test_sqlite_paths_are_read_from_the_uri() -> None:

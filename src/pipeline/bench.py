@@ -513,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats < 1:
             parser.error("--repeats must be >= 1")
         sizes = Sizes(sizes.samples, args.repeats, sizes.warmup)
+    if args.threads < 1:  # torch.set_num_threads would raise a RuntimeError with a traceback
+        parser.error("--threads must be >= 1")
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:

@@ -2,13 +2,17 @@
 
 Each config group owns a frozen dataclass. ``from_dictconfig`` turns Hydra's composed config
 into a ``RunConfig``: unknown keys, wrong types and invalid values all raise ``ConfigError``
-naming the dotted key, the value and what is allowed. The YAML files in ``conf/`` hold the
-defaults and the comments; these classes hold the types and the rules.
+naming the dotted key, the value and what is allowed. Every float must be finite (``inf`` and
+``nan`` pass most range checks unnoticed) unless its field says ``metadata={"nonfinite": True}``.
+The YAML files in ``conf/`` hold the defaults and the comments; these classes hold the types and
+the rules. ``sweep_jobs`` lists the jobs of a ``-m`` sweep, so each is validated before the first
+one starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -176,9 +180,9 @@ class TrackingConfig:
     tags: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
-        if self.enabled and not self.uri:
+        if self.enabled and not self.uri.strip():
             raise ConfigError("tracking.uri", self.uri, "a tracking URI such as sqlite:///mlflow.db")
-        if self.enabled and not self.experiment:
+        if self.enabled and not self.experiment.strip():
             raise ConfigError("tracking.experiment", self.experiment, "a non-empty experiment name")
 
 
@@ -238,6 +242,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     amp: bool
     resume: str | None
+    fork: bool = False  # with resume=: continue the checkpoint in a new MLflow run instead of the same one
     # not a config key: the dotted keys whose values came from environment variables (masked in the record)
     env_keys: frozenset[str] = field(default=frozenset(), compare=False, metadata={"internal": True})
 
@@ -245,6 +250,8 @@ class RunConfig:
         micro = self.oom.micro_batch_size
         if micro is not None and micro > self.loader.batch_size:
             raise ConfigError("oom.micro_batch_size", micro, f"at most loader.batch_size ({self.loader.batch_size})")
+        if self.fork and self.resume is None:
+            raise ConfigError("fork", True, "false without resume= (fork=true continues a checkpoint in a new run)")
         if self.resume is not None and not self.checkpoint.enabled:
             raise ConfigError("resume", self.resume, "null while checkpoint.enabled=false (nothing to resume from)")
         if not self.amp and self.precision.dtype != "auto":
@@ -296,6 +303,44 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 def load(overrides: Sequence[str] = ()) -> RunConfig:
     """``compose`` then ``from_dictconfig``: the validated config for these overrides."""
     return from_dictconfig(compose(overrides))
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
+    """The jobs ``python -m pipeline -m ...`` runs, each as its overrides, expanded by Hydra's own parser and
+    basic sweeper (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options). ``hydra...``
+    overrides configure Hydra, not a job, and are left out, as the sweeper leaves them out.
+
+    Returns:
+        One list of overrides per job, in launch order; None when the jobs cannot be listed here: a continuous
+        search space (``interval()``) or another sweeper (``hydra/sweeper=...``), whose jobs Hydra decides.
+
+    Raises:
+        OverrideError: an override Hydra cannot parse, or a ``glob()`` over something that is not a group.
+    """
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # glob() lists options
+        try:
+            parsed = parser.parse_overrides(list(overrides))
+        except OverrideParseException as err:
+            raise OverrideError(
+                f"cannot parse the overrides {' '.join(overrides)!r}: {str(err).splitlines()[0]}"
+            ) from None
+        if any(o.key_or_group == "hydra/sweeper" for o in parsed):
+            return None
+        task = [o for o in parsed if not o.is_hydra_override()]
+        if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in task):
+            return None
+        try:
+            (jobs,) = BasicSweeper.split_arguments(task, max_batch_size=None)
+        except HydraException as err:
+            raise OverrideError(str(err).splitlines()[0]) from None
+    return jobs
 
 
 def from_dictconfig(cfg: Any) -> RunConfig:
@@ -356,14 +401,14 @@ def _build(cls: type, node: Any, prefix: str) -> Any:
             if required or node.get(f.name) == MISSING_VALUE:
                 raise ConfigError.missing(key)
             continue
-        kwargs[f.name] = _coerce(node[f.name], hints[f.name], key)
+        kwargs[f.name] = _coerce(node[f.name], hints[f.name], key, finite=not f.metadata.get("nonfinite"))
     built = cls(**kwargs)
     if hasattr(built, "check"):
         built.check()
     return built
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
+def _coerce(value: Any, hint: Any, key: str, *, finite: bool = True) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, prefix=f"{key}.")
     origin = typing.get_origin(hint)
@@ -373,10 +418,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return None
         concrete = [o for o in options if o is not type(None)]
         if len(concrete) == 1:  # `X | None`: X's own, more precise error
-            return _coerce(value, concrete[0], key)
+            return _coerce(value, concrete[0], key, finite=finite)
         for option in concrete:
             try:
-                return _coerce(value, option, key)
+                return _coerce(value, option, key, finite=finite)
             except ConfigError:
                 continue
         raise ConfigError(key, value, " or ".join(_describe(o) for o in options))
@@ -388,7 +433,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list | tuple):
             raise ConfigError(key, value, _describe(hint))
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item, f"{key}[{i}]", finite=finite) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(key, value, _describe(hint))
@@ -399,6 +444,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is int and is_number and isinstance(value, int):
         return value
     if hint is float and is_number:
+        if finite and not math.isfinite(value):  # inf and nan slip through `x > 0` and `x < 0` alike
+            raise ConfigError(key, value, "a finite number")
         return float(value)
     if hint is str and isinstance(value, str):
         return value

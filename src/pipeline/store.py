@@ -5,18 +5,28 @@ migration (``duplicate column name: step``) and through experiment creation. ``c
 a file lock beside the database while the store is created, migrated and the experiment looked
 up or made, so every process lands its run. ``retrying`` repeats a write that SQLite refused
 with "database is locked". ``check_reachable`` fails fast, before any data is loaded, when the
-tracking URI cannot work.
+tracking URI cannot work: a server that does not answer, an unknown scheme, MLflow's retired
+file store, a SQLite path that is a folder, not a database, read-only, locked by another process,
+or on a nearly full disk, and an artifact folder (``./mlruns``) that cannot be written. Its local
+checks are a few file-system calls and one read-only look at the database's first page, cheap
+enough for every start. ``disk_full`` tells a write that failed for want of space (mid-run) from
+other errors, and ``DiskFull.explain`` names where.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import logging
+import os
+import shutil
+import sqlite3
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
@@ -29,10 +39,40 @@ T = TypeVar("T")
 
 LOCK_TIMEOUT_S = 300.0  # a migration takes seconds; waiting minutes means something else is wrong
 RETRIES = 8  # "database is locked" retries, with doubling back-off from 50 ms (about 13 s in all)
+FIRST_RETRY_S = 0.05
+MIN_FREE_MB = 50  # below this the metrics, artifacts and SQLite's journal of one run may not fit
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+ARTIFACTS = "mlruns"  # MLflow's default artifact root for a database store, relative to where the run starts
+DATABASES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})  # SQLAlchemy stores: artifacts go to ./mlruns
+OTHER_SCHEMES = frozenset({"http", "https", "databricks"})
+NO_SPACE = ("database or disk is full", "no space left on device", "disk quota exceeded")
 
 
 class TrackingUnavailable(PipelineError):
     """The tracking URI cannot be used; nothing was trained."""
+
+
+class DiskFull(TrackingUnavailable):
+    """A write of the run (store, artifacts, checkpoints) failed for want of space."""
+
+    @classmethod
+    def explain(cls, err: BaseException, *, uri: str | None, also: Sequence[Path] = ()) -> DiskFull:
+        """The one-line error for ``err`` (``disk_full(err)`` is true): the file the OS named, else the SQLite
+        store when SQLite said so, else every place the run writes to (the store, ``./mlruns``, ``also`` and the
+        temporary folder MLflow stages artifacts in), each with its free space, so the full one stands out."""
+        named = next((Path(e.filename) for e in _chain(err) if isinstance(e, OSError) and e.filename), None)
+        database = sqlite_path(uri) if uri else None
+        if named is not None:
+            where = f"while writing {named.absolute()}{_free_note(named)}"
+        elif database is not None and any("database or disk is full" in str(e) for e in _chain(err)):
+            where = f"while writing {database.absolute()}{_free_note(database)}"
+        else:
+            places = [p for p in (database, Path(ARTIFACTS), *also, Path(tempfile.gettempdir())) if p is not None]
+            where = "on one of " + ", ".join(f"{p.absolute()}{_free_note(p)}" for p in places)
+        return cls(
+            f"no space left on the device {where}: free some space there, or move tracking.uri, checkpoint.dir or "
+            f"the folder you launch from (artifacts go to ./{ARTIFACTS}) to a disk with room"
+        )
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -70,8 +110,14 @@ def connect(uri: str, experiment: str) -> tuple[Any, str]:
     from mlflow import MlflowClient
 
     with store_lock(uri):
-        client = MlflowClient(tracking_uri=uri)
-        return client, retrying(lambda: experiment_id(client, experiment))
+        try:
+            client = retrying(lambda: MlflowClient(tracking_uri=uri), what="opening the MLflow store")
+            return client, retrying(lambda: experiment_id(client, experiment))
+        except Exception as err:
+            path = sqlite_path(uri)
+            if path is None or "database is locked" not in str(err):
+                raise
+            raise TrackingUnavailable(_locked(uri, path)) from err
 
 
 def experiment_id(client: Any, name: str) -> str:
@@ -94,8 +140,8 @@ def experiment_id(client: Any, name: str) -> str:
 
 
 def retrying(call: Callable[[], T], *, what: str = "MLflow write") -> T:
-    """Run ``call``, repeating it while SQLite says the database is locked."""
-    delay = 0.05
+    """Run ``call``, repeating it while SQLite says the database is locked (``lock_wait_s`` in all)."""
+    delay = FIRST_RETRY_S
     for attempt in range(RETRIES + 1):
         try:
             return call()
@@ -108,36 +154,218 @@ def retrying(call: Callable[[], T], *, what: str = "MLflow write") -> T:
     raise AssertionError("unreachable")
 
 
+def lock_wait_s() -> float:
+    """How long ``retrying`` sleeps in all before it gives up on a locked database."""
+    return FIRST_RETRY_S * (2**RETRIES - 1)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err``, or an error it was raised from, says a disk is full (ENOSPC, a quota, SQLite's "database
+    or disk is full"; MLflow wraps the latter in its own exception, so the text is read too)."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(e).lower() for words in NO_SPACE):
+            return True
+    return False
+
+
 def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
     """Fail now, not after an hour of training, if runs cannot be recorded at ``uri``.
 
     Raises:
-        TrackingUnavailable: a server that does not answer, or a SQLite/file store whose folder is missing.
+        TrackingUnavailable: one line naming the URI (credentials masked) and the fix.
     """
     parsed = urlparse(uri)
-    if parsed.scheme in ("http", "https"):
-        host = parsed.hostname or ""
-        netloc = (f"[{host}]" if ":" in host else host) + (f":{parsed.port}" if parsed.port else "")
-        health = urllib.request.Request(parsed._replace(netloc=netloc).geturl().rstrip("/") + "/health")
-        if parsed.username:  # urllib does not read user:password@ from the URL; MLflow sends it as basic auth
-            token = base64.b64encode(f"{unquote(parsed.username)}:{unquote(parsed.password or '')}".encode())
-            health.add_header("Authorization", "Basic " + token.decode())
-        try:
-            with urllib.request.urlopen(health, timeout=timeout_s) as response:
-                if response.status == 200:
-                    return
-                problem = f"HTTP {response.status}"
-        except (urllib.error.URLError, OSError) as err:
-            problem = str(getattr(err, "reason", err))
+    scheme = parsed.scheme.lower()
+    if scheme in ("http", "https"):
+        _check_server(uri, timeout_s=timeout_s)
+    elif scheme == "sqlite":
+        _check_sqlite(uri)
+        _check_artifacts(uri)
+    elif scheme in ("", "file"):
+        _check_file_store(uri)
+    elif scheme.partition("+")[0] in DATABASES:  # postgresql+psycopg2://...: the server is MLflow's to reach
+        _check_artifacts(uri)
+    elif scheme not in OTHER_SCHEMES and not _plugin_scheme(scheme):
+        server = f"http://{uri}" if parsed.path.isdigit() else "http://host:5000"  # localhost:5000 parses as a scheme
         raise TrackingUnavailable(
-            f"tracking.uri={mask_text(uri)} cannot be reached ({problem}): start the server "
-            f"(mlflow server --port {parsed.port or 5000}), fix the URI, or record locally with "
-            f"tracking.uri=sqlite:///mlflow.db"
+            f"{_named(uri)} has an unknown scheme {scheme!r}: use sqlite:///path/to/mlflow.db (a local file), "
+            f"{server} (an MLflow server) or postgresql://, mysql://, mssql:// (a database)"
         )
+
+
+def _check_server(uri: str, *, timeout_s: float) -> None:
+    parsed = urlparse(uri)
+    host = parsed.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parsed.port}" if parsed.port else "")
+    health = urllib.request.Request(parsed._replace(netloc=netloc).geturl().rstrip("/") + "/health")
+    if parsed.username:  # urllib does not read user:password@ from the URL; MLflow sends it as basic auth
+        token = base64.b64encode(f"{unquote(parsed.username)}:{unquote(parsed.password or '')}".encode())
+        health.add_header("Authorization", "Basic " + token.decode())
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s) as response:
+            if response.status == 200:
+                return
+            problem = f"HTTP {response.status}"
+    except (urllib.error.URLError, OSError) as err:
+        problem = str(getattr(err, "reason", err))
+    raise TrackingUnavailable(
+        f"{_named(uri)} cannot be reached ({problem}): start the server "
+        f"(mlflow server --port {parsed.port or 5000}), fix the URI, or record locally with "
+        f"tracking.uri=sqlite:///mlflow.db"
+    )
+
+
+def _check_sqlite(uri: str) -> None:
     path = sqlite_path(uri)
-    folder = path.parent if path is not None else (Path(parsed.path) if parsed.scheme in ("", "file") else None)
-    if folder is not None and not folder.exists() and path is not None:
+    if path is None:
+        return  # in-memory: nothing on disk
+    folder = path.parent
+    if path.is_dir():
         raise TrackingUnavailable(
-            f"tracking.uri={uri}: the folder {folder} does not exist (SQLite creates the database file, not its "
+            f"{_named(uri)} names the folder {path}, not a database file: use tracking.uri=sqlite:///"
+            f"{path.absolute() / 'mlflow.db'}"
+        )
+    if not folder.is_dir():
+        raise TrackingUnavailable(
+            f"{_named(uri)}: the folder {folder} does not exist (SQLite creates the database file, not its "
             f"folder); create it or choose another path"
         )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise TrackingUnavailable(
+            f"{_named(uri)}: the folder {folder.absolute()} is read-only, and SQLite writes {path.name} and its "
+            f"journal ({path.name}-journal or -wal) there: choose a writable folder, e.g. "
+            f"tracking.uri=sqlite:///{Path.home() / 'mlflow.db'}"
+        )
+    if path.exists():
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise TrackingUnavailable(
+                f"{_named(uri)}: the database {path.absolute()} is read-only: make it writable "
+                f"(chmod u+w {path}) or choose another file"
+            )
+        _check_database(uri, path)
+    _check_free_space(uri, folder, "the tracking store")
+
+
+def _check_database(uri: str, path: Path) -> None:
+    """The file is a SQLite database that no other process holds locked (a read-only look at its first page)."""
+    with path.open("rb") as file:
+        header = file.read(len(SQLITE_HEADER))
+    problem = "" if header in (b"", SQLITE_HEADER) else "it does not start with SQLite's header"
+    if not problem:
+        try:  # waits while another process writes, as long as MLflow's retries would (timeout=)
+            with contextlib.closing(
+                sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=lock_wait_s())
+            ) as db:
+                db.execute("PRAGMA schema_version").fetchone()
+        except sqlite3.OperationalError as err:
+            if "locked" in str(err):
+                raise TrackingUnavailable(_locked(uri, path)) from None
+            if "readonly" not in str(err):  # a hot journal a read-only look cannot roll back: MLflow will
+                problem = str(err)
+        except sqlite3.DatabaseError as err:  # "file is not a database", "database disk image is malformed"
+            problem = str(err)
+    if problem:
+        raise TrackingUnavailable(
+            f"{_named(uri)}: {path.absolute()} is not an SQLite database ({problem}): point tracking.uri at a new "
+            f"file, e.g. sqlite:///{path.absolute().parent / 'mlflow.db'}"
+        )
+
+
+def _check_file_store(uri: str) -> None:
+    """A plain path or ``file:`` URI is MLflow's file store, retired in MLflow 3 unless explicitly allowed."""
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    if not allowed:
+        kind = "a file: URI" if urlparse(uri).scheme else "a plain path, not a URI"
+        setting = "MLFLOW_TRACKING_URI" if _from_environment(uri) else "tracking.uri"
+        raise TrackingUnavailable(
+            f"{_named(uri)} is {kind}: MLflow's file store, which MLflow 3 no longer opens: set "
+            f"{setting}=sqlite:///mlflow.db (a file) or http://host:5000 (a server), or MLFLOW_ALLOW_FILE_STORE=true "
+            f"to open an old file store"
+        )
+    parsed = urlparse(uri)
+    folder = Path(unquote(parsed.path)) if parsed.scheme else Path(uri)
+    target = folder if folder.exists() else folder.parent
+    if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
+        raise TrackingUnavailable(
+            f"{_named(uri)}: MLflow's file store needs the folder {target.absolute()} to exist and be writable: "
+            f"create it or choose another"
+        )
+    _check_free_space(uri, target, "the file store")
+
+
+def _check_artifacts(uri: str) -> None:
+    """MLflow writes a database store's artifacts under ./mlruns (it makes the folder when missing)."""
+    root = Path(ARTIFACTS)
+    target = root if root.exists() else root.absolute().parent
+    if root.exists() and not root.is_dir():
+        raise TrackingUnavailable(
+            f"{_named(uri)}: MLflow writes the run's artifacts to {root.absolute()}, which is a file: move it away "
+            f"or launch from another folder"
+        )
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise TrackingUnavailable(
+            f"{_named(uri)}: MLflow writes the run's artifacts to {root.absolute()}, and {target} is read-only: "
+            f"launch from a writable folder"
+        )
+    _check_free_space(uri, target, "the artifacts")
+
+
+def _check_free_space(uri: str, folder: Path, what: str) -> None:
+    free = _free_mb(folder)
+    if free < MIN_FREE_MB:
+        raise TrackingUnavailable(
+            f"{_named(uri)}: only {free:.0f} MB free on the disk holding {what} ({folder.absolute()}); a run needs "
+            f"at least {MIN_FREE_MB} MB: free some space or choose a folder on another disk"
+        )
+
+
+def _free_mb(path: Path) -> float:
+    """Free space where ``path`` is or would be (its nearest existing folder); inf when that cannot be read."""
+    for folder in (path, *path.absolute().parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free / 2**20
+            except OSError:
+                return float("inf")
+    return float("inf")
+
+
+def _free_note(path: Path) -> str:
+    free = _free_mb(path)
+    return f" ({free:.0f} MB free)" if free != float("inf") else ""
+
+
+def _plugin_scheme(scheme: str) -> bool:
+    """A scheme a package registers as an MLflow tracking store (read only for schemes we do not know)."""
+    from importlib.metadata import entry_points
+
+    return any(e.name == scheme for e in entry_points(group="mlflow.tracking_store"))
+
+
+def _locked(uri: str, path: Path) -> str:
+    return (
+        f"{_named(uri)}: the database {path.absolute()} is locked by another process (waited "
+        f"{lock_wait_s():.1f} s, as long as MLflow's retries): find it with `fuser {path.absolute()}`, let it "
+        f"finish or stop it, or choose another tracking.uri"
+    )
+
+
+def _named(uri: str) -> str:
+    """``tracking.uri=...`` with credentials masked, saying so when the value came from the environment."""
+    return f"tracking.uri={mask_text(uri)}{' (from MLFLOW_TRACKING_URI)' if _from_environment(uri) else ''}"
+
+
+def _from_environment(uri: str) -> bool:
+    return os.environ.get("MLFLOW_TRACKING_URI") == uri
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and the errors it was raised from or while handling."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
