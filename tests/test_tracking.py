@@ -394,3 +394,90 @@ def test_ctrl_c_during_a_flush_keeps_its_metrics_for_the_runs_end(store_uri: str
     tracker.end("KILLED")
     assert calls == [1, 1] and steps(client, tracker.run_id) == [1]
     assert client.get_run(tracker.run_id).info.status == "KILLED"
+
+
+# Masking: every string the tracker sends to MLflow, and every line it logs, without the secret values.
+
+SECRET = "hunter2-7Q9zX"
+
+
+class RecordingClient:
+    """Stands in for ``MlflowClient``: keeps every call as text (a figure as the texts drawn in it)."""
+
+    def __init__(self, fail_metrics: Exception | None = None) -> None:
+        self.sent: list[str] = []
+        self.fail_metrics = fail_metrics
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.sent.append(repr((name, args, kwargs)))
+
+    def log_batch(self, run_id: str, metrics=(), params=(), tags=(), synchronous=None) -> None:
+        if metrics and self.fail_metrics:
+            raise self.fail_metrics
+        self.sent.append(repr(("log_batch", list(metrics), list(params), list(tags))))
+
+    def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
+        from matplotlib.text import Text
+
+        self.sent.append(repr(("log_figure", [t.get_text() for t in figure.findobj(Text)])))
+
+
+def test_every_string_the_tracker_sends_is_masked_with_the_secret_values() -> None:
+    import matplotlib.pyplot as plt
+
+    from pipeline.data.sources import DataSpec
+
+    client = RecordingClient()
+    tracker = MlflowTracker(
+        client, uri="sqlite:///x.db", experiment_id="1", experiment="unit", run_id="r1", secret_values={SECRET}
+    )
+    tracker.log_params({"data.root": f"/data/{SECRET}", "trainer.lr": 0.1, "tracking.tags.pwd": "open-sesame"})
+    tracker.set_tags({"mlflow.note.content": f"run {SECRET}: 1 epoch", "hint": "curl -H 'X-Api-Key: abc123'"})
+    tracker.log_text(f"data:\n  root: /data/{SECRET}\n", "config.yaml")
+    spec = DataSpec(SECRET, (1, 28, 28), 10, 8, 2, (0.1,), (0.3,), source=f"/data/{SECRET}", digest="0badf00d")
+    tracker.log_dataset(spec, context="train")
+
+    def figure() -> Any:
+        fig, ax = plt.subplots()
+        ax.set_title(SECRET)
+        return fig
+
+    tracker.log_figure(figure, "plots/x.png")
+    tracker.end("FAILED", tags={"error": f"NotADirectoryError: /data/{SECRET}/ckpt"})
+    sent = "\n".join(client.sent)
+    assert SECRET not in sent and "open-sesame" not in sent and "abc123" not in sent
+    calls = [line.split(",")[0] for line in client.sent]
+    assert calls.count("('log_batch'") == 3 and {"('log_text'", "('log_inputs'", "('log_figure'"} <= set(calls)
+    assert all("***" in line for line in client.sent if not line.startswith("('set_terminated'"))
+    assert "0.1" in sent and "/data/***/ckpt" in sent  # the rest stays readable
+
+
+def test_the_trackers_own_warnings_never_show_a_secret_value(caplog: pytest.LogCaptureFixture) -> None:
+    client = RecordingClient(fail_metrics=ConnectionError(f"cannot reach https://{SECRET}.example.org"))
+    tracker = MlflowTracker(
+        client,
+        uri=f"https://{SECRET}.example.org",
+        experiment_id="1",
+        experiment="unit",
+        run_id="r1",
+        secret_values={SECRET},
+    )
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    with caplog.at_level(logging.INFO, logger="pipeline.tracking"):
+        tracker.flush()
+    assert "cannot reach" in caplog.text and SECRET not in caplog.text
+
+
+def test_open_tracker_refuses_an_experiment_named_after_a_secret_value_before_touching_the_store(
+    tmp_path: Path,
+) -> None:
+    from pipeline.config import TrackingConfig
+    from pipeline.errors import ConfigError
+
+    cfg = TrackingConfig(enabled=True, uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment=f"team-{SECRET}")
+    with (
+        pytest.raises(ConfigError, match=r"tracking.experiment='\*\*\*'") as err,
+        tracking.open_tracker(cfg, run_name="r", secret_values={SECRET}),
+    ):
+        pass
+    assert SECRET not in str(err.value) and not (tmp_path / "mlflow.db").exists()

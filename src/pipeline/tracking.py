@@ -19,6 +19,12 @@ store is failing, and the next write retries them. If the store still refuses th
 ends, they go to ``./unsent_metrics/<run_id>.jsonl`` with the run's final status, and the one
 command that imports them is printed (``python -m pipeline.outbox``, see ``pipeline.outbox``).
 
+Nothing secret is sent: ``open_tracker(..., secret_values=env_values(cfg))`` hands the tracker the
+values read from environment variables, and every string it writes (params, tags, the run's name,
+the ``error`` tag and the summary note, text artifacts, the dataset input, texts drawn in figures)
+and every line it logs is masked with them and with ``pipeline.secrets.mask_text``'s patterns.
+Metric keys are names chosen in the code, not values, and are sent as they are.
+
 The run ends FINISHED when the block completes, KILLED on Ctrl-C or a stop request (SIGTERM),
 and FAILED (with the error as the ``error`` tag) on any other exception; never left RUNNING
 unless the store is unreachable, and then the outbox file holds the status to set. The block's
@@ -33,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,7 +48,8 @@ from urllib.parse import urlparse
 from pipeline import outbox
 from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
-from pipeline.secrets import mask_text, mask_value
+from pipeline.errors import ConfigError
+from pipeline.secrets import MASK, mask_text, mask_value
 from pipeline.stopping import Stopped
 from pipeline.store import absolute, connect, retrying
 
@@ -69,6 +76,7 @@ class Tracker(Protocol):
     def log_dataset(self, spec: DataSpec, context: str) -> None: ...
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
     def flush(self) -> None: ...
+    def last_step(self, key: str) -> int | None: ...
     def describe(self) -> list[str]: ...
 
 
@@ -101,6 +109,9 @@ class NullTracker:
     def flush(self) -> None:
         pass
 
+    def last_step(self, key: str) -> int | None:
+        return None
+
     def describe(self) -> list[str]:
         return ["tracking off (tracking.enabled=false): nothing recorded"]
 
@@ -109,11 +120,22 @@ class MlflowTracker:
     """One MLflow run, written through ``MlflowClient`` with its run id.
 
     ``start()`` starts the writer thread; ``end(status)`` stops it and records how the run ended.
-    Without ``start()`` (benchmarks, tests) metrics are written only by ``flush()``.
+    Without ``start()`` (benchmarks, tests) metrics are written only by ``flush()``. Every string it sends
+    and logs is masked with ``secret_values`` (``pipeline.secrets.env_values``).
     """
 
-    def __init__(self, client: Any, *, uri: str, experiment_id: str, experiment: str, run_id: str) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        uri: str,
+        experiment_id: str,
+        experiment: str,
+        run_id: str,
+        secret_values: Collection[str] = frozenset(),
+    ) -> None:
         self.client, self.uri = client, uri
+        self.secret_values = frozenset(secret_values)
         self.experiment_id, self.experiment, self.run_id = experiment_id, experiment, run_id
         self._pending: list[Any] = []  # Metric records not yet written, in logging order
         self._inflight: list[Any] = []  # the batch a write holds now; the outbox takes it if that write hangs
@@ -135,7 +157,7 @@ class MlflowTracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, _param_value(v)) for k, v in params.items()]
+        items = [Param(k, self.mask_value(k, _param_text(v))[:6000]) for k, v in params.items()]  # MLflow's limit
         for i in range(0, len(items), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i : i + PARAMS_PER_BATCH])
 
@@ -143,7 +165,7 @@ class MlflowTracker:
         from mlflow.entities import RunTag
 
         if tags:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            self.client.log_batch(self.run_id, tags=[RunTag(k, self.mask_value(k, str(v))) for k, v in tags.items()])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffer ``metrics`` at ``step``; safe from any thread, and never waits for a write."""
@@ -178,7 +200,7 @@ class MlflowTracker:
         """
         unsent = self._close()
         end_time = int(time.time() * 1000)
-        left = dict(tags or {})
+        left = {k: self.mask_value(k, str(v)) for k, v in (tags or {}).items()}  # the outbox file holds them too
         try:
             self.set_tags(left)
             left = {}
@@ -187,9 +209,9 @@ class MlflowTracker:
             log.warning(
                 "the run's end (%s) could not be written to %s (%s: %s)",
                 status,
-                mask_text(self.uri),
+                self.mask(self.uri),
                 type(err).__name__,
-                mask_text(str(err))[:300],
+                self.mask(str(err))[:300],
             )
         else:
             if not unsent:
@@ -259,9 +281,9 @@ class MlflowTracker:
                 if not self._failing:
                     log.warning(
                         "metrics could not be written to %s (%s: %s); %d kept, retried in %.0f s or at the next flush",
-                        mask_text(self.uri),
+                        self.mask(self.uri),
                         type(err).__name__,
-                        mask_text(str(err))[:300],
+                        self.mask(str(err))[:300],
                         kept,
                         WRITE_EVERY_S,
                     )
@@ -270,19 +292,32 @@ class MlflowTracker:
             with self._lock:
                 self._inflight = []
             if self._failing and batch:
-                log.info("metrics are being written to %s again", mask_text(self.uri))
+                log.info("metrics are being written to %s again", self.mask(self.uri))
                 self._failing = False
             return True
 
+    def mask(self, text: str) -> str:
+        """``text`` as the record may hold it: secret values, URI credentials and ``token=...`` pairs masked."""
+        return mask_text(text, self.secret_values)
+
+    def mask_value(self, key: str, value: str) -> str:
+        """A param's or tag's value: all of it when the key looks secret (``api_token``), else ``mask(value)``."""
+        return mask_value(key, value, values=self.secret_values)
+
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self.client.log_text(self.run_id, self.mask(text), artifact_file)
 
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
-        """Draw the figure ``make()`` returns and store it as a PNG artifact."""
+        """Draw the figure ``make()`` returns, its texts masked (the run's name is a title), as a PNG artifact."""
         import matplotlib.pyplot as plt
+        from matplotlib.text import Text
 
         figure = make()
         try:
+            for text in figure.findobj(Text):
+                shown = text.get_text()
+                if self.mask(shown) != shown:
+                    text.set_text(self.mask(shown))
             self.client.log_figure(self.run_id, figure, artifact_file)
         finally:
             plt.close(figure)
@@ -293,11 +328,12 @@ class MlflowTracker:
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
         local = spec.source.startswith("/")
+        source = self.mask(spec.source)  # masked before JSON escapes it (a Windows path's backslashes)
         dataset = Dataset(
-            name=spec.name,
-            digest=spec.digest,
+            name=self.mask(spec.name),
+            digest=self.mask(spec.digest),
             source_type="local" if local else "code",
-            source=json.dumps({"uri": spec.source} if local else {"tags": {"origin": spec.source}}),
+            source=json.dumps({"uri": source} if local else {"tags": {"origin": source}}),
             schema=json.dumps(
                 {
                     "image": {"dtype": "uint8", "shape": list(spec.in_shape)},
@@ -309,6 +345,11 @@ class MlflowTracker:
         self.client.log_inputs(
             self.run_id, datasets=[DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])]
         )
+
+    def last_step(self, key: str) -> int | None:
+        """The highest step the store holds for metric ``key`` (None if none): what a resumed run finds there."""
+        self.flush()
+        return max((m.step for m in retrying(lambda: self.client.get_metric_history(self.run_id, key))), default=None)
 
     def describe(self) -> list[str]:
         """Where the run is and how to look at it (printed in the run's summary)."""
@@ -330,27 +371,47 @@ class MlflowTracker:
 
 @contextmanager
 def open_tracker(
-    cfg: TrackingConfig, *, run_name: str, tags: Mapping[str, str] | None = None, run_id: str | None = None
+    cfg: TrackingConfig,
+    *,
+    run_name: str,
+    tags: Mapping[str, str] | None = None,
+    run_id: str | None = None,
+    secret_values: Collection[str] = frozenset(),
 ) -> Iterator[Tracker]:
     """Open a run (or a do-nothing tracker), and end it with the status the block earned.
 
-    ``tags`` are all the run's tags (``tracking.tags`` included), already masked by the caller.
-    ``run_id`` continues that run (resuming) instead of creating one.
+    ``tags`` are all the run's tags (``tracking.tags`` included). ``run_id`` continues that run (resuming)
+    instead of creating one. ``secret_values`` (``pipeline.secrets.env_values``) are masked in everything the
+    run records, its name and the error that ends it included; ``cfg.uri`` is used as it is.
+
+    Raises:
+        ConfigError: the experiment's name holds a secret value (``env_values`` refuses that first).
     """
     if not cfg.enabled:
         yield NullTracker()
         return
     # our summary prints the run's links, credentials removed; MLflow's own print would repeat them with credentials
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    secret_values = frozenset(secret_values)
+    if mask_text(cfg.experiment, secret_values) != cfg.experiment:  # the store keeps experiment names unmasked
+        raise ConfigError("tracking.experiment", MASK, "a name that holds no value read from the environment")
     uri = absolute(cfg.uri)
     client, experiment_id = connect(uri, cfg.experiment)
-    all_tags = {k: mask_value(k, v) for k, v in (tags or {}).items()}  # a last guard; callers mask env values
+    all_tags = {k: mask_value(k, str(v), values=secret_values) for k, v in (tags or {}).items()}
     if run_id is None:
-        run_id = retrying(lambda: client.create_run(experiment_id, run_name=run_name, tags=all_tags)).info.run_id
+        name = mask_text(run_name, secret_values)
+        run_id = retrying(lambda: client.create_run(experiment_id, run_name=name, tags=all_tags)).info.run_id
     else:
         experiment_id = client.get_run(run_id).info.experiment_id
         retrying(lambda: client.update_run(run_id, status="RUNNING"))
-    tracker = MlflowTracker(client, uri=uri, experiment_id=experiment_id, experiment=cfg.experiment, run_id=run_id)
+    tracker = MlflowTracker(
+        client,
+        uri=uri,
+        experiment_id=experiment_id,
+        experiment=cfg.experiment,
+        run_id=run_id,
+        secret_values=secret_values,
+    )
     if all_tags:
         tracker.set_tags(all_tags)
     tracker.start()
@@ -360,7 +421,7 @@ def open_tracker(
         _end_under(tracker, "KILLED")
         raise
     except BaseException as err:
-        _end_under(tracker, "FAILED", tags={"error": mask_text(f"{type(err).__name__}: {err}")[:5000]})
+        _end_under(tracker, "FAILED", tags={"error": tracker.mask(f"{type(err).__name__}: {err}")[:5000]})
         raise
     tracker.end("FINISHED")  # raises only if the outbox cannot be written: then metrics would be lost
 
@@ -369,10 +430,14 @@ def _end_under(tracker: MlflowTracker, status: str, *, tags: Mapping[str, str] |
     """End the run while the block's exception propagates: a failure here is logged, never raised over it."""
     try:
         tracker.end(status, tags=tags)
-    except Exception:
-        log.exception("the run's end (%s) could not be recorded; the run's own error follows", status)
+    except Exception as err:  # no traceback: its text could hold a secret value; the run's own error follows
+        log.error(
+            "the run's end (%s) could not be recorded (%s: %s); the run's own error follows",
+            status,
+            type(err).__name__,
+            tracker.mask(str(err))[:300],
+        )
 
 
-def _param_value(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)  # null, true, [512], as typed in YAML
-    return text[:6000]  # MLflow's limit for a param value
+def _param_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)  # null, true, [512], as typed in YAML
