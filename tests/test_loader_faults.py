@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -16,7 +17,7 @@ from torch.utils.data import Dataset
 import pipeline.train as train_module
 from pipeline.checkpoint import load
 from pipeline.config import ConfigError, RunConfig
-from pipeline.data import DataBundle, DataSpec
+from pipeline.data import DataBundle, DataSpec, LoaderError
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -85,10 +86,76 @@ def test_a_worker_fault_fails_the_run_and_keeps_the_last_checkpoint(
     faulty_data(monkeypatch, fault)
     cfg = make_cfg("trainer.epochs=3", "trainer.max_steps=-1", "loader.batch_size=16", "loader.num_workers=2", *extra)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(LoaderError, match=message + " — "):  # PyTorch's words, then what to do
         train(cfg, echo=False)
     assert time.monotonic() - started < 50
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED" and "DataLoader" in run.data.tags["error"]
     saved = load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")  # epoch 1's checkpoint, whole
     assert saved["position"].epoch == 2 and saved["position"].batch == 0
+
+
+@pytest.mark.slow
+def test_a_batch_that_never_arrives_is_bounded_by_loader_timeout_wherever_the_wait_is(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """A worker stopped (SIGSTOP) after announcing a batch blocks the main thread while it receives the batch's
+    shared memory, outside PyTorch's own timeout; injected here as a fetch that never returns."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    original = _MultiProcessingDataLoaderIter._next_data
+    calls = {"n": 0}
+
+    def stuck(self):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            time.sleep(120)  # a blocking receive; the watchdog's SIGALRM interrupts it
+        return original(self)
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_next_data", stuck)
+    started = time.monotonic()
+    with pytest.raises(LoaderError, match=r"no batch arrived within loader.timeout \(2 s, plus 1 s grace\)"):
+        train(make_cfg("trainer.max_steps=-1", "loader.num_workers=1", "loader.timeout=2"), echo=False)
+    assert time.monotonic() - started < 60
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED" and "no batch arrived" in run.data.tags["error"]
+    import signal as signals
+
+    assert signals.getsignal(signals.SIGALRM) is signals.SIG_DFL  # the watchdog put the old handler back
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_fails_the_run_within_loader_timeout(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    import psutil
+
+    original = train_module.build_model
+    calls = {"n": 0}
+    stopped: list[psutil.Process] = []
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module, inputs) -> None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                for worker in psutil.Process().children(recursive=True):
+                    worker.suspend()  # SIGSTOP
+                    stopped.append(worker)
+
+        model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build)
+    started = time.monotonic()
+    try:
+        with pytest.raises(LoaderError, match=r"(timed out after 3|no batch arrived within loader.timeout)"):
+            train(make_cfg("trainer.max_steps=-1", "loader.num_workers=2", "loader.timeout=3"), echo=False)
+    finally:
+        for worker in stopped:
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
+    assert stopped and time.monotonic() - started < 60
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED"

@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.checkpoint as checkpoint
+import pipeline.resume as resume_module
 import pipeline.train as train_module
 from pipeline.checkpoint import CheckpointError, Position
 from pipeline.config import RunConfig
@@ -83,16 +84,33 @@ def test_sigterm_stops_at_a_step_boundary_and_resume_ends_with_the_same_weights(
 
 
 def find(resume: str, folder: Path, experiment: str = "pipeline", store: str = "") -> Path:
-    return checkpoint.find(resume, folder=folder, experiment=experiment, store=store)
+    return resume_module.find(resume, folder=folder, experiment=experiment, store=store)
 
 
-def test_resume_by_run_id_and_by_path(make_cfg: MakeCfg, tmp_path: Path) -> None:
+def test_resume_by_run_id_and_by_path(
+    make_cfg: MakeCfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
     first = train(make_cfg("trainer.epochs=1", "trainer.max_steps=-1"), echo=False)
     path = tmp_path / "checkpoints" / first.run_id / "last.pt"
     assert find(first.run_id, tmp_path / "checkpoints") == path
     assert find(str(path), tmp_path / "elsewhere") == path
-    more = train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", f"resume={first.run_id}"), echo=False)
-    assert more.run_id == first.run_id and more.steps == 2 * 45 and [e.epoch for e in more.epochs] == [2]
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 20)
+        with pytest.raises(Stopped):
+            train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", "tracking.experiment=b"), echo=False)
+    stopped = (
+        MlflowClient(store_uri).search_runs([MlflowClient(store_uri).get_experiment_by_name("b").experiment_id])[0].info
+    )
+    more = train(
+        make_cfg("trainer.epochs=2", "trainer.max_steps=-1", "tracking.experiment=b", f"resume={stopped.run_id}"),
+        echo=False,
+    )
+    assert more.run_id == stopped.run_id and more.steps == 2 * 45 and [e.epoch for e in more.epochs] == [1, 2]
+    with pytest.raises(CheckpointError, match=r"finished, and a finished run is never changed: nothing to do"):
+        train(
+            make_cfg("trainer.epochs=3", "trainer.max_steps=-1", "tracking.experiment=b", f"resume={stopped.run_id}"),
+            echo=False,
+        )
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(
@@ -154,7 +172,11 @@ def test_resume_with_persistent_loader_workers_across_an_epoch_boundary_ends_wit
 
 
 def test_an_epoch_cut_short_by_max_steps_is_checkpointed_where_it_stopped(
-    make_cfg: MakeCfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    make_cfg: MakeCfg,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    store_uri: str,
 ) -> None:
     three = ["trainer.epochs=3", "loader.batch_size=64"]
     whole = train(make_cfg(*three, "trainer.max_steps=-1", "tracking=none"), echo=False)
@@ -163,12 +185,13 @@ def test_an_epoch_cut_short_by_max_steps_is_checkpointed_where_it_stopped(
     assert saved["position"] == Position(epoch=2, batch=7, step=30)  # not "epoch 2 done"
 
     # at (or past) max_steps there is nothing to train: refused before anything is opened
-    assert run_main(monkeypatch, "device=cpu", *three, "trainer.max_steps=30", f"resume={first.run_id}") == 2
+    store = f"tracking.uri={store_uri}"
+    assert run_main(monkeypatch, "device=cpu", store, *three, "trainer.max_steps=30", f"resume={first.run_id}") == 2
     assert "has trained 30 steps (epoch 2 done in part); nothing to do" in capsys.readouterr().err
-    assert run_main(monkeypatch, "device=cpu", *three, "trainer.max_steps=20", f"resume={first.run_id}") == 2
+    assert run_main(monkeypatch, "device=cpu", store, *three, "trainer.max_steps=20", f"resume={first.run_id}") == 2
 
-    more = train(make_cfg(*three, "trainer.max_steps=-1", f"resume={first.run_id}"), echo=False)
-    assert more.steps == 3 * 23 and [e.epoch for e in more.epochs] == [2, 3]
+    more = train(make_cfg(*three, "trainer.max_steps=-1", f"resume={first.run_id}", "fork=true"), echo=False)
+    assert more.run_id != first.run_id and more.steps == 3 * 23 and [e.epoch for e in more.epochs] == [2, 3]
     assert torch.equal(weights(more.model), weights(whole.model))
 
 
@@ -205,9 +228,43 @@ def test_resume_refuses_a_different_model_and_records_other_changes(
         train(make_cfg(*BASE, "model.hidden_sizes=[256]", "resume=latest"), echo=False)
     with pytest.raises(CheckpointError, match=r"loader.batch_size: 64 in the checkpoint, 32 now"):
         train(make_cfg(*BASE, "loader.batch_size=32", "resume=latest"), echo=False)
-    resumed = train(make_cfg(*BASE, "trainer.lr=0.02", "resume=latest"), echo=False)
+    with pytest.raises(CheckpointError, match=r"trainer.lr: 0.01 in the checkpoint, 0.02 now. .*add fork=true"):
+        train(make_cfg(*BASE, "trainer.lr=0.02", "resume=latest"), echo=False)
+    with pytest.raises(CheckpointError, match=r"data.name: 'digits' in the checkpoint, 'synthetic' now"):
+        train(make_cfg(*BASE, "data=synthetic", "resume=latest"), echo=False)
+    resumed = train(make_cfg(*BASE, "trainer.log_every_n_steps=5", "resume=latest"), echo=False)
     tags = MlflowClient(store_uri).get_run(resumed.run_id).data.tags
-    assert tags["resume.changed"] == "trainer.lr: 0.01 -> 0.02"
+    assert tags["resume.changed"] == "trainer.log_every_n_steps: 10 -> 5"
+    params = MlflowClient(store_uri).get_run(resumed.run_id).data.params
+    assert params["trainer.lr"] == "0.01" and params["data.name"] == "digits"  # still what ran
+
+
+def test_fork_continues_a_checkpoint_in_a_new_run_with_new_hyper_parameters(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    lrs: list[float] = []
+    original = train_module.build_optimizer
+
+    def watched(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        optimizer.register_step_pre_hook(lambda opt, a, k: lrs.append(opt.param_groups[0]["lr"]))
+        return optimizer
+
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 5)
+        with pytest.raises(Stopped):
+            train(make_cfg(*BASE), echo=False)
+    (source_id,) = [p.name for p in Path("checkpoints").iterdir()]
+    monkeypatch.setattr(train_module, "build_optimizer", watched)
+    fork = train(make_cfg(*BASE, "trainer.lr=0.02", f"resume={source_id}", "fork=true"), echo=False)
+    client = MlflowClient(store_uri)
+    run, before = client.get_run(fork.run_id), client.get_run(source_id)
+    assert fork.run_id != source_id and fork.steps == 46 and set(lrs) == {0.02} and len(lrs) == 41
+    assert run.data.params["trainer.lr"] == "0.02" and run.data.params["fork"] == "true"
+    assert run.data.tags["forked_from"] == source_id and run.data.tags["forked_at_step"] == "5"
+    assert run.data.tags["fork.changed"] == "fork: False -> True; trainer.lr: 0.01 -> 0.02"
+    assert before.info.status == "KILLED" and before.data.params["trainer.lr"] == "0.01"  # the source is untouched
+    assert [m.step for m in client.get_metric_history(fork.run_id, "train/loss")] == [10, 20, 30, 40]
 
 
 def test_a_stop_without_checkpoints_says_that_none_exists(
@@ -230,7 +287,7 @@ def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_one_whole(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint.torch, "save", broken_save)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=rf"writing {path} failed: the disk is full \(.* MB free in "):
         checkpoint.save(path, {"format": checkpoint.FORMAT, "version": 2})
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]  # no temporary file left behind
     monkeypatch.undo()
@@ -291,3 +348,193 @@ def test_sigterm_to_a_real_training_process(tmp_path: Path) -> None:
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == sorted(set(steps)) and steps[-1] == steps[0] + 10 * (len(steps) - 1)  # continuous, no repeats
+
+
+def stopped_run(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, *overrides: str, step: int = 5) -> str:
+    """A run of BASE stopped by SIGTERM at ``step``; returns its run id."""
+    before = set(Path("checkpoints").iterdir()) if Path("checkpoints").exists() else set()
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, step)
+        with pytest.raises(Stopped):
+            train(make_cfg(*BASE, *overrides), echo=False)
+    (folder,) = set(Path("checkpoints").iterdir()) - before
+    return folder.name
+
+
+def record_of(client: MlflowClient, run_id: str) -> tuple:
+    run = client.get_run(run_id)
+    artifacts = [a.path for a in client.list_artifacts(run_id)] + [
+        a.path for a in client.list_artifacts(run_id, "plots")
+    ]
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
+    return run.info.status, run.info.end_time, run.data.tags, run.data.metrics, run.data.params, artifacts, history
+
+
+def test_a_finished_run_is_never_changed_by_a_resume(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], store_uri: str
+) -> None:
+    done = train(make_cfg(*BASE), echo=False)
+    client = MlflowClient(store_uri)
+    before = record_of(client, done.run_id)
+    cases = {
+        "trainer.epochs=2": "has trained 46 steps (epoch 2 done); nothing to do",
+        "trainer.epochs=3": "finished, and a finished run is never changed: nothing to do. To train it further, add "
+        "fork=true",
+    }
+    for epochs, message in cases.items():
+        args = ["device=cpu", f"tracking.uri={store_uri}", *BASE, epochs, f"resume={done.run_id}"]
+        assert run_main(monkeypatch, *args) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and message in last
+    assert record_of(client, done.run_id) == before
+
+
+def test_a_run_of_another_experiment_is_never_continued(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    beta = stopped_run(make_cfg, monkeypatch, "tracking.experiment=beta")
+    client = MlflowClient(store_uri)
+    before = record_of(client, beta)
+    with pytest.raises(CheckpointError, match=r"no checkpoint under checkpoints/\*/last.pt for experiment 'alpha'"):
+        train(make_cfg(*BASE, "tracking.experiment=alpha", "resume=latest"), echo=False)
+    with pytest.raises(CheckpointError, match=r"recorded elsewhere \(tracking.experiment: 'beta' in the checkpoint"):
+        train(make_cfg(*BASE, "tracking.experiment=alpha", f"resume={beta}"), echo=False)
+    assert record_of(client, beta) == before
+    assert client.get_experiment_by_name("alpha") is None  # not even created
+
+
+def test_a_run_being_trained_cannot_be_resumed_a_second_time(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    client = MlflowClient(store_uri)
+    before = record_of(client, run_id)
+    other = checkpoint.RunLock(Path("checkpoints") / run_id).acquire()  # what a first resume holds while it trains
+    try:
+        with pytest.raises(CheckpointError, match=rf"run {run_id} is being trained by another process right now"):
+            train(make_cfg(*BASE, f"resume={run_id}"), echo=False)
+        with pytest.raises(CheckpointError, match=r"every unfinished run .* is being trained right now"):
+            train(make_cfg(*BASE, "resume=latest"), echo=False)
+    finally:
+        other.release()
+    assert record_of(client, run_id) == before  # not reopened, no metric points twice
+    assert train(make_cfg(*BASE, f"resume={run_id}"), echo=False).steps == 46  # free again
+
+
+def test_two_quick_ctrl_c_still_end_the_run_killed_with_a_closing_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], store_uri: str
+) -> None:
+    def twice() -> None:  # a user mashing Ctrl-C: the second arrives mid-step, before any step boundary
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    at_training_step(monkeypatch, 5, twice)
+    assert run_main(monkeypatch, "device=cpu", f"tracking.uri={store_uri}", *BASE) == 130
+    assert "stopped by SIGINT at once (asked twice), mid-step: the last checkpoint stays" in capsys.readouterr().err
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "KILLED" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_request_while_the_stop_checkpoint_is_written_does_not_cut_it_short(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    original = checkpoint.Checkpointer.write
+
+    def interrupted(self, position, *, status="running"):
+        if status == "stopped":
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the checkpoint is being written
+        return original(self, position, status=status)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "write", interrupted)
+    sigterm_at_step(monkeypatch, 5)
+    with pytest.raises(Stopped) as stopped:
+        train(make_cfg(*BASE), echo=False)
+    assert not stopped.value.at_once and "already stopping" in caplog.text
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    saved = checkpoint.load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
+    assert run.info.status == "KILLED" and saved["position"] == Position(epoch=1, batch=5, step=5)
+
+
+def test_a_batch_larger_than_the_data_with_drop_last_is_a_config_error_before_any_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert run_main(monkeypatch, "device=cpu", "loader.batch_size=2000", "loader.drop_last=true") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: loader.batch_size=2000 is not allowed: expected at most the 1438 training samples with "
+        "loader.drop_last=true (or loader.drop_last=false)\n"
+    )
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_checkpoint_dir_that_cannot_be_written_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str
+) -> None:
+    (tmp_path / "taken").write_text("not a folder")
+    folder = "taken" if where == "a file" else "taken/checkpoints"
+    assert run_main(monkeypatch, "device=cpu", f"checkpoint.dir={folder}") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: checkpoint.dir={folder}: cannot write checkpoints there (") and err.count("\n") == 1
+    assert not (tmp_path / "mlflow.db").exists()  # nothing was opened
+
+
+def test_unusable_checkpoints_are_one_line_naming_the_file(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path: Path
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    path = tmp_path / "checkpoints" / run_id / "last.pt"
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    with pytest.raises(CheckpointError, match=rf"checkpoints/{run_id}/last.pt is not a readable checkpoint \(.*\): it"):
+        train(make_cfg(*BASE, f"resume={run_id}"), echo=False)
+    path.write_bytes(whole)
+    with pytest.raises(CheckpointError, match=r"different model, .*model.name: 'mlp' in the checkpoint, 'resnet18'"):
+        train(make_cfg(*BASE, "model=resnet18", f"resume={path}"), echo=False)
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    with pytest.raises(CheckpointError, match=rf"run {run_id} is recorded elsewhere \(tracking.uri: "):
+        train(make_cfg(*BASE, f"tracking.uri={other}", f"resume={run_id}"), echo=False)
+    MlflowClient(store_uri).delete_run(run_id)
+    with pytest.raises(CheckpointError, match=rf"run {run_id} no longer exists in the tracking store \(deleted\?\)"):
+        train(make_cfg(*BASE, f"resume={run_id}"), echo=False)
+    forked = train(make_cfg(*BASE, f"resume={run_id}", "fork=true"), echo=False)  # its weights live on
+    assert forked.steps == 46 and forked.run_id != run_id
+
+
+@pytest.mark.slow
+def test_after_a_sigkill_mid_epoch_the_resumed_runs_metrics_have_no_gap(tmp_path: Path) -> None:
+    """Checkpoints every 20 steps; the process is killed in epoch 2, far from a between-epochs write."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    common = [
+        "device=cpu",
+        "model.hidden_sizes=[2048,2048]",
+        "loader.batch_size=8",  # 180 steps an epoch on digits
+        "trainer.log_every_n_steps=5",
+        "checkpoint.every_n_steps=20",
+        "monitor.plots=false",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *common, "trainer.epochs=50"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    step = 0
+    while step < 240:  # epoch 2 is steps 181-360
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+        state = checkpoint.read_state(next(iter((tmp_path / "checkpoints").glob("*")), tmp_path / "none"))
+        step = state["position"]["step"] if state else 0
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    resumed = cli(*common, "trainer.epochs=3", "resume=latest", cwd=tmp_path)  # epochs may change on resume
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs(experiment_ids=["1"])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert run.info.status == "FINISHED" and sorted(set(steps)) == list(range(5, 3 * 180 + 1, 5))  # no gap
+    if len(steps) > len(set(steps)):  # points written after the last checkpoint, then trained again: stated
+        first, last = run.data.tags["resume.replayed_steps"].split(":")[0].split("-")
+        assert {s for s in steps if steps.count(s) > 1} <= set(range(int(first), int(last) + 1))

@@ -8,8 +8,10 @@ refuses the GPU is recorded as such (the doctor's report explains it), not raise
 from __future__ import annotations
 
 import getpass
+import os
 import platform
 import shlex
+import socket
 import subprocess
 from collections.abc import Sequence
 from typing import Any
@@ -43,9 +45,21 @@ def run_tags(
         "torch.cuda": torch.version.cuda or "none (CPU-only build)",
         "torch.cudnn": _cudnn(),
         "platform": platform.platform(terse=True),
+        **process_tags(),
     }
     tags.update(git_tags())
     return tags
+
+
+def process_tags() -> dict[str, str]:
+    """The process training the run, so a run it left RUNNING (SIGKILL) can be found: ``pipeline.stale``."""
+    import psutil
+
+    return {
+        "process.host": socket.gethostname(),
+        "process.pid": str(os.getpid()),
+        "process.started": f"{psutil.Process().create_time():.2f}",
+    }
 
 
 def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[str, str]:

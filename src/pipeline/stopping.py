@@ -2,14 +2,17 @@
 
 ``StopRequests`` turns both signals into a flag the loop reads after each step (a plain
 attribute read, no system call); the run then writes a checkpoint, is marked KILLED in MLflow,
-and the process exits 143 (SIGTERM) or 130 (Ctrl-C), as shells and schedulers expect.
+and the process exits 143 (SIGTERM) or 130 (Ctrl-C), as shells and schedulers expect. A second
+request during training stops at once, and the run is still closed as KILLED.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType, TracebackType
 
 log = logging.getLogger(__name__)
@@ -20,22 +23,39 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Stopped(Exception):
     """Training stopped on request; ``exit_code`` is 128 + the signal number."""
 
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
+    def __init__(self, signum: int, *, at_once: bool = False) -> None:
+        self.signum, self.at_once = signum, at_once
         self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} at a step boundary")
+        how = "at once (asked twice), mid-step: the last checkpoint stays" if at_once else "at a step boundary"
+        super().__init__(f"stopped by {signal.Signals(signum).name} {how}")
 
 
 class StopRequests:
-    """Within ``with StopRequests() as stop:``, SIGTERM and SIGINT set ``stop.signum``; a second one
-    while the first is being handled kills as usual (the default handler is put back)."""
+    """Within ``with StopRequests() as stop:``, SIGTERM and SIGINT become requests.
+
+    The first sets ``stop.signum``: the loop stops at the next step boundary and writes a checkpoint.
+    A second one while training (inside ``stop.interruptible()``) stops at once: ``Stopped`` is raised
+    where the program is, and the run is still closed as KILLED with its last checkpoint. Any other
+    time (building, writing the checkpoint, closing the run) further requests are only acknowledged,
+    so the run's closing is never cut short; SIGKILL remains the way to abandon it.
+    """
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._interruptible = False
 
     def requested(self) -> bool:
         return self.signum is not None
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """The stretch (training) where a second request raises ``Stopped`` at once."""
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
@@ -49,11 +69,13 @@ class StopRequests:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:  # asked twice: stop waiting for the step boundary
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-            return
-        self.signum = signum
-        log.warning(
-            "%s received: stopping after the current step and writing a checkpoint", signal.Signals(signum).name
-        )
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            log.warning("%s received: stopping after the current step and writing a checkpoint", name)
+        elif self._interruptible:
+            self._interruptible = False  # once: the closing that follows is not cut short
+            log.warning("%s received again: stopping now, mid-step", name)
+            raise Stopped(signum, at_once=True)
+        else:
+            log.warning("%s received: already stopping, the run is being closed (kill -9 abandons it)", name)

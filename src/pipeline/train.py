@@ -7,6 +7,7 @@ fast and leaves no half-made or modified run behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 import yaml
 
-from pipeline import checkpoint, doctor
+from pipeline import checkpoint, doctor, resume
 from pipeline.config import RunConfig, flatten
 from pipeline.data import DataSpec, EpochLoader, Normalize, ResidentLoader, first_batch, load_data, make_loader
 from pipeline.devices import DeviceChoice, activate, resolve_device
+from pipeline.errors import ConfigError
 from pipeline.loop import TrainState, evaluate, train_epoch
 from pipeline.memory import MicroBatcher, batchnorm_note
 from pipeline.models import build_model, build_optimizer, count_parameters
@@ -29,7 +31,7 @@ from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.precision import AmpProbe, PrecisionPolicy, check_cpu_amp, configure_backends, resolve_precision
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import describe_loader, environment_tags, run_name, run_tags
-from pipeline.secrets import mask_overrides, mask_tree
+from pipeline.secrets import env_values, mask_overrides, mask_tree
 from pipeline.stopping import Stopped, StopRequests
 from pipeline.store import check_reachable
 from pipeline.summary import EpochRecord, RunResult, format_summary
@@ -108,6 +110,12 @@ def build(cfg: RunConfig) -> Setup:
         run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
         amp_probe=amp_probe,
     )
+    if len(setup.train_batches) == 0:  # drop_last with a batch larger than the data: no step would ever run
+        raise ConfigError(
+            "loader.batch_size",
+            batch,
+            f"at most the {spec.train_size} training samples with loader.drop_last=true (or loader.drop_last=false)",
+        )
     log.info(
         "run %s: %s on %s, %d train / %d val samples, %s parameters",
         setup.run_name,
@@ -135,73 +143,104 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
     started = time.perf_counter()
     if cfg.tracking.enabled:
         check_reachable(cfg.tracking.uri)  # before any data is loaded: a dead server fails in seconds
+    checkpoint.check_dir(cfg.checkpoint)
     recorded = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
-    resumed = checkpoint.resume_point(cfg, recorded) if cfg.resume else None
-    setup = build(cfg)
-    if resumed is not None:
-        checkpoint.restore(setup.state, resumed, setup.device)
-    typed = mask_overrides(overrides, cfg.env_keys)
-    tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
-    if resumed:
-        del tags["overrides"]  # the run keeps the overrides it started with; resume.overrides holds these
-    with (
-        StopRequests() as stop,
-        open_tracker(
-            cfg.tracking, run_name=setup.run_name, tags=tags, run_id=resumed["run_id"] if resumed else None
-        ) as tracker,
-    ):
-        record_start(tracker, setup, recorded, typed, resumed)
-        with checkpoint.Checkpointer.for_run(
-            cfg, run_id=tracker.run_id, run_name=setup.run_name, state=setup.state, device=setup.device, config=recorded
-        ) as saver:
-            sampler = open_sampler(
-                cfg.monitor, device=setup.device, log_metrics=tracker.log_metrics, children=cfg.loader.num_workers > 0
-            )
-            try:
-                epochs, epoch_starts = run_epochs(
-                    setup,
-                    resumed["position"] if resumed else checkpoint.Position(1, 0, 0),
-                    tracker=tracker,
-                    sampler=sampler,
-                    saver=saver,
-                    stop=stop,
-                    show_progress=progress_enabled(cfg.trainer.progress, quiet=quiet),
+    hidden = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
+    resumed = resume.resume_point(cfg, recorded) if cfg.resume else None
+    with resumed or contextlib.nullcontext():  # a resumed run stays locked to this process until it ends
+        setup = build(cfg)
+        if resumed is not None:
+            resume.restore(setup.state, resumed, setup.device, cfg.trainer)
+        typed = mask_overrides(overrides, cfg.env_keys)
+        tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
+        if resumed is not None and not resumed.fork:
+            del tags["overrides"]  # the run keeps the overrides it started with; resume.overrides holds these
+        with (
+            StopRequests() as stop,
+            open_tracker(
+                cfg.tracking,
+                run_name=setup.run_name,
+                tags=tags,
+                run_id=resumed.run_id if resumed else None,
+                secret_values=hidden,
+            ) as tracker,
+        ):
+            record_start(tracker, setup, recorded, typed, resumed)
+            with checkpoint.Checkpointer.for_run(
+                cfg,
+                run_id=tracker.run_id,
+                run_name=setup.run_name,
+                state=setup.state,
+                device=setup.device,
+                config=recorded,
+                lock=resumed.lock if resumed else None,
+            ) as saver:
+                sampler = open_sampler(
+                    cfg.monitor,
+                    device=setup.device,
+                    log_metrics=tracker.log_metrics,
+                    children=cfg.loader.num_workers > 0,
                 )
-            finally:
-                sampler.stop()
-            saver.mark("finished")
-        result = conclude(
-            setup,
-            epochs,
-            tracker=tracker,
-            sampler=sampler,
-            epoch_starts=epoch_starts,
-            total_s=time.perf_counter() - started,
-        )
-        summary = format_summary(result)
-        tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})
+                try:
+                    epochs, epoch_starts = run_epochs(
+                        setup,
+                        resumed.position if resumed else checkpoint.Position(1, 0, 0),
+                        tracker=tracker,
+                        sampler=sampler,
+                        saver=saver,
+                        stop=stop,
+                        show_progress=progress_enabled(cfg.trainer.progress, quiet=quiet),
+                    )
+                finally:
+                    sampler.stop()
+                saver.mark("finished")
+            result = conclude(
+                setup,
+                epochs,
+                tracker=tracker,
+                sampler=sampler,
+                epoch_starts=epoch_starts,
+                total_s=time.perf_counter() - started,
+            )
+            summary = format_summary(result)
+            tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})
     if echo:
         print(summary, flush=True)
     return result
 
 
 def record_start(
-    tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: dict[str, Any] | None
+    tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: resume.Resumed | None
 ) -> None:
     """What a run records before training: its config, data and environment; or, resumed, what changed."""
     probe = setup.amp_probe
     if probe is not None:
         tracker.set_tags({"amp.cpu_speed_vs_fp32": f"{probe.speed:.2f} (batch {probe.batch}, measured at start)"})
         tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
-    if resumed is not None:  # MLflow keeps a run's params fixed: the resumed part is described by tags
+    if resumed is not None and not resumed.fork:  # a run's params are fixed: the resumed part is described by tags
+        step, logged = resumed.position.step, tracker.last_step("train/loss")
+        replayed = (  # points a writer sent after the checkpoint, before the process died: trained again now
+            {"resume.replayed_steps": f"{step + 1}-{logged}: logged before the stop and again after resuming"}
+            if logged is not None and logged > step
+            else {}
+        )
         tracker.set_tags(
             {
-                "resumed_at_step": resumed["position"].step,
+                "resumed_at_step": step,
                 "resume.overrides": " ".join(typed),
-                "resume.changed": checkpoint.describe_changes(resumed["changes"]) or "(nothing)",
+                "resume.changed": resume.describe_changes(resumed.changes) or "(nothing)",
+                **replayed,
             }
         )
         return
+    if resumed is not None:  # a fork: a new run with its own params, starting where its source stopped
+        tracker.set_tags(
+            {
+                "forked_from": resumed.source,
+                "forked_at_step": resumed.position.step,
+                "fork.changed": resume.describe_changes(resumed.changes) or "(nothing)",
+            }
+        )
     tracker.log_params(flatten(recorded))
     tracker.log_dataset(setup.spec, context="train")
     tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
@@ -297,33 +336,34 @@ def run_epoch(
         done += 1
         bar.step(samples)
 
-    stats = train_epoch(
-        state,
-        setup.train_batches,
-        device=device,
-        policy=setup.policy,
-        prepare=setup.prepare,
-        log_every=t.log_every_n_steps,
-        max_steps=t.max_steps,
-        log=log_step,
-        timer=timer,
-        on_step=on_step,
-        should_stop=stop.requested,
-        checkpoint_every=setup.cfg.checkpoint.every_n_steps,
-        save_checkpoint=lambda: saver.write(checkpoint.Position(epoch, skip + done, state.step)),
-    )
-    bar.close()
-    if stats.stopped:
-        tracker.flush()
-        return None, done
-    val = evaluate(
-        state.model,
-        setup.val_batches,
-        device=device,
-        policy=setup.policy,
-        prepare=setup.prepare,
-        micro=setup.eval_micro,
-    )
+    with stop.interruptible():  # a second Ctrl-C or SIGTERM in here stops at once
+        stats = train_epoch(
+            state,
+            setup.train_batches,
+            device=device,
+            policy=setup.policy,
+            prepare=setup.prepare,
+            log_every=t.log_every_n_steps,
+            max_steps=t.max_steps,
+            log=log_step,
+            timer=timer,
+            on_step=on_step,
+            should_stop=stop.requested,
+            checkpoint_every=setup.cfg.checkpoint.every_n_steps,
+            save_checkpoint=lambda: save_midway(tracker, saver, checkpoint.Position(epoch, skip + done, state.step)),
+        )
+        bar.close()
+        if stats.stopped:
+            tracker.flush()
+            return None, done
+        val = evaluate(
+            state.model,
+            setup.val_batches,
+            device=device,
+            policy=setup.policy,
+            prepare=setup.prepare,
+            micro=setup.eval_micro,
+        )
     record = EpochRecord(epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown)
     eval_micro = setup.eval_micro
     tracker.log_metrics(
@@ -353,6 +393,13 @@ def run_epoch(
         record.samples_per_s,
     )
     return record, done
+
+
+def save_midway(tracker: Tracker, saver: checkpoint.Checkpointer, position: checkpoint.Position) -> None:
+    """A mid-epoch checkpoint, after the metrics up to it are written: if the process dies now, a resume
+    continues from a step whose metrics are all in the record (a write that fails is kept for later)."""
+    tracker.flush()
+    saver.write(position)
 
 
 def conclude(

@@ -1,6 +1,14 @@
 """Datasets and the batches the loop consumes (see ``sources`` and ``loaders``)."""
 
-from pipeline.data.loaders import EpochLoader, EpochOrder, Normalize, ResidentLoader, first_batch, make_loader
+from pipeline.data.loaders import (
+    EpochLoader,
+    EpochOrder,
+    LoaderError,
+    Normalize,
+    ResidentLoader,
+    first_batch,
+    make_loader,
+)
 from pipeline.data.sources import DataBundle, DataSpec, load_data
 
 __all__ = [
@@ -8,6 +16,7 @@ __all__ = [
     "DataSpec",
     "EpochLoader",
     "EpochOrder",
+    "LoaderError",
     "Normalize",
     "ResidentLoader",
     "first_batch",

@@ -7,14 +7,19 @@ on the device, one whole batch at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from pipeline.config import LoaderConfig
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +58,101 @@ class EpochOrder(Sampler[int]):
         return self.size - self.start
 
 
+class LoaderError(PipelineError):
+    """A loader worker died or stopped answering: PyTorch's message, and what to do about it."""
+
+
+WORKER_FAULTS = ("DataLoader worker", "DataLoader timed out")  # PyTorch's messages for dead and silent workers
+WATCHDOG_GRACE_S = 1.0  # the watchdog fires this long after loader.timeout, so PyTorch's own timeout speaks first
+
+
 class EpochLoader(DataLoader):
-    """A DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch."""
+    """A DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch.
+
+    With workers, a worker that dies or stops answering ends the epoch with a ``LoaderError``
+    rather than a traceback or a hang: ``loader.timeout`` bounds every wait for a batch, including
+    the ones PyTorch's own timeout does not cover (receiving a batch's shared memory from a worker
+    that was stopped, e.g. by SIGSTOP, after it announced the batch), through a SIGALRM watchdog
+    in the main thread (two ``setitimer`` calls a batch, about a microsecond).
+    """
 
     sampler: EpochOrder
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         """Use ``epoch``'s order and pass over its first ``skip`` batches (resume) without loading them."""
         self.sampler.set_epoch(epoch, start=skip * (self.batch_size or 1))
+
+    def __iter__(self) -> Iterator[Batch]:
+        batches = super().__iter__()
+        if self.num_workers == 0:
+            return batches  # the main process loads: nothing to watch, nothing added per batch
+        return self._watched(batches)
+
+    def _watched(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        watchdog = _Watchdog(self.timeout + WATCHDOG_GRACE_S if self.timeout else 0.0)
+        with watchdog:
+            while True:
+                try:
+                    with watchdog.armed():
+                        batch = next(batches)
+                except StopIteration:
+                    return
+                except RuntimeError as err:
+                    if not any(fault in str(err) for fault in WORKER_FAULTS):
+                        raise
+                    raise LoaderError(_worker_fault(str(err), self)) from err
+                yield batch
+
+
+def _worker_fault(message: str, loader: DataLoader) -> str:
+    first = " ".join(message.split())[:300]
+    if "timed out" in first:
+        fix = f"a worker took longer than loader.timeout={loader.timeout:g} s for one batch: a stuck or stopped worker"
+    else:
+        fix = "a worker process died (killed by the OOM killer or a signal, or crashed in native code)"
+    return (
+        f"{first} — {fix}. Check memory (dmesg, free) and /dev/shm, try fewer loader.num_workers, or "
+        f"loader.num_workers=0 to see the error in the main process"
+    )
+
+
+class _Watchdog:
+    """Raises ``LoaderError`` in the main thread when one ``next()`` on the loader takes longer than ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.active = (
+            seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        )
+        self._previous: Any = None
+
+    def __enter__(self) -> _Watchdog:
+        if self.active:
+            self._previous = signal.signal(signal.SIGALRM, self._fire)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise LoaderError(
+            f"no batch arrived within loader.timeout ({self.seconds - WATCHDOG_GRACE_S:g} s, plus "
+            f"{WATCHDOG_GRACE_S:g} s grace): a loader worker is stuck or stopped (SIGSTOP, a debugger, a hung file "
+            f"system). Try loader.num_workers=0 to find the cause"
+        )
 
 
 class ResidentLoader:
