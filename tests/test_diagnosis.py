@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 from torch import nn
 from torch.utils.data import Dataset
 
+import pipeline.build as build_module
 import pipeline.monitor as monitor
-import pipeline.train as train_module
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
 from pipeline.monitor import GpuTarget, Sample
@@ -62,7 +62,7 @@ def slow_bundle(delay_s: float, n: int = 96) -> DataBundle:
 
 
 def test_a_slow_dataset_is_judged_input_bound(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(train_module, "load_data", lambda cfg: slow_bundle(delay_s=0.01))
+    monkeypatch.setattr(build_module, "load_data", lambda cfg: slow_bundle(delay_s=0.01))
     result = train(make_cfg("tracking=none", "trainer.max_steps=-1", "loader.batch_size=16"), echo=False)
     b = result.breakdown
     assert b.data_wait_pct + b.h2d_pct + b.compute_pct + b.overhead_pct == pytest.approx(100.0)
@@ -71,7 +71,7 @@ def test_a_slow_dataset_is_judged_input_bound(make_cfg: MakeCfg, monkeypatch: py
 
 
 def test_a_slow_model_is_judged_compute_bound(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: SlowModel(delay_s=0.03))
+    monkeypatch.setattr(build_module, "build_model", lambda *a, **k: SlowModel(delay_s=0.03))
     result = train(make_cfg("tracking=none", "trainer.max_steps=6", "loader=resident"), echo=False)
     assert result.breakdown.compute_pct > 90 and result.bottleneck == "compute"
     assert result.verdict.startswith("compute-bound: ") and "device=cuda" in result.verdict

@@ -10,8 +10,8 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
+import pipeline.build as build_module
 import pipeline.checkpoint as checkpoint
-import pipeline.train as train_module
 from pipeline.config import RunConfig
 from pipeline.loop import NonFiniteLoss
 from pipeline.train import train
@@ -22,7 +22,7 @@ MakeCfg = Callable[..., RunConfig]
 
 def poison_step(monkeypatch: pytest.MonkeyPatch, step: int, value: float) -> None:
     """Make the model's output ``value`` (NaN or inf) in training step ``step``."""
-    original = train_module.build_model
+    original = build_module.build_model
     calls = {"n": 0}
 
     def build(*args, **kwargs):
@@ -38,7 +38,7 @@ def poison_step(monkeypatch: pytest.MonkeyPatch, step: int, value: float) -> Non
         model.register_forward_hook(hook)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step(

@@ -14,7 +14,7 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import Dataset
 
-import pipeline.train as train_module
+import pipeline.build as build_module
 from pipeline.checkpoint import load
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data import DataBundle, DataSpec, LoaderError
@@ -56,7 +56,7 @@ def faulty_data(monkeypatch: pytest.MonkeyPatch, fault: str, epochs_before: int 
         return original_iter(self)
 
     monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", iter_with_fault)
-    monkeypatch.setattr(train_module, "load_data", lambda cfg: DataBundle(spec, train_set, Faulty(16, "", 0)))
+    monkeypatch.setattr(build_module, "load_data", lambda cfg: DataBundle(spec, train_set, Faulty(16, "", 0)))
 
 
 def test_timeout_needs_workers() -> None:
@@ -130,7 +130,7 @@ def test_a_stopped_worker_fails_the_run_within_loader_timeout(
 ) -> None:
     import psutil
 
-    original = train_module.build_model
+    original = build_module.build_model
     calls = {"n": 0}
     stopped: list[psutil.Process] = []
 
@@ -147,7 +147,7 @@ def test_a_stopped_worker_fails_the_run_within_loader_timeout(
         model.register_forward_pre_hook(hook)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
     started = time.monotonic()
     try:
         with pytest.raises(LoaderError, match=r"(timed out after 3|no batch arrived within loader.timeout)"):

@@ -11,7 +11,7 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.train as train_module
+import pipeline.build as build_module
 from pipeline.config import ConfigError, RunConfig
 from pipeline.memory import MicroBatcher, OomEvent, OomFailure, OutOfMemoryAtMinimum, is_oom
 from pipeline.train import train
@@ -64,7 +64,7 @@ def oom_above(limit: int) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], Non
 
 
 def with_hook(monkeypatch: pytest.MonkeyPatch, hook, seen: list[int] | None = None) -> None:
-    original = train_module.build_model
+    original = build_module.build_model
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
@@ -73,7 +73,7 @@ def with_hook(monkeypatch: pytest.MonkeyPatch, hook, seen: list[int] | None = No
             model.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]) if m.training else None)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
 
 
 def weights(model: nn.Module) -> torch.Tensor:
@@ -89,14 +89,14 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
     seen: list[int] = []
     steps: list[int] = []
     with_hook(monkeypatch, oom_above(16), seen)
-    original = train_module.build_optimizer
+    original = build_module.build_optimizer
 
     def counting(*args, **kwargs):
         optimizer = original(*args, **kwargs)
         optimizer.register_step_post_hook(lambda opt, a, k: steps.append(1))
         return optimizer
 
-    monkeypatch.setattr(train_module, "build_optimizer", counting)
+    monkeypatch.setattr(build_module, "build_optimizer", counting)
     result = train(make_cfg(*base), echo=False)
 
     assert [e.micro_batch for e in result.oom_events] == [64, 32] and result.micro_batch == 16
@@ -108,8 +108,8 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
 def test_accumulated_micro_batches_match_the_whole_batch_in_float64(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = train_module.build_model
-    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: original(*a, **k).double())
+    original = build_module.build_model
+    monkeypatch.setattr(build_module, "build_model", lambda *a, **k: original(*a, **k).double())
     monkeypatch.setattr(
         "pipeline.data.loaders.Normalize.__call__",
         lambda self, images: images.double() * self.scale.double() + self.shift.double(),
@@ -127,7 +127,7 @@ def test_the_failed_steps_tensors_are_freed_before_the_retry(
     saved for backward; by the retry they must be gone (only the traceback could have kept them)."""
     activations: list[weakref.ref] = []
     alive_at_retry: list[bool] = []
-    original = train_module.build_model
+    original = build_module.build_model
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)  # Flatten, Linear, ReLU, Linear
@@ -146,7 +146,7 @@ def test_the_failed_steps_tensors_are_freed_before_the_retry(
         model.register_forward_pre_hook(before_forward)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
     result = train(make_cfg("tracking=none", "loader.batch_size=32", "trainer.max_steps=2"), echo=False)
     assert result.micro_batch == 16 and len(activations) == 1 and alive_at_retry == [False]
 

@@ -15,9 +15,9 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
+import pipeline.build as build_module
 import pipeline.checkpoint as checkpoint
 import pipeline.resume as resume_module
-import pipeline.train as train_module
 from pipeline.checkpoint import CheckpointError, Position
 from pipeline.config import RunConfig
 from pipeline.stopping import Stopped
@@ -34,7 +34,7 @@ def weights(model: nn.Module) -> torch.Tensor:
 
 def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
     """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds."""
-    original = train_module.build_model
+    original = build_module.build_model
     calls = {"n": 0}
 
     def build(*args, **kwargs):
@@ -49,7 +49,7 @@ def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callabl
         model.register_forward_pre_hook(hook)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
 
 
 def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
@@ -243,7 +243,7 @@ def test_fork_continues_a_checkpoint_in_a_new_run_with_new_hyper_parameters(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
 ) -> None:
     lrs: list[float] = []
-    original = train_module.build_optimizer
+    original = build_module.build_optimizer
 
     def watched(*args, **kwargs):
         optimizer = original(*args, **kwargs)
@@ -255,7 +255,7 @@ def test_fork_continues_a_checkpoint_in_a_new_run_with_new_hyper_parameters(
         with pytest.raises(Stopped):
             train(make_cfg(*BASE), echo=False)
     (source_id,) = [p.name for p in Path("checkpoints").iterdir()]
-    monkeypatch.setattr(train_module, "build_optimizer", watched)
+    monkeypatch.setattr(build_module, "build_optimizer", watched)
     fork = train(make_cfg(*BASE, "trainer.lr=0.02", f"resume={source_id}", "fork=true"), echo=False)
     client = MlflowClient(store_uri)
     run, before = client.get_run(fork.run_id), client.get_run(source_id)
@@ -297,14 +297,14 @@ def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_one_whole(
 def test_ctrl_c_in_the_cli_exits_130_with_the_run_killed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    original = train_module.build_model
+    original = build_module.build_model
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
         model.register_forward_pre_hook(lambda m, i: os.kill(os.getpid(), signal.SIGINT) if m.training else None)
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
     assert run_main(monkeypatch, "device=cpu") == 130
     assert "stopped by SIGINT at a step boundary; resume with resume=latest" in capsys.readouterr().err
     (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])

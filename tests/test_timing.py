@@ -217,9 +217,10 @@ def test_activate_makes_the_training_gpu_current_and_resets_its_peak_memory(monk
 def test_every_run_activates_the_device_it_trains_on(
     make_cfg: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import pipeline.build as build_module
     import pipeline.train as train_module
 
     activated: list[torch.device] = []
-    monkeypatch.setattr(train_module, "activate", activated.append)
+    monkeypatch.setattr(build_module, "activate", activated.append)
     train_module.train(make_cfg("tracking=none"), echo=False)
     assert activated == [torch.device("cpu")]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.train as train_module
+import pipeline.build as build_module
 from files import write_image_folder, write_mnist
 from pipeline.config import RunConfig
 from pipeline.models import build_model
@@ -61,14 +61,14 @@ def test_max_steps_stops_inside_the_second_epoch(make_cfg: MakeCfg) -> None:
 
 def test_amp_on_the_cpu_runs_forward_in_bfloat16(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[torch.dtype] = []
-    original = train_module.build_model
+    original = build_module.build_model
 
     def with_hook(*args, **kwargs):
         model = original(*args, **kwargs)
         model[1].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
         return model
 
-    monkeypatch.setattr(train_module, "build_model", with_hook)
+    monkeypatch.setattr(build_module, "build_model", with_hook)
     result = train(make_cfg("tracking=none", "amp=true"), echo=False)
     assert result.precision == "amp-bf16"
     assert seen and set(seen) == {torch.bfloat16}
@@ -118,7 +118,7 @@ def test_resnet_with_channels_last_sees_nhwc_inputs_and_weights(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layouts: list[bool] = []
-    original = train_module.build_model
+    original = build_module.build_model
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
@@ -127,7 +127,7 @@ def test_resnet_with_channels_last_sees_nhwc_inputs_and_weights(
         )
         return model
 
-    monkeypatch.setattr(train_module, "build_model", build)
+    monkeypatch.setattr(build_module, "build_model", build)
     cfg = make_cfg(
         "model=resnet18",
         "tracking=none",

@@ -93,6 +93,22 @@ class Resumed:
     def source(self) -> str:
         return self.saved["run_id"] or self.saved["run_name"]
 
+    def tags(self, overrides: list[str], *, logged_step: int | None) -> dict[str, Any]:
+        """What the record says about this resume: where it continued and what changed.
+
+        Args:
+            overrides: the command line of this resume, as typed (masked).
+            logged_step: the run's highest ``train/loss`` step in the store; above the checkpoint's step, points
+                a writer sent before the process died were trained again and now appear twice: said so.
+        """
+        step, changed = self.position.step, describe_changes(self.changes) or "(nothing)"
+        if self.fork:  # a new run with its own params, starting where its source stopped
+            return {"forked_from": self.source, "forked_at_step": step, "fork.changed": changed}
+        tags = {"resumed_at_step": step, "resume.overrides": " ".join(overrides), "resume.changed": changed}
+        if logged_step is not None and logged_step > step:
+            tags["resume.replayed_steps"] = f"{step + 1}-{logged_step}: logged before the stop and again after resuming"
+        return tags
+
 
 def find(resume: str, *, folder: Path, experiment: str, store: str) -> Path:
     """The checkpoint ``resume`` names: ``latest``, a file path, or a run id (a folder under ``folder``).

@@ -12,25 +12,19 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import yaml
 
 from pipeline import checkpoint, doctor, resume
+from pipeline.build import Setup, build
 from pipeline.config import RunConfig, flatten
-from pipeline.data import DataSpec, EpochLoader, Normalize, ResidentLoader, first_batch, load_data, make_loader
-from pipeline.devices import DeviceChoice, activate, resolve_device
-from pipeline.errors import ConfigError
-from pipeline.loop import TrainState, evaluate, train_epoch
-from pipeline.memory import MicroBatcher, batchnorm_note
-from pipeline.models import build_model, build_optimizer, count_parameters
+from pipeline.loop import evaluate, train_epoch
+from pipeline.memory import batchnorm_note
 from pipeline.monitor import allocator_metrics, open_sampler
 from pipeline.plots import step_breakdown, utilisation_timeline
-from pipeline.precision import AmpProbe, PrecisionPolicy, check_cpu_amp, configure_backends, resolve_precision
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.provenance import describe_loader, environment_tags, run_name, run_tags
+from pipeline.provenance import describe_loader, environment_tags, run_tags
 from pipeline.secrets import env_values, mask_overrides, mask_tree
 from pipeline.stopping import Stopped, StopRequests
 from pipeline.store import check_reachable
@@ -40,92 +34,6 @@ from pipeline.tracking import Tracker, open_tracker
 from pipeline.verdict import judge
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Setup:
-    """Everything a run needs, built before its MLflow run is opened."""
-
-    cfg: RunConfig
-    choice: DeviceChoice
-    policy: PrecisionPolicy
-    backends: dict[str, str]
-    spec: DataSpec
-    state: TrainState
-    eval_micro: MicroBatcher  # evaluation's own: its out-of-memory errors never shrink training's
-    parameters: int
-    train_batches: EpochLoader | ResidentLoader
-    val_batches: EpochLoader | ResidentLoader
-    prepare: Normalize
-    run_name: str
-    amp_probe: AmpProbe | None  # amp=true on the CPU: one step timed in both formats before training
-
-    @property
-    def device(self) -> torch.device:
-        return self.choice.device
-
-
-def build(cfg: RunConfig) -> Setup:
-    """Device, precision, data, model, optimizer and batches, in the order that fails fastest."""
-    choice = resolve_device(cfg.device, explain=doctor.main_finding)
-    device = choice.device
-    activate(device)
-    log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
-    policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
-    backends = configure_backends(cfg.precision, cfg.trainer, device)
-    t = cfg.trainer
-    torch.manual_seed(t.seed)
-
-    data = load_data(cfg.data)
-    spec = data.spec
-    model = build_model(cfg.model, in_shape=spec.in_shape, num_classes=spec.num_classes).to(device)
-    if t.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
-
-    def first_prepared() -> tuple[torch.Tensor, torch.Tensor]:  # read only when the amp check runs
-        images, labels = first_batch(data.train, cfg.loader.batch_size)
-        return prepare(images.to(device)), labels.to(device)
-
-    amp_probe = check_cpu_amp(policy, model, first_prepared)
-    parameters = count_parameters(model)
-    if t.compile:
-        model = torch.compile(model)
-    optimizer = build_optimizer(
-        t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-    )
-    batch = cfg.loader.batch_size
-    setup = Setup(
-        cfg=cfg,
-        choice=choice,
-        policy=policy,
-        backends=backends,
-        spec=spec,
-        state=TrainState(model, optimizer, policy.make_scaler(), MicroBatcher.from_config(cfg.oom, batch_size=batch)),
-        eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
-        parameters=parameters,
-        train_batches=make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed),
-        val_batches=make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed),
-        prepare=prepare,
-        run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
-        amp_probe=amp_probe,
-    )
-    if len(setup.train_batches) == 0:  # drop_last with a batch larger than the data: no step would ever run
-        raise ConfigError(
-            "loader.batch_size",
-            batch,
-            f"at most the {spec.train_size} training samples with loader.drop_last=true (or loader.drop_last=false)",
-        )
-    log.info(
-        "run %s: %s on %s, %d train / %d val samples, %s parameters",
-        setup.run_name,
-        cfg.model.name,
-        spec.name,
-        spec.train_size,
-        spec.val_size,
-        f"{parameters:,}",
-    )
-    return setup
 
 
 def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, quiet: bool = False) -> RunResult:
@@ -217,30 +125,10 @@ def record_start(
     if probe is not None:
         tracker.set_tags({"amp.cpu_speed_vs_fp32": f"{probe.speed:.2f} (batch {probe.batch}, measured at start)"})
         tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
-    if resumed is not None and not resumed.fork:  # a run's params are fixed: the resumed part is described by tags
-        step, logged = resumed.position.step, tracker.last_step("train/loss")
-        replayed = (  # points a writer sent after the checkpoint, before the process died: trained again now
-            {"resume.replayed_steps": f"{step + 1}-{logged}: logged before the stop and again after resuming"}
-            if logged is not None and logged > step
-            else {}
-        )
-        tracker.set_tags(
-            {
-                "resumed_at_step": step,
-                "resume.overrides": " ".join(typed),
-                "resume.changed": resume.describe_changes(resumed.changes) or "(nothing)",
-                **replayed,
-            }
-        )
-        return
-    if resumed is not None:  # a fork: a new run with its own params, starting where its source stopped
-        tracker.set_tags(
-            {
-                "forked_from": resumed.source,
-                "forked_at_step": resumed.position.step,
-                "fork.changed": resume.describe_changes(resumed.changes) or "(nothing)",
-            }
-        )
+    if resumed is not None:
+        tracker.set_tags(resumed.tags(typed, logged_step=tracker.last_step("train/loss")))
+        if not resumed.fork:
+            return  # the same run: its params are fixed, and the tags describe the resumed part
     tracker.log_params(flatten(recorded))
     tracker.log_dataset(setup.spec, context="train")
     tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from pipeline.config import LoaderConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def make_loader(
     """
     if cfg.resident:
         images, labels = materialize(dataset)
-        return ResidentLoader(
+        resident = ResidentLoader(
             images.to(device),
             labels.to(device),
             batch_size=cfg.batch_size,
@@ -232,12 +232,13 @@ def make_loader(
             drop_last=train and cfg.drop_last,
             seed=seed,
         )
+        return _with_steps(resident, cfg, len(labels))
     if cfg.pin_memory is True and device.type != "cuda":
         log.warning(
             "loader.pin_memory=true has no effect on %s: pinned memory speeds up copies to CUDA only", device.type
         )
     pin = device.type == "cuda" and cfg.pin_memory in ("auto", True)
-    return EpochLoader(
+    loader = EpochLoader(
         dataset,
         batch_size=cfg.batch_size,
         sampler=EpochOrder(len(dataset), seed=seed, shuffle=train),
@@ -249,6 +250,22 @@ def make_loader(
         timeout=cfg.timeout,
         generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
     )
+    return _with_steps(loader, cfg, len(dataset))
+
+
+def _with_steps(batches: EpochLoader | ResidentLoader, cfg: LoaderConfig, samples: int) -> EpochLoader | ResidentLoader:
+    """``batches``, unless they hold none: drop_last with a batch larger than the data would train no step.
+
+    Raises:
+        ConfigError: naming loader.batch_size and what would work.
+    """
+    if len(batches) == 0:
+        raise ConfigError(
+            "loader.batch_size",
+            cfg.batch_size,
+            f"at most the {samples} training samples with loader.drop_last=true (or loader.drop_last=false)",
+        )
+    return batches
 
 
 def materialize(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,105 @@
+"""``build(cfg) -> Setup``: everything a run needs, built in the order that fails fastest.
+
+Device, precision, data, model (with the CPU amp check), optimizer and batches are all made
+before any MLflow run is opened, so a missing GPU or dataset, or a configuration that trains no
+step, fails in seconds and leaves no half-made run behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pipeline import doctor
+from pipeline.config import RunConfig
+from pipeline.data import DataSpec, EpochLoader, Normalize, ResidentLoader, first_batch, load_data, make_loader
+from pipeline.devices import DeviceChoice, activate, resolve_device
+from pipeline.loop import TrainState
+from pipeline.memory import MicroBatcher
+from pipeline.models import build_model, build_optimizer, count_parameters
+from pipeline.precision import AmpProbe, PrecisionPolicy, check_cpu_amp, configure_backends, resolve_precision
+from pipeline.provenance import run_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built before its MLflow run is opened."""
+
+    cfg: RunConfig
+    choice: DeviceChoice
+    policy: PrecisionPolicy
+    backends: dict[str, str]
+    spec: DataSpec
+    state: TrainState
+    eval_micro: MicroBatcher  # evaluation's own: its out-of-memory errors never shrink training's
+    parameters: int
+    train_batches: EpochLoader | ResidentLoader
+    val_batches: EpochLoader | ResidentLoader
+    prepare: Normalize
+    run_name: str
+    amp_probe: AmpProbe | None  # amp=true on the CPU: one step timed in both formats before training
+
+    @property
+    def device(self) -> torch.device:
+        return self.choice.device
+
+
+def build(cfg: RunConfig) -> Setup:
+    """Device, precision, data, model, optimizer and batches, in the order that fails fastest."""
+    choice = resolve_device(cfg.device, explain=doctor.main_finding)
+    device = choice.device
+    activate(device)
+    log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
+    policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
+    backends = configure_backends(cfg.precision, cfg.trainer, device)
+    t = cfg.trainer
+    torch.manual_seed(t.seed)
+
+    data = load_data(cfg.data)
+    spec = data.spec
+    model = build_model(cfg.model, in_shape=spec.in_shape, num_classes=spec.num_classes).to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
+
+    def first_prepared() -> tuple[torch.Tensor, torch.Tensor]:  # read only when the amp check runs
+        images, labels = first_batch(data.train, cfg.loader.batch_size)
+        return prepare(images.to(device)), labels.to(device)
+
+    amp_probe = check_cpu_amp(policy, model, first_prepared)
+    parameters = count_parameters(model)
+    if t.compile:
+        model = torch.compile(model)
+    optimizer = build_optimizer(
+        t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+    )
+    batch = cfg.loader.batch_size
+    setup = Setup(
+        cfg=cfg,
+        choice=choice,
+        policy=policy,
+        backends=backends,
+        spec=spec,
+        state=TrainState(model, optimizer, policy.make_scaler(), MicroBatcher.from_config(cfg.oom, batch_size=batch)),
+        eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
+        parameters=parameters,
+        train_batches=make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed),
+        val_batches=make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed),
+        prepare=prepare,
+        run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
+        amp_probe=amp_probe,
+    )
+    log.info(
+        "run %s: %s on %s, %d train / %d val samples, %s parameters",
+        setup.run_name,
+        cfg.model.name,
+        spec.name,
+        spec.train_size,
+        spec.val_size,
+        f"{parameters:,}",
+    )
+    return setup
