@@ -77,15 +77,9 @@ def test_a_sigkilled_training_process_leaves_a_run_that_stale_closes(tmp_path: P
     )
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     deadline = time.monotonic() + 120
-    runs = []
-    while not runs:  # the run is open (before its first checkpoint, most likely)
+    while not list(tmp_path.glob("checkpoints/*/run.lock")):  # the run is open and training has started
         assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-        if (tmp_path / "mlflow.db").exists():
-            try:
-                runs = MlflowClient(uri).search_runs(experiment_ids=["1"])
-            except Exception:  # the store is still being created
-                runs = []
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     (run,) = MlflowClient(uri).search_runs(experiment_ids=["1"])
