@@ -117,5 +117,8 @@ def test_a_sweep_records_one_run_per_combination(tmp_path: Path) -> None:
     proc = cli("-m", "loader.batch_size=32,64", "trainer.epochs=1", "trainer.max_steps=2", "device=cpu", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     runs = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
-    assert sorted(r.data.params["loader.batch_size"] for r in runs) == ["32", "64"]
+    (parent,) = [r for r in runs if r.data.tags.get("sweep.role") == "parent"]  # the sweep's, holding the jobs
+    jobs = [r for r in runs if r is not parent]
+    assert sorted(r.data.params["loader.batch_size"] for r in jobs) == ["32", "64"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in jobs} == {parent.info.run_id}
     assert {r.info.status for r in runs} == {"FINISHED"}

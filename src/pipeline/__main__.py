@@ -8,48 +8,91 @@
 Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or
 dataset, a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after
 SIGTERM / Ctrl-C (checkpoint written, run KILLED), 1 for anything else (with a traceback).
-A sweep (``-m``) is checked job by job before the first job starts.
+A sweep (``-m``) is checked job by job before the first job starts; a job that fails while it
+runs is recorded and the others still run, then the sweep exits 2 (every failure the user's to
+fix) or 1, listing the failed jobs (see ``pipeline.sweep``).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.config import config_dir, from_dictconfig, load, sweep_jobs
+from pipeline.config import RunConfig, config_dir, from_dictconfig, load, sweep_jobs
 from pipeline.errors import PipelineError
 from pipeline.stopping import Stopped
 
+if TYPE_CHECKING:
+    from pipeline.summary import RunResult
+    from pipeline.sweep import SweepJob
+
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
-def run(cfg: DictConfig) -> float:
-    """Hydra's task (one per sweep job): validate, train, return the final val/acc for sweepers."""
+def run(cfg: DictConfig) -> float | None:
+    """Hydra's task: one run, or one job of a sweep (``-m``), whose return value goes to the sweeper."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return run_sweep_job(cfg)
     try:
-        run_cfg = from_dictconfig(cfg)  # before any torch work: bad input never touches CUDA or MLflow
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
-
-        hydra_cfg = HydraConfig.get()
-        result = train(run_cfg, overrides=list(hydra_cfg.overrides.task), quiet=hydra_cfg.mode == RunMode.MULTIRUN)
+        result = _train(from_dictconfig(cfg), cfg)  # validated before any torch work: bad input never touches CUDA
     except PipelineError as err:
         _fail(err)
-    except Stopped as stop:  # SIGTERM / Ctrl-C: checkpoint written, run KILLED; exit as the signal would
-        print(f"{stop}; resume with resume=latest", file=sys.stderr, flush=True)
-        sys.exit(stop.exit_code)
-    except Exception as err:  # a full disk mid-run is the user's to fix too: one line naming where
+    except Stopped as stop:
+        _stop(stop)
+    return result.val_acc
+
+
+def run_sweep_job(cfg: DictConfig) -> float | None:
+    """One job of a sweep. Its failure is recorded (``pipeline.sweep.failed``) and returned as None, so that the
+    next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here would
+    end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run.
+
+    Returns:
+        The sweep's ``optimized_metric`` for this job (what Optuna maximises), None when it failed.
+    """
+    from pipeline import sweep
+
+    job = sweep.current_job()
+    sweep.use_platform_start_method()
+    run_cfg = None
+    try:
+        run_cfg = from_dictconfig(cfg)
+        result = _train(run_cfg, cfg, job=job)
+    except Stopped as stop:
+        sweep.stopped(job, stop, stop.exit_code)
+        _stop(stop)
+    except PipelineError as err:
+        sweep.failed(job, err, exit_code=2, cfg=run_cfg)
+        return None
+    # A bug, or a runtime failure that is nobody's input (a lost GPU, a crashed loader worker): logged with its
+    # traceback, recorded, and the other jobs still run.
+    except Exception as err:
+        sweep.failed(job, err, exit_code=1, cfg=run_cfg)
+        return None
+    return sweep.finished(job, result)
+
+
+def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) -> RunResult:
+    """``train`` with the overrides as typed; a full disk mid-run becomes ``DiskFull``, one line naming where."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
+
+    try:
+        return train(run_cfg, overrides=list(HydraConfig.get().overrides.task), quiet=job is not None, sweep=job)
+    except Exception as err:
         from pipeline.store import DiskFull, disk_full
 
         if not disk_full(err):
             raise
         uri = cfg.tracking.uri if cfg.tracking.enabled else None
-        _fail(DiskFull.explain(err, uri=uri, also=[Path(cfg.checkpoint.dir)]))
-    return result.val_acc
+        raise DiskFull.explain(err, uri=uri, also=[Path(cfg.checkpoint.dir)]) from err
 
 
 def main() -> None:
@@ -63,7 +106,12 @@ def main() -> None:
             check_sweep(args)
     except PipelineError as err:
         _fail(err)
-    run()
+    try:
+        run()
+    finally:  # a sweep Hydra ended early (a stop request, a sweeper's error) still gets its parent run closed
+        from pipeline.sweep import end_unfinished
+
+        end_unfinished()
 
 
 def check_sweep(args: list[str]) -> None:
@@ -97,6 +145,12 @@ def check_sweep(args: list[str]) -> None:
 def _fail(err: PipelineError) -> NoReturn:
     print(f"error: {err}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _stop(stop: Stopped) -> NoReturn:
+    """SIGTERM / Ctrl-C: checkpoint written, run KILLED; exit as the signal would."""
+    print(f"{stop}; resume with resume=latest", file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

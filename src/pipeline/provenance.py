@@ -10,10 +10,11 @@ from __future__ import annotations
 import getpass
 import os
 import platform
+import re
 import shlex
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,9 +30,7 @@ def run_tags(
 ) -> dict[str, str]:
     """The tags every run carries."""
     tags = {
-        "mlflow.source.name": "python -m pipeline",
-        "mlflow.source.type": "LOCAL",
-        "mlflow.user": _user(),
+        **source_tags(),
         "pipeline.version": __version__,
         "overrides": shlex.join(overrides) if overrides else "(none)",
         "device.type": choice.type,
@@ -45,10 +44,19 @@ def run_tags(
         "torch.cuda": torch.version.cuda or "none (CPU-only build)",
         "torch.cudnn": _cudnn(),
         "platform": platform.platform(terse=True),
-        **process_tags(),
     }
-    tags.update(git_tags())
     return tags
+
+
+def source_tags() -> dict[str, str]:
+    """Who started a run, from where, in which process and checkout: the tags a sweep's parent run shares."""
+    return {
+        "mlflow.source.name": "python -m pipeline",
+        "mlflow.source.type": "LOCAL",
+        "mlflow.user": _user(),
+        **process_tags(),
+        **git_tags(),
+    }
 
 
 def process_tags() -> dict[str, str]:
@@ -73,6 +81,15 @@ def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[
     return tags
 
 
+# Swept keys whose value the derived name shows as it is: a sweep over them needs nothing added to the name.
+NAMED_KEYS = frozenset(
+    {"model", "model.name", "data", "data.name", "loader.batch_size", "loader.num_workers", "loader.resident", "amp"}
+)
+# Shown unless the value is auto, which the name shows resolved (device=auto and device=cpu can both say cpu).
+NAMED_UNLESS_AUTO = frozenset({"device", "device.name", "precision", "precision.dtype"})
+NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+
+
 def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
     """A readable name that differs wherever comparable runs differ: ``resnet50-cifar10-cuda-amp-bf16-bs128-w4``."""
     parts = [cfg.model.name, cfg.data.name, device_type]
@@ -81,6 +98,33 @@ def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
     parts.append(f"bs{cfg.loader.batch_size}")
     parts.append("resident" if cfg.loader.resident else f"w{cfg.loader.num_workers}")
     return "-".join(parts)
+
+
+def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
+    """``name`` plus the swept values it does not show, so that every job of a sweep has its own name.
+
+    ``mlp-digits-cpu-bs32-w0`` with ``trainer.lr=0.01`` swept becomes ``mlp-digits-cpu-bs32-w0-lr0.01``; a swept
+    ``loader.batch_size`` adds nothing (``bs32`` shows it); ``trainer.optimizer=adamw`` adds ``optimizer=adamw``;
+    a long number is cut to 6 significant digits (``lr0.00298138``).
+
+    Args:
+        name: the derived name (``run_name``).
+        swept: the swept keys (dotted, or a group's name) and this job's value of each, as typed.
+    """
+    leaves = [key.rsplit(".", 1)[-1] for key in swept]
+    parts = [name]
+    for key, value in swept.items():
+        if key in NAMED_KEYS or (key in NAMED_UNLESS_AUTO and value != "auto"):
+            continue
+        leaf = key.rsplit(".", 1)[-1]
+        label = leaf if leaves.count(leaf) == 1 else key  # trainer.lr and other.lr both swept: the full keys
+        parts.append(f"{label}{_short(value)}" if NUMBER.fullmatch(value) else f"{label}={value}")
+    return "-".join(parts)
+
+
+def _short(number: str) -> str:
+    """A number as typed, or to 6 significant digits when longer (Optuna's ``0.0029813770307052724``)."""
+    return number if len(number) <= 8 else f"{float(number):.6g}"
 
 
 def describe_loader(cfg: RunConfig) -> str:

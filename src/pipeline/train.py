@@ -8,11 +8,12 @@ fast and leaves no half-made or modified run behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -24,7 +25,7 @@ from pipeline.memory import batchnorm_note
 from pipeline.monitor import allocator_metrics, open_sampler
 from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.provenance import describe_loader, environment_tags, run_tags
+from pipeline.provenance import describe_loader, environment_tags, run_tags, sweep_run_name
 from pipeline.secrets import env_values, mask_overrides, mask_tree
 from pipeline.stopping import Stopped, StopRequests
 from pipeline.store import check_reachable
@@ -33,10 +34,20 @@ from pipeline.timing import combine, launch_metrics, make_timer
 from pipeline.tracking import Tracker, open_tracker
 from pipeline.verdict import judge
 
+if TYPE_CHECKING:
+    from pipeline.sweep import SweepJob
+
 log = logging.getLogger(__name__)
 
 
-def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, quiet: bool = False) -> RunResult:
+def train(
+    cfg: RunConfig,
+    *,
+    overrides: Sequence[str] = (),
+    echo: bool = True,
+    quiet: bool = False,
+    sweep: SweepJob | None = None,
+) -> RunResult:
     """Train and evaluate the configured model and record the run.
 
     Args:
@@ -44,6 +55,8 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
         overrides: the command-line overrides as typed, for the record.
         echo: print the summary at the end.
         quiet: no progress bar (sweep jobs).
+        sweep: the sweep job this run is (``pipeline.sweep.current_job``): the run is nested under the sweep's
+            parent run, tagged with the sweep, and named after its swept values unless ``tracking.run_name`` is set.
 
     Raises:
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
@@ -57,10 +70,14 @@ def train(cfg: RunConfig, *, overrides: Sequence[str] = (), echo: bool = True, q
     resumed = resume.resume_point(cfg, recorded) if cfg.resume else None
     with resumed or contextlib.nullcontext():  # a resumed run stays locked to this process until it ends
         setup = build(cfg)
+        if sweep is not None and not cfg.tracking.run_name:  # a sweep's jobs differ in what the name may not show
+            setup = dataclasses.replace(setup, run_name=sweep_run_name(setup.run_name, sweep.values))
         if resumed is not None:
             resume.restore(setup.state, resumed, setup.device, cfg.trainer)
         typed = mask_overrides(overrides, cfg.env_keys)
         tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
+        if sweep is not None:
+            tags.update(sweep.tags())  # mlflow.parentRunId nests the run under the sweep's parent in the UI
         if resumed is not None and not resumed.fork:
             del tags["overrides"]  # the run keeps the overrides it started with; resume.overrides holds these
         with (

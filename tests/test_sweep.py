@@ -1,0 +1,327 @@
+"""Sweeps that finish: one parent MLflow run per sweep, its jobs nested under it, failures recorded and listed."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow import MlflowClient
+
+from pipeline.config import config_dir, load
+from pipeline.provenance import sweep_run_name
+from test_cli import cli, run_main
+
+TINY = ["trainer.epochs=1", "trainer.max_steps=2", "monitor.plots=false", "device=cpu"]  # batch size set per test
+CONF = config_dir()
+
+
+def sweep_runs(tmp_path: Path) -> tuple[Any, list[Any]]:
+    """The sweep's parent run and its jobs' runs, by job number (one sweep per store in these tests)."""
+    runs = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    (parent,) = [r for r in runs if r.data.tags.get("sweep.role") == "parent"]
+    children = [r for r in runs if r is not parent]
+    return parent, sorted(children, key=lambda r: int(r.data.tags["sweep.job"]))
+
+
+def artifact(tmp_path: Path, run: Any, path: str) -> str:
+    return MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(run.info.run_id, path, str(tmp_path))
+
+
+def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
+    """The jobs' outcome files (jobs/<n>.json in the one sweep folder)."""
+    (folder,) = tmp_path.glob("multirun/*/*")
+    files = sorted((folder / "jobs").glob("*.json"), key=lambda p: int(p.stem))
+    return {int(p.stem): json.loads(p.read_text()) for p in files}
+
+
+@pytest.mark.parametrize(
+    ("swept", "name"),
+    [
+        ({"loader.batch_size": "32", "loader.num_workers": "0"}, "mlp-digits-cpu-bs32-w0"),  # the name shows both
+        ({"loader.batch_size": "32", "trainer.lr": "0.01"}, "mlp-digits-cpu-bs32-w0-lr0.01"),
+        ({"trainer.optimizer": "adamw", "loader": "workers"}, "mlp-digits-cpu-bs32-w0-optimizer=adamw-loader=workers"),
+        ({"device": "auto"}, "mlp-digits-cpu-bs32-w0-device=auto"),  # auto and cpu would both read cpu
+        ({"device": "cpu", "amp": "true", "model": "mlp"}, "mlp-digits-cpu-bs32-w0"),
+        ({"trainer.lr": "0.0029813770307052724"}, "mlp-digits-cpu-bs32-w0-lr0.00298138"),  # Optuna's floats
+        ({"trainer.lr": "0.1", "other.lr": "1e-05"}, "mlp-digits-cpu-bs32-w0-trainer.lr0.1-other.lr1e-05"),
+    ],
+)
+def test_a_jobs_name_adds_the_swept_values_its_derived_name_does_not_show(swept: dict[str, str], name: str) -> None:
+    assert sweep_run_name("mlp-digits-cpu-bs32-w0", swept) == name
+
+
+@pytest.mark.parametrize("name", ["mnist_gpu", "cifar10_resnet18_gpu", "digits_quick"])
+def test_an_experiment_file_holds_only_differences_under_the_command_that_runs_it(name: str) -> None:
+    lines = (CONF / "experiment" / f"{name}.yaml").read_text().splitlines()
+    assert lines[0] == "# @package _global_"
+    assert lines[1].startswith("# ") and lines[2] == f"#   python -m pipeline experiment={name}"
+    defaults = next(i for i, line in enumerate(lines) if line.startswith("defaults:"))
+    assert lines[defaults + 1].startswith("  - override /")
+    default, chosen = load([]).to_dict(), load([f"experiment={name}"]).to_dict()
+    assert chosen["tracking"]["tags"] == {"experiment": name}  # the experiment's keys win over config.yaml's
+    assert chosen != default
+
+
+def test_the_gpu_experiment_sets_the_data_device_and_loader_it_names() -> None:
+    cfg = load(["experiment=mnist_gpu", "trainer.epochs=2"])  # an override still applies on top
+    assert (cfg.data.name, cfg.device.name, cfg.loader.resident, cfg.amp) == ("mnist", "cuda", True, True)
+    assert (cfg.loader.batch_size, cfg.trainer.optimizer, cfg.trainer.lr, cfg.trainer.epochs) == (256, "adamw", 1e-3, 2)
+    assert cfg.model == load([]).model  # what the file does not name stays the default
+
+
+def hydra_config(*overrides: str) -> Any:
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True).hydra
+
+
+@pytest.mark.parametrize(
+    ("name", "metric", "searched"),
+    [
+        ("accuracy_optuna", "val/acc", {"trainer.lr", "loader.batch_size"}),
+        ("throughput_optuna", "throughput/samples_per_s", {"loader.batch_size", "loader.num_workers", "amp"}),
+    ],
+)
+def test_a_search_config_makes_optuna_maximise_its_metric(name: str, metric: str, searched: set[str]) -> None:
+    path = CONF / "hparams_search" / f"{name}.yaml"
+    assert path.read_text().splitlines()[2] == f"#   python -m pipeline hparams_search={name}"
+    hydra = hydra_config(f"hparams_search={name}")
+    assert hydra.sweeper._target_.endswith("OptunaSweeper") and hydra.sweeper.direction == "maximize"
+    assert set(hydra.sweeper.params) == searched and hydra.mode.name == "MULTIRUN"
+    assert hydra.callbacks.sweep.optimized_metric == metric
+    load([f"hparams_search={name}"])  # the job's config still validates
+
+
+def test_the_parallel_launcher_config_runs_two_joblib_processes_without_a_schema_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launcher = hydra_config("hydra/launcher=parallel").launcher
+    assert launcher._target_.endswith("JoblibLauncher") and (launcher.n_jobs, launcher.backend) == (2, "loky")
+    assert [str(w.message) for w in caught if "schema" in str(w.message)] == []
+
+
+def test_an_unknown_optimized_metric_stops_the_sweep_before_any_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["-m", "loader.batch_size=32,64", "hydra.callbacks.sweep.optimized_metric=loss", *TINY]
+    assert run_main(monkeypatch, *args) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: hydra.callbacks.sweep.optimized_metric='loss' is not allowed: expected one of 'val/acc', "
+        "'throughput/samples_per_s'; no job was started\n"
+    )
+    assert not (tmp_path / "mlflow.db").exists() and list(tmp_path.glob("multirun/*/*/jobs")) == []
+
+
+def test_a_sweep_whose_store_cannot_work_starts_no_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "store").mkdir()  # a folder where the SQLite file should be
+    args = ["-m", "loader.batch_size=32,64", f"tracking.uri=sqlite:///{tmp_path / 'store'}", *TINY]
+    assert run_main(monkeypatch, *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: tracking.uri=") and err.endswith("; no job was started\n") and err.count("\n") == 1
+    assert list(tmp_path.glob("multirun/*/*/jobs")) == []
+
+
+def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    metric = "hydra.callbacks.sweep.optimized_metric=throughput/samples_per_s"
+    assert run_main(monkeypatch, "-m", "loader.batch_size=32,64", "trainer.lr=0.01,0.1", metric, *TINY) == 0
+    parent, children = sweep_runs(tmp_path)
+    sweep_id = parent.data.tags["sweep.id"]
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep.failed"] == "0"
+    assert parent.info.run_name == f"sweep-{sweep_id[:8]}: loader.batch_size=32,64 trainer.lr=0.01,0.1"
+    assert parent.data.tags["sweep.keys"] == "loader.batch_size,trainer.lr"
+    assert parent.data.tags["sweep.command"].startswith("python -m pipeline -m loader.batch_size=32,64 trainer.lr=")
+    assert [r.info.run_name for r in children] == [
+        "mlp-digits-cpu-bs32-w0-lr0.01",
+        "mlp-digits-cpu-bs32-w0-lr0.1",
+        "mlp-digits-cpu-bs64-w0-lr0.01",
+        "mlp-digits-cpu-bs64-w0-lr0.1",
+    ]
+    for number, run in enumerate(children):
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert (run.data.tags["sweep.id"], run.data.tags["sweep.job"]) == (sweep_id, str(number))
+        assert run.data.tags["sweep.keys"] == "loader.batch_size,trainer.lr"
+    returned = outcomes(tmp_path)  # what each job handed the sweeper: the configured metric
+    assert [returned[n]["value"] for n in range(4)] == pytest.approx(
+        [r.data.metrics["throughput/samples_per_s"] for r in children]
+    )
+    markdown = Path(artifact(tmp_path, parent, "compare/compare.md")).read_text()
+    rows = list(csv.DictReader(io.StringIO(Path(artifact(tmp_path, parent, "compare/compare.csv")).read_text())))
+    assert [row["run"] for row in rows] == [r.info.run_name for r in children]
+    assert [float(row["val_acc_median"]) for row in rows] == pytest.approx(
+        [r.data.metrics["val/acc"] for r in children], rel=1e-5
+    )
+    assert [row["status"] for row in rows] == ["FINISHED"] * 4
+    assert all(f"| {r.info.run_name} " in markdown for r in children)
+    assert Path(artifact(tmp_path, parent, "compare/compare.png")).read_bytes().startswith(b"\x89PNG")
+    assert parent.data.tags["mlflow.note.content"] == markdown.rstrip("\n")
+    out = capsys.readouterr().out
+    assert f"sweep {sweep_id[:8]}: 4 job(s), 4 finished, 0 failed" in out and markdown.splitlines()[2] in out
+    assert f"this sweep:   http://127.0.0.1:5000/#/experiments/1/runs/{parent.info.run_id}" in out
+
+
+def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_listing_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["-m", "trainer.lr=0.01,1e30,0.02", "trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
+    assert run_main(monkeypatch, *args, "monitor.plots=false", "device=cpu") == 2
+    parent, children = sweep_runs(tmp_path)
+    assert [r.info.status for r in children] == ["FINISHED", "FAILED", "FINISHED"]  # the job after it still ran
+    assert children[1].data.tags["error"].startswith("NonFiniteLoss: training loss became nan at step ")
+    assert children[1].info.run_name == "mlp-digits-cpu-bs32-w0-lr1e+30"
+    assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "1"
+    assert parent.data.tags["sweep.failures"].startswith("job #1 (trainer.lr=1e+30 trainer.epochs=1 ")
+    assert "NonFiniteLoss: training loss became nan" in parent.data.tags["sweep.failures"]
+    err = capsys.readouterr().err
+    listed = err[err.index("error: 1 of 3 sweep job(s) failed; the others ran and are recorded:") :].splitlines()
+    assert len(listed) == 2 and listed[1].startswith("  job #1 (trainer.lr=1e+30 ")
+    assert "): NonFiniteLoss: training loss became nan at step" in listed[1]
+    note = parent.data.tags["mlflow.note.content"]
+    line = next(row for row in note.splitlines() if row.startswith("| mlp-digits-cpu-bs32-w0-lr1e+30 "))
+    assert "FAILED" in line
+
+
+@pytest.mark.slow
+def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import pipeline.train
+
+    real_build = pipeline.train.build
+
+    def build(cfg: Any) -> Any:  # a runtime failure, not the user's to fix: exit status 1
+        if cfg.loader.batch_size == 64:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_build(cfg)
+
+    monkeypatch.setattr(pipeline.train, "build", build)
+    assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 1
+    parent, children = sweep_runs(tmp_path)
+    assert [(r.info.run_name, r.info.status) for r in children] == [
+        ("mlp-digits-cpu-bs32-w0", "FINISHED"),
+        ("mlp-digits-cpu-bs64-w0", "FAILED"),  # made by the sweep for the job, named as train would have
+        ("mlp-digits-cpu-bs16-w0", "FINISHED"),
+    ]
+    failed = children[1].data.tags
+    assert failed["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert failed["mlflow.parentRunId"] == parent.info.run_id and failed["overrides"].startswith("loader.batch_size=64")
+    assert parent.info.status == "FAILED"
+    assert outcomes(tmp_path)[1] | {"overrides": None} == {
+        "job": 1,
+        "overrides": None,
+        "status": "FAILED",
+        "exit_code": 1,
+        "error": "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "run_id": children[1].info.run_id,
+        "run_name": "mlp-digits-cpu-bs64-w0",
+        "value": None,
+    }
+    err = capsys.readouterr().err
+    assert "  job #1 (loader.batch_size=64 trainer.epochs=1 " in err and err.rstrip().endswith(
+        "RuntimeError: CUDA error: an illegal memory access was encountered"
+    )
+
+
+@pytest.mark.slow
+def test_a_sweep_with_tracking_off_records_nothing_but_still_lists_its_failures(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["-m", "trainer.lr=0.01,1e30", "tracking=none", "trainer.epochs=1", "trainer.max_steps=3", "device=cpu"]
+    assert run_main(monkeypatch, *args) == 2
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+    assert [(o["status"], o["exit_code"]) for o in outcomes(tmp_path).values()] == [("FINISHED", 0), ("FAILED", 2)]
+    err = capsys.readouterr().err
+    assert "error: 1 of 2 sweep job(s) failed; the others ran and are recorded:\n  job #1 (trainer.lr=1e+30 " in err
+
+
+@pytest.mark.slow
+def test_parallel_jobs_in_joblib_processes_on_a_fresh_store_lose_no_run(tmp_path: Path) -> None:
+    sweep = ["loader.batch_size=32,64", "loader.num_workers=0,2"]  # workers: DataLoader processes inside loky's
+    proc = cli("-m", "hydra/launcher=parallel", *sweep, *TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validated against ConfigStore schema" not in proc.stderr
+    parent, children = sweep_runs(tmp_path)
+    assert [(r.info.run_name, r.info.status) for r in children] == [
+        ("mlp-digits-cpu-bs32-w0", "FINISHED"),
+        ("mlp-digits-cpu-bs32-w2", "FINISHED"),
+        ("mlp-digits-cpu-bs64-w0", "FINISHED"),
+        ("mlp-digits-cpu-bs64-w2", "FINISHED"),
+    ]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep.launcher"] == "parallel"
+    job_pids = {r.data.tags["process.pid"] for r in children}
+    assert parent.data.tags["process.pid"] not in job_pids and len(job_pids) == 2  # two worker processes
+
+
+@pytest.mark.slow
+def test_an_optuna_search_runs_its_trials_as_nested_runs_returning_val_acc(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert run_main(monkeypatch, "hparams_search=accuracy_optuna", "hydra.sweeper.n_trials=2", *TINY) == 0
+    parent, children = sweep_runs(tmp_path)
+    assert parent.info.status == "FINISHED"
+    assert (parent.data.tags["sweep.sweeper"], parent.data.tags["sweep.keys"]) == (
+        "optuna",
+        "trainer.lr,loader.batch_size",
+    )
+    assert parent.info.run_name.endswith(
+        "trainer.lr=tag(log, interval(0.001, 0.3)) loader.batch_size=choice(32, 64, 128, 256)"
+    )
+    assert len(children) == 2 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    for run in children:
+        assert 0.001 <= float(run.data.params["trainer.lr"]) <= 0.3
+        assert run.data.params["loader.batch_size"] in {"32", "64", "128", "256"}
+        assert "-lr" in run.info.run_name
+    assert children[0].info.run_name != children[1].info.run_name
+    returned = outcomes(tmp_path)
+    assert [returned[n]["value"] for n in (0, 1)] == pytest.approx(
+        [r.data.metrics["val/acc"] for r in children], rel=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import signal
+
+    import pipeline.train
+    from pipeline.stopping import Stopped
+
+    real_build = pipeline.train.build
+
+    def build(cfg: Any) -> Any:  # SIGTERM arriving during job 1
+        if cfg.loader.batch_size == 64:
+            raise Stopped(signal.SIGTERM)
+        return real_build(cfg)
+
+    monkeypatch.setattr(pipeline.train, "build", build)
+    assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 143
+    parent, children = sweep_runs(tmp_path)
+    assert [r.info.run_name for r in children] == ["mlp-digits-cpu-bs32-w0"]  # job 2 never started
+    tags = parent.data.tags
+    assert parent.info.status == "KILLED" and tags["sweep.failures"].startswith("job #1 (loader.batch_size=64")
+    assert "Stopped: stopped by SIGTERM" in tags["sweep.failures"] and "sweep.incomplete" in tags
+    assert (outcomes(tmp_path)[1]["status"], outcomes(tmp_path)[1]["exit_code"]) == ("KILLED", 143)
+
+
+@pytest.mark.slow
+def test_an_optuna_search_whose_every_trial_fails_still_closes_its_parent_and_lists_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["hparams_search=accuracy_optuna", "hydra.sweeper.n_trials=2", "trainer.lr=1e30", "trainer.max_steps=3"]
+    assert run_main(monkeypatch, *args, "trainer.epochs=1", "monitor.plots=false", "device=cpu") == 1  # Optuna raises
+    parent, children = sweep_runs(tmp_path)
+    assert [r.info.status for r in children] == ["FAILED", "FAILED"]
+    assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "2"
+    err = capsys.readouterr().err
+    assert "No trials are completed yet" in err  # the sweeper's own error, then the list
+    assert err.count("): NonFiniteLoss: training loss became nan") == 2
