@@ -1,0 +1,105 @@
+"""The comparison as the user gets it: ``report`` (Markdown, CSV and MLflow's compare link), ``write`` (files in a
+folder) and ``attach`` (the same files on the sweep's parent run)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+from pipeline.compare.charts import chart
+from pipeline.compare.formats import table_csv, table_markdown
+from pipeline.compare.records import RunRecord
+from pipeline.compare.stats import MIN_EFFECT
+from pipeline.compare.table import Table, build
+from pipeline.secrets import mask_text
+
+UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves (as in pipeline.tracking)
+ARTIFACTS = "compare"  # the folder under the parent run that --log writes to
+FILES = ("compare.md", "compare.csv", "compare.png")
+
+
+@dataclass(frozen=True)
+class Report:
+    table: Table
+    markdown: str  # the heading, the table with its notes, and the links
+    csv: str
+    link: str  # MLflow's compare page for exactly these runs
+
+    def figure(self) -> Any:
+        """A new chart (``matplotlib.figure.Figure``) of the table."""
+        return chart(self.table)
+
+
+def report(
+    client: Any,
+    runs: Sequence[Any],
+    *,
+    baseline: str | None = None,
+    ladder: bool = False,
+    note: str = "",
+    ui: str | None = None,
+    min_effect: float = MIN_EFFECT,
+) -> Report:
+    """The comparison of ``runs`` (MLflow runs from ``search_runs``, or ``RunRecord``s) in table order.
+
+    Args:
+        client: the ``MlflowClient`` they came from; its tracking URI gives the links' base.
+        baseline, ladder, min_effect: as in ``build``.
+        note: how the runs were chosen (``Selection.note``), printed above the table.
+        ui: the MLflow UI's address; default the tracking server's, or ``mlflow ui``'s for a local store.
+
+    Raises:
+        CompareError: no runs, or an unknown baseline.
+    """
+    records = [r if isinstance(r, RunRecord) else RunRecord.from_run(r) for r in runs]
+    table = build(records, baseline=baseline, ladder=ladder, min_effect=min_effect)
+    uri = client.tracking_uri
+    base = (ui or ui_base(uri)).rstrip("/")
+    shown = [r for line in table.lines for r in line.row.runs]
+    experiments = list(dict.fromkeys(r.experiment_id for r in shown))
+    link = compare_link(base, [r.id for r in shown], experiments)
+    rows, n = len(table.lines), len(shown)
+    text = [f"## {n} runs in {rows} rows" + (f" — {note}" if note else ""), "", table_markdown(table)]
+    text.append(f"MLflow's compare page for these {n} runs: {link}")
+    for e in experiments:
+        text.append(f"All runs (model-training view): {base}/#/experiments/{e}/runs?workflowType=machine_learning")
+    if urlparse(uri).scheme not in ("http", "https", "databricks"):
+        text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri})")
+    return Report(table, mask_text("\n".join(text) + "\n"), mask_text(table_csv(table)), link)
+
+
+def ui_base(uri: str) -> str:
+    """The UI of a tracking server without ``user:password@`` (the browser asks itself), else ``mlflow ui``'s."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return UI_URL
+    return parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
+
+
+def compare_link(ui: str, run_ids: Sequence[str], experiment_ids: Sequence[str]) -> str:
+    """MLflow's compare page as its UI builds it (``?runs=<JSON list>&experiments=<JSON list>``, percent-encoded:
+    the page decodes it, and a terminal keeps the link whole), in the model-training view."""
+    runs = quote(json.dumps(list(run_ids), separators=(",", ":")), safe="")
+    experiments = quote(json.dumps(list(experiment_ids), separators=(",", ":")), safe="")
+    return f"{ui}/#/compare-runs?runs={runs}&experiments={experiments}&workflowType=machine_learning"
+
+
+def write(result: Report, folder: Path) -> list[Path]:
+    """``compare.md``, ``compare.csv`` and ``compare.png`` in ``folder`` (made if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    md, table, png = (folder / name for name in FILES)
+    md.write_text(result.markdown, encoding="utf-8")
+    table.write_text(result.csv, encoding="utf-8")
+    result.figure().savefig(png, dpi=120)
+    return [md, table, png]
+
+
+def attach(client: Any, run_id: str, result: Report) -> None:
+    """Log the three files to ``run_id`` (the sweep's parent run) under ``compare/``."""
+    client.log_text(run_id, result.markdown, f"{ARTIFACTS}/{FILES[0]}")
+    client.log_text(run_id, result.csv, f"{ARTIFACTS}/{FILES[1]}")
+    client.log_figure(run_id, result.figure(), f"{ARTIFACTS}/{FILES[2]}")
