@@ -1,0 +1,107 @@
+"""The real trials: each candidate built with ``pipeline.build.build`` and timed over real training steps."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.autotune.candidates import Candidate
+from pipeline.config import RunConfig
+
+
+@dataclass
+class _Live:
+    setup: Any  # pipeline.build.Setup
+    timer: Any
+    keep_batches: bool  # persistent workers (or none): the iterator lives across rounds, as across epochs
+    batches: Iterator[Any] | None = None
+
+    def close_batches(self) -> None:
+        if self.batches is not None:
+            self.batches.close()  # a non-persistent loader's workers stop here
+            self.batches = None
+
+
+class Trials:
+    """Trials in the real training step: each candidate built once with ``build`` (the run's seed, so every
+    candidate starts from the same weights and sample order), trained with ``train_epoch``, freed by ``release``.
+
+    Live candidates keep their model on the device and their persistent workers idle between rounds (a worker
+    that has filled its prefetch queue waits, using no CPU); the search releases a dropped candidate at once.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self._live: dict[Candidate, _Live] = {}
+
+    def probe(self) -> Any:
+        """Build the current setting first (its ``Setup``): its device and data decide the other candidates."""
+        return self._get(Candidate(self.cfg.loader)).setup
+
+    def measure(self, candidate: Candidate, *, steps: int, warmup: int) -> float:
+        """Samples/s of ``steps`` training steps after ``warmup`` untimed ones (the step timer leaves out a call's
+        first step, so the untimed call runs ``warmup - 1``)."""
+        live = self._get(candidate)
+        if live.batches is None:
+            live.batches = _endless(live.setup.train_batches)
+        try:
+            if warmup > 1:
+                self._train(live, warmup - 1)
+            return self._train(live, steps + 1).samples_per_s
+        finally:
+            if not live.keep_batches:
+                live.close_batches()
+
+    def release(self, candidate: Candidate) -> None:
+        """Free the candidate's model, data and loader workers (gc, then the device's cached memory)."""
+        live = self._live.pop(candidate, None)
+        if live is None:
+            return
+        from pipeline.memory import release_memory
+
+        device = live.setup.device
+        live.close_batches()
+        del live  # the loader goes with it, and its persistent workers are shut down
+        release_memory(device)
+
+    def close(self) -> None:
+        for candidate in list(self._live):
+            self.release(candidate)
+
+    def _get(self, candidate: Candidate) -> _Live:
+        if candidate not in self._live:
+            from pipeline.build import build
+            from pipeline.timing import make_timer
+
+            oom = dataclasses.replace(self.cfg.oom, enabled=self.cfg.oom.enabled and candidate.oom_fallback)
+            setup = build(dataclasses.replace(self.cfg, loader=candidate.loader, oom=oom))
+            keep = candidate.loader.num_workers == 0 or candidate.loader.persistent_workers
+            self._live[candidate] = _Live(setup, make_timer(setup.device), keep)
+        return self._live[candidate]
+
+    def _train(self, live: _Live, steps: int) -> Any:
+        from pipeline.loop import train_epoch
+
+        setup = live.setup
+        return train_epoch(
+            setup.state,
+            live.batches,
+            device=setup.device,
+            policy=setup.policy,
+            prepare=setup.prepare,
+            log_every=self.cfg.trainer.log_every_n_steps,  # the run's own host syncs
+            max_steps=setup.state.step + steps,
+            log=lambda metrics, step: None,
+            timer=live.timer,
+        )
+
+
+def _endless(batches: Any) -> Iterator[Any]:
+    """The batches of epoch 1, 2, ... without end: a trial may cross an epoch boundary, as training does."""
+    epoch = 1
+    while True:
+        batches.set_epoch(epoch)
+        yield from batches
+        epoch += 1
