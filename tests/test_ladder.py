@@ -1,0 +1,58 @@
+"""The optimisation ladder: an experiment config plus a sweep; its plan composes, step by step, cumulatively."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline.config import config_dir, load, sweep_jobs
+
+
+def ladder_plan(experiment: str) -> list[list[str]]:
+    """The jobs ``python -m pipeline -m experiment=<experiment>`` runs, from the sweep its config declares."""
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    jobs = sweep_jobs([f"experiment={experiment}", *(f"{key}={value}" for key, value in params.items())])
+    assert jobs is not None
+    return jobs
+
+
+def steps(jobs: list[list[str]]) -> list[str]:
+    return list(dict.fromkeys(o.split("=", 1)[1] for job in jobs for o in job if o.startswith("+ladder=")))
+
+
+def test_the_cpu_ladder_composes_and_leaves_out_the_steps_with_no_cpu_meaning() -> None:
+    jobs = ladder_plan("ladder_cpu")
+    assert steps(jobs) == ["baseline", "cpu1_resident", "cpu2_batch", "cpu3_amp", "cpu4_compile"]
+    assert len(jobs) == 5 * 4  # four seeds a step: enough for compare's rank test
+    configs = [load(job) for job in jobs[::4]]  # one seed of each step
+    assert [c.device.name for c in configs] == ["cpu"] * 5
+    assert not any(c.trainer.channels_last or c.loader.num_workers or c.loader.pin_memory is True for c in configs)
+    # cumulative: each step keeps the ones before it
+    assert [(c.loader.resident, c.loader.batch_size, c.amp, c.trainer.compile) for c in configs] == [
+        (False, 64, False, False),
+        (True, 64, False, False),
+        (True, 256, False, False),
+        (True, 256, True, False),
+        (True, 256, True, True),
+    ]
+
+
+def test_the_gpu_ladder_follows_the_steps_dependencies() -> None:
+    jobs = ladder_plan("ladder_gpu")
+    order = steps(jobs)
+    assert order[0] == "baseline" and order.index("gpu1_amp") < order.index("gpu2_channels_last")  # NHWC after AMP
+    configs = {step: load(["experiment=ladder_gpu", f"+ladder={step}"]) for step in order}  # composing needs no GPU
+    assert configs["gpu2_channels_last"].amp and configs["gpu2_channels_last"].trainer.channels_last
+    assert configs["gpu3_workers"].loader.num_workers == 4 and configs["gpu3_workers"].loader.pin_memory is True
+    assert configs["gpu4_resident"].loader.resident and configs["gpu4_resident"].loader.num_workers == 0
+    assert configs["gpu6_batch"].trainer.compile and configs["gpu6_batch"].loader.batch_size == 512
+    assert {c.device.name for c in configs.values()} == {"cuda"}
+
+
+@pytest.mark.parametrize("experiment", ["ladder_cpu", "ladder_gpu"])
+def test_every_ladder_file_opens_with_the_command_that_runs_it(experiment: str) -> None:
+    files = [config_dir() / "experiment" / f"{experiment}.yaml", *sorted((config_dir() / "ladder").glob("*.yaml"))]
+    for path in files:
+        assert "python -m pipeline -m experiment=ladder_" in path.read_text().split("\n\n")[0], path
