@@ -14,7 +14,7 @@ def ladder_plan(experiment: str) -> list[list[str]]:
         cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     jobs = sweep_jobs([f"experiment={experiment}", *(f"{key}={value}" for key, value in params.items())])
-    assert jobs is not None
+    assert jobs, "the ladder's sweep could not be listed"
     return jobs
 
 
