@@ -13,18 +13,10 @@ import pytest
 
 from pipeline import autotune
 from pipeline.autotune import Candidate, Machine, Settings, candidates, format_report, override_line, tune
-from pipeline.config import LoaderConfig, RunConfig, load
+from pipeline.config import RunConfig, load
 from pipeline.errors import PipelineError
 
-DEFAULT = LoaderConfig(
-    batch_size=64,
-    num_workers=0,
-    pin_memory="auto",
-    persistent_workers=False,
-    prefetch_factor=None,
-    drop_last=False,
-    resident=False,
-)  # conf/loader/default.yaml
+DEFAULT = load([]).loader  # conf/loader/default.yaml, as a run composes it
 CPU4 = Machine(device_type="cpu", max_workers=4, resident_fits=False)
 
 

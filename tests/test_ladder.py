@@ -28,7 +28,9 @@ def test_the_cpu_ladder_composes_and_leaves_out_the_steps_with_no_cpu_meaning() 
     assert len(jobs) == 5 * 4  # four seeds a step: enough for compare's rank test
     configs = [load(job) for job in jobs[::4]]  # one seed of each step
     assert [c.device.name for c in configs] == ["cpu"] * 5
-    assert not any(c.trainer.channels_last or c.loader.num_workers or c.loader.pin_memory is True for c in configs)
+    assert [(c.trainer.channels_last, c.loader.num_workers, c.loader.pin_memory) for c in configs] == [
+        (False, 0, "auto")
+    ] * 5  # no NHWC, no workers, no pinning: they mean nothing on a CPU
     # cumulative: each step keeps the ones before it
     assert [(c.loader.resident, c.loader.batch_size, c.amp, c.trainer.compile) for c in configs] == [
         (False, 64, False, False),

@@ -48,6 +48,18 @@ OTHER_SCHEMES = frozenset({"http", "https", "databricks"})
 NO_SPACE = ("database or disk is full", "no space left on device", "disk quota exceeded")
 
 
+UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves
+
+
+def ui_base(uri: str) -> str:
+    """The UI address for a run's links: a tracking server's own, without ``user:password@`` (the browser asks
+    for credentials itself), else where ``mlflow ui`` serves a local store."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return UI_URL
+    return parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
+
+
 class TrackingUnavailable(PipelineError):
     """The tracking URI cannot be used; nothing was trained."""
 

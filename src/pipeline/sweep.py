@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.secrets import mask_overrides, mask_text
+from pipeline.store import ui_base
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -55,7 +56,6 @@ Metric = Literal["val/acc", "throughput/samples_per_s"]  # what a job can return
 SWEEP_FILE = "sweep.json"  # in hydra.sweep.dir
 JOBS_DIR = "jobs"  # in hydra.sweep.dir: <job number>.json, one per job that ended
 MAX_CHILDREN = 50_000  # MLflow's most runs per search
-UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves (as in pipeline.tracking)
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
 _UNFINISHED: set[Path] = set()  # folders of the sweeps started in this process and not yet ended (end_unfinished)
 
@@ -368,9 +368,8 @@ def end_unfinished() -> None:
 
 def _parent_links(sweep: Sweep, status: str) -> list[str]:
     """Where the parent run is and how to open it, as a single run's summary says it (``Tracker.describe``)."""
-    parsed = urlparse(sweep.uri or "")
-    server = parsed.scheme in ("http", "https")
-    base = parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/") if server else UI_URL
+    server = urlparse(sweep.uri or "").scheme in ("http", "https")
+    base = ui_base(sweep.uri or "")
     lines = [f"  MLflow parent run {sweep.parent_run_id} ({status}) in {mask_text(sweep.uri or '')}"]
     if not server:
         lines.append(f"    open the UI:  mlflow ui --backend-store-uri {sweep.uri}")

@@ -51,7 +51,7 @@ from pipeline.data.sources import DataSpec
 from pipeline.errors import ConfigError
 from pipeline.secrets import MASK, mask_text, mask_value
 from pipeline.stopping import Stopped
-from pipeline.store import absolute, connect, retrying
+from pipeline.store import absolute, connect, retrying, ui_base
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,6 @@ METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 WRITE_EVERY_S = 10.0  # the writer thread's period: how stale the UI's live metrics may get
 STOP_WITHIN_S = 30.0  # how long a run's end waits for a write in flight ("database is locked" retries take ~13 s)
 PARAMS_PER_BATCH = 100  # MLflow's limit per log_batch call
-UI_URL = "http://127.0.0.1:5000"
 
 
 class Tracker(Protocol):
@@ -353,12 +352,7 @@ class MlflowTracker:
 
     def describe(self) -> list[str]:
         """Where the run is and how to look at it (printed in the run's summary)."""
-        parsed = urlparse(self.uri)
-        base = (  # links without user:password@: the browser asks for credentials itself
-            parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
-            if parsed.scheme in ("http", "https")
-            else UI_URL
-        )
+        parsed, base = urlparse(self.uri), ui_base(self.uri)
         lines = [f"MLflow run {self.run_id} in experiment '{self.experiment}' ({mask_text(self.uri)})"]
         if parsed.scheme not in ("http", "https", "databricks"):
             lines.append(f"  open the UI:  mlflow ui --backend-store-uri {self.uri}")

@@ -45,7 +45,7 @@ from pipeline.compare.records import (
     CompareError,
     RunRecord,
 )
-from pipeline.compare.reporting import ARTIFACTS, FILES, UI_URL, Report, attach, compare_link, report, ui_base, write
+from pipeline.compare.reporting import ARTIFACTS, FILES, Report, attach, compare_link, report, write
 from pipeline.compare.selection import MAX_RUNS, Selection, open_store, select
 from pipeline.compare.stats import ALPHA, MIN_EFFECT, MIN_REPEATS, NOISY, Speedup, Stat, geomean, speedup, stat
 from pipeline.compare.table import (
@@ -62,6 +62,7 @@ from pipeline.compare.table import (
     differences,
     group,
 )
+from pipeline.store import UI_URL, ui_base
 
 __all__ = [
     "ALPHA",

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.compare.records import PARENT, ROLE
-from pipeline.compare.reporting import ARTIFACTS, UI_URL, attach, report, write
+from pipeline.compare.reporting import ARTIFACTS, attach, report, write
 from pipeline.compare.selection import open_store, select
 from pipeline.compare.stats import MIN_EFFECT
 from pipeline.errors import PipelineError
 from pipeline.secrets import mask_text
-from pipeline.store import absolute
+from pipeline.store import UI_URL, absolute
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -16,8 +16,8 @@ from pipeline.compare.records import RunRecord
 from pipeline.compare.stats import MIN_EFFECT
 from pipeline.compare.table import Table, build
 from pipeline.secrets import mask_text
+from pipeline.store import ui_base
 
-UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves (as in pipeline.tracking)
 ARTIFACTS = "compare"  # the folder under the parent run that --log writes to
 FILES = ("compare.md", "compare.csv", "compare.png")
 
@@ -70,14 +70,6 @@ def report(
     if urlparse(uri).scheme not in ("http", "https", "databricks"):
         text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri})")
     return Report(table, mask_text("\n".join(text) + "\n"), mask_text(table_csv(table)), link)
-
-
-def ui_base(uri: str) -> str:
-    """The UI of a tracking server without ``user:password@`` (the browser asks itself), else ``mlflow ui``'s."""
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("http", "https"):
-        return UI_URL
-    return parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
 
 
 def compare_link(ui: str, run_ids: Sequence[str], experiment_ids: Sequence[str]) -> str:
