@@ -16,6 +16,7 @@ from pipeline import doctor
 from pipeline.config import RunConfig
 from pipeline.data import DataSpec, EpochLoader, Normalize, ResidentLoader, first_batch, load_data, make_loader
 from pipeline.devices import DeviceChoice, activate, resolve_device
+from pipeline.distributed import Group, Solo
 from pipeline.loop import TrainState
 from pipeline.memory import MicroBatcher
 from pipeline.models import build_model, build_optimizer, count_parameters
@@ -42,16 +43,24 @@ class Setup:
     prepare: Normalize
     run_name: str
     amp_probe: AmpProbe | None  # amp=true on the CPU: one step timed in both formats before training
+    group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
 
     @property
     def device(self) -> torch.device:
         return self.choice.device
 
 
-def build(cfg: RunConfig) -> Setup:
-    """Device, precision, data, model, optimizer and batches, in the order that fails fastest."""
+def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
+    """Device, precision, data, model, optimizer and batches, in the order that fails fastest.
+
+    Under DDP (``group``, joined already), the device is the rank's own (``cuda:LOCAL_RANK``), the model is
+    wrapped in DistributedDataParallel and each loader reads this rank's share.
+    """
+    group = group or Solo()
     choice = resolve_device(cfg.device, explain=doctor.main_finding)
-    device = choice.device
+    device = group.place(choice.device)
+    if device != choice.device:
+        choice = DeviceChoice(device, torch.cuda.get_device_name(device), f"{choice.reason}; LOCAL_RANK={device.index}")
     activate(device)
     log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
     policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
@@ -72,12 +81,14 @@ def build(cfg: RunConfig) -> Setup:
 
     amp_probe = check_cpu_amp(policy, model, first_prepared)
     parameters = count_parameters(model)
+    model = group.wrap(model)
     if t.compile:
         model = torch.compile(model)
     optimizer = build_optimizer(
         t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
     batch = cfg.loader.batch_size
+    shard = {"rank": group.rank, "world": group.world_size}
     setup = Setup(
         cfg=cfg,
         choice=choice,
@@ -87,11 +98,12 @@ def build(cfg: RunConfig) -> Setup:
         state=TrainState(model, optimizer, policy.make_scaler(), MicroBatcher.from_config(cfg.oom, batch_size=batch)),
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
         parameters=parameters,
-        train_batches=make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed),
-        val_batches=make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed),
+        train_batches=make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed, **shard),
+        val_batches=make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed, **shard),
         prepare=prepare,
         run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
         amp_probe=amp_probe,
+        group=group,
     )
     log.info(
         "run %s: %s on %s, %d train / %d val samples, %s parameters",

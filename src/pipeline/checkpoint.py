@@ -208,8 +208,9 @@ def payload(state: Any, **extra: Any) -> dict[str, Any]:
 
 
 def module(model: torch.nn.Module) -> torch.nn.Module:
-    """The model behind ``torch.compile``'s wrapper: checkpoints load whether or not either side compiled."""
-    return getattr(model, "_orig_mod", model)
+    """The model behind ``torch.compile``'s and DDP's wrappers: checkpoints load whatever either side wrapped."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -266,14 +267,19 @@ class Checkpointer:
         device: torch.device,
         config: Mapping[str, Any],
         lock: RunLock | None = None,
+        write: bool = True,
+        world_size: int = 1,
     ) -> Checkpointer:
         """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
-        ``state`` (a ``loop.TrainState``) and ``config`` (the masked config, compared on resume)."""
+        ``state`` (a ``loop.TrainState``) and ``config`` (the masked config, compared on resume).
+
+        ``write=False`` (DDP ranks other than 0) writes nothing; ``world_size`` is saved, since a position inside
+        an epoch counts this job's per-rank batches."""
         folder = Path(cfg.checkpoint.dir) / (run_id or f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
         return cls(
             folder=folder,
-            enabled=cfg.checkpoint.enabled,
-            contents=lambda: payload(state, run_id=run_id, run_name=run_name, config=config),
+            enabled=cfg.checkpoint.enabled and write,
+            contents=lambda: payload(state, run_id=run_id, run_name=run_name, config=config, world_size=world_size),
             device=device,
             scope={
                 "run_id": run_id,

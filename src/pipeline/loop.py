@@ -7,6 +7,7 @@ the end of the epoch.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -16,12 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.distributed import Group, Solo
 from pipeline.errors import PipelineError
-from pipeline.memory import MicroBatcher
+from pipeline.memory import MicroBatcher, OomFailure, memory_at_failure_mb
 from pipeline.precision import PrecisionPolicy
 from pipeline.timing import Breakdown, EventTimer, WallTimer
 
+logger = logging.getLogger(__name__)
+
 StepTimer = WallTimer | EventTimer
+SOLO = Solo()  # a plain run: every collective is free
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -46,6 +51,7 @@ class EpochStats:
     reached_max_steps: bool
     breakdown: Breakdown
     stopped: bool = False  # a stop was requested (SIGTERM, Ctrl-C): the epoch ended at a step boundary
+    stop_signal: int = 0  # the signal behind the stop (under DDP, maybe another rank's)
     skipped_steps: int = 0  # float16 steps the GradScaler skipped (inf/NaN gradients), a normal event
 
     @property
@@ -73,43 +79,55 @@ def train_epoch(
     log: LogFn,
     timer: StepTimer,
     on_step: Callable[[int], None] = lambda samples: None,
-    should_stop: Callable[[], bool] = lambda: False,
+    stop_signal: Callable[[], int] = lambda: 0,
     checkpoint_every: int = 0,
     save_checkpoint: Callable[[], None] = lambda: None,
+    group: Solo | Group = SOLO,
 ) -> EpochStats:
     """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
 
     ``timer`` is marked four times a step (batch asked for, in hand, on the device, step done);
     ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
-    ``should_stop`` is asked after every step (a stop request ends the epoch there). Every
-    ``checkpoint_every`` steps (0 = never) the losses since the last check are verified finite,
-    then ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
+    ``stop_signal`` (the signal of a stop request, 0 = none) is asked every step; a request ends the
+    epoch after that step. Every ``checkpoint_every`` steps (0 = never) the losses since the last check
+    are verified finite, then ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
+
+    Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
+    (``group.agree``, one small collective), then the gradients are averaged once; see ``pipeline.distributed``.
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
-    window = LossWindow(log_every, device, skipped_steps_expected=scaler.is_enabled())
+    window = LossWindow(log_every, device, skipped_steps_expected=scaler.is_enabled(), reduce=group.mean)
     samples, steps, skipped = 0, 0, 0
     scale = scaler.get_scale() if scaler.is_enabled() else 0.0
     start = time.perf_counter()
     timer.start()
-    stopped = False
+    stopped = 0
     for images, labels in timer.batches(batches):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         timer.copied()
         n = labels.shape[0]
         while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
+            failure = None
             try:
-                loss = forward_backward(state, images, labels, policy=policy, prepare=prepare)
-                break
+                with group.no_sync(model):  # no collective inside backward: a failed rank cannot strand the others
+                    loss = forward_backward(state, images, labels, policy=policy, prepare=prepare)
             except Exception as err:
                 failure = state.micro.diagnose(err, device)  # here, while the failed step's memory is held
                 if failure is None:
                     raise
             # outside the except block: the traceback, and the failed step's tensors with it, are gone
+            failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
+            if not failed_somewhere:
+                break
+            if failure is None:  # another rank ran out of memory: every rank shrinks, so steps stay in lockstep
+                logger.warning("step %d: out of memory on another rank; this rank shrinks too", state.step + 1)
+                failure = OomFailure("out of memory on another rank", memory_at_failure_mb(device))
             event = state.micro.recover(failure, step=state.step + 1, optimizer=optimizer, scaler=scaler, device=device)
             oom = {"oom/events": len(state.micro.events), "oom/micro_batch_size": state.micro.micro_batch}
             log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
+        group.average_gradients(model)
         scaler.step(optimizer)
         scaler.update()
         if scaler.is_enabled():  # float16: the scaler already synced this step; a lower scale = a skipped step
@@ -128,15 +146,24 @@ def train_epoch(
             save_checkpoint()
         if 0 < max_steps <= state.step:
             break
-        if should_stop():
-            stopped = True
+        if stopped:
             break
     window.close()  # the epoch's last, unlogged steps are checked and counted too
     breakdown = timer.finish()  # waits for the device (CUDA, MPS: the epoch's one event sync)
     mean_loss = window.epoch_mean()
     seconds = time.perf_counter() - start
     reached = 0 < max_steps <= state.step
-    return EpochStats(mean_loss, samples, steps, seconds, reached, breakdown, stopped, skipped)
+    return EpochStats(
+        mean_loss,
+        samples,
+        steps,
+        seconds,
+        reached,
+        breakdown,
+        stopped=bool(stopped),
+        stop_signal=stopped,
+        skipped_steps=skipped,
+    )
 
 
 class NonFiniteLoss(PipelineError):
@@ -155,10 +182,19 @@ class LossWindow:
 
     ``close()`` is the host sync: it returns the window's sample-weighted mean and raises
     ``NonFiniteLoss`` naming the first bad step, except under float16's GradScaler, whose skipped
-    steps (inf/NaN) are normal: those are left out of the mean.
+    steps (inf/NaN) are normal: those are left out of the mean. ``reduce`` turns this rank's losses
+    into every rank's mean (DDP), so all ranks log the same loss and meet a NaN at the same step.
     """
 
-    def __init__(self, size: int, device: torch.device, *, skipped_steps_expected: bool) -> None:
+    def __init__(
+        self,
+        size: int,
+        device: torch.device,
+        *,
+        skipped_steps_expected: bool,
+        reduce: Callable[[torch.Tensor], torch.Tensor] = lambda losses: losses,
+    ) -> None:
+        self.reduce = reduce
         self.losses = torch.zeros(size, device=device)
         self.sizes: list[int] = []
         self.first_step = 0
@@ -190,7 +226,7 @@ class LossWindow:
         return total / samples if samples else float("nan")
 
     def _values(self) -> list[float]:
-        values = self.losses[: len(self.sizes)].tolist()  # host sync point
+        values = self.reduce(self.losses[: len(self.sizes)].clone()).tolist()  # host sync point
         if not self.tolerate:
             for offset, value in enumerate(values):
                 if not math.isfinite(value):
@@ -240,11 +276,13 @@ def evaluate(
     policy: PrecisionPolicy,
     prepare: Callable[[torch.Tensor], torch.Tensor],
     micro: MicroBatcher | None = None,
+    group: Solo | Group = SOLO,
 ) -> EvalStats:
     """Mean loss and accuracy over ``batches``; one host sync at the end.
 
     With ``micro`` (evaluation's own, never training's), batches run in its micro-batches and an
     out-of-memory error shrinks them and replays the batch (no accumulation needed: evaluation only sums).
+    Under DDP each rank evaluates its share and the sums are reduced before they become numbers.
     """
     model.eval()
     total_loss = torch.zeros((), device=device)
@@ -268,9 +306,13 @@ def evaluate(
         total_loss += batch_loss
         correct += batch_correct
         samples += n
-    if samples == 0:
+    exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    counted = torch.tensor(samples, device=device)
+    totals = group.sum(torch.stack([total_loss.to(exact), correct.to(exact), counted.to(exact)]))
+    loss_sum, correct_sum, count = totals.tolist()  # the pass's one host sync
+    if count == 0:
         return EvalStats(float("nan"), float("nan"), 0)
-    return EvalStats(total_loss.item() / samples, correct.item() / samples, samples)
+    return EvalStats(loss_sum / count, correct_sum / count, int(count))
 
 
 def _evaluate_batch(

@@ -215,7 +215,20 @@ def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in changes.items())
 
 
-def resume_point(cfg: RunConfig, recorded: Mapping[str, Any]) -> Resumed:
+def shared_point(cfg: RunConfig, recorded: Mapping[str, Any], group: Any) -> Resumed:
+    """``resume_point`` for every rank of a job: rank 0 finds and checks the checkpoint (and holds the run's
+    lock); the others load the file it found. A refusal on rank 0 is raised on every rank."""
+    found: list[Resumed] = []
+
+    def find_on_rank_0() -> str:
+        found.append(resume_point(cfg, recorded, world_size=group.world_size))
+        return str(found[0].path)
+
+    path = Path(group.share(find_on_rank_0))
+    return found[0] if found else Resumed(path, load(path), {}, cfg.fork, None)
+
+
+def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int = 1) -> Resumed:
     """The checkpoint ``cfg.resume`` names, checked against this run's config and the record.
 
     Runs before any data is loaded or any MLflow run is opened, so a refusal changes nothing. For
@@ -248,6 +261,13 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any]) -> Resumed:
     changes = config_changes(flatten(saved["config"]), flatten(recorded))
     check_resumable(changes, fork=cfg.fork, run=run)
     position, t = saved["position"], cfg.trainer
+    saved_world = saved.get("world_size", 1)
+    if saved_world != world_size and position.batch:
+        raise CheckpointError(
+            f"run {run} stopped inside epoch {position.epoch} with {saved_world} process(es), and its position "
+            f"there counts their batches: resume it with {saved_world} process(es) "
+            f"(torchrun --nproc_per_node={saved_world}); from the next epoch on the number may change"
+        )
     if position.epoch > t.epochs or 0 < t.max_steps <= position.step:
         raise CheckpointError(
             f"resume={cfg.resume}: run {run} has trained {position.step} steps "

@@ -48,6 +48,11 @@ class StopRequests:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def adopt(self, signum: int) -> None:
+        """A stop another rank received (DDP): this process stops as if the signal had reached it too."""
+        if self.signum is None and signum:
+            self.signum = signum
+
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
         """The stretch (training) where a second request raises ``Stopped`` at once."""

@@ -18,6 +18,12 @@ class EpochRecord:
     seconds: float  # wall clock, first step included
     samples_per_s: float  # steady state
     breakdown: Breakdown
+    ranks: dict[str, float] = field(default_factory=dict)  # DDP: every rank's shares (pipeline.distributed)
+
+    @property
+    def slowest_rank_wait_pct(self) -> float:
+        """Under DDP, the data-wait share of the rank that waited most (a straggler holds every rank back)."""
+        return self.ranks.get("time/data_wait_pct_slowest_rank", 0.0)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class RunResult:
     tracking: list[str] = field(default_factory=list)
     amp_probe: Any = None  # pipeline.precision.AmpProbe: amp=true on the CPU, timed against float32 at start
     notes: list[str] = field(default_factory=list)  # caveats about what the numbers mean (e.g. BatchNorm)
+    distributed: str = ""  # DDP: world size, backend, per-rank and global batch ("" for one process)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
 
     @property
@@ -66,6 +73,8 @@ def format_summary(result: RunResult) -> str:
         f"  device      {result.device} ({result.device_name})",
         f"  model       {result.parameters:,} parameters · precision {result.precision} · loader {result.loader}",
     ]
+    if result.distributed:
+        lines.append(f"  distributed {result.distributed}")
     if last is not None:
         lines += [
             f"  accuracy    val/acc {last.val_acc:.4f} · val/loss {last.val_loss:.4f} · "

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pipeline import checkpoint, doctor, resume
+from pipeline import checkpoint, distributed, doctor, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig, flatten
 from pipeline.loop import evaluate, train_epoch
@@ -62,14 +62,29 @@ def train(
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
     """
     started = time.perf_counter()
-    if cfg.tracking.enabled:
+    with distributed.joined(cfg.device) as group:  # torchrun: this rank's place in the job; else a plain run
+        return _train(cfg, group, started, overrides=overrides, echo=echo, quiet=quiet, sweep=sweep)
+
+
+def _train(
+    cfg: RunConfig,
+    group: distributed.Solo | distributed.Group,
+    started: float,
+    *,
+    overrides: Sequence[str],
+    echo: bool,
+    quiet: bool,
+    sweep: SweepJob | None,
+) -> RunResult:
+    main = group.is_main  # rank 0 alone records the run and writes checkpoints
+    if cfg.tracking.enabled and main:
         check_reachable(cfg.tracking.uri)  # before any data is loaded: a dead server fails in seconds
     checkpoint.check_dir(cfg.checkpoint)
     recorded = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
     hidden = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
-    resumed = resume.resume_point(cfg, recorded) if cfg.resume else None
+    resumed = resume.shared_point(cfg, recorded, group) if cfg.resume else None
     with resumed or contextlib.nullcontext():  # a resumed run stays locked to this process until it ends
-        setup = build(cfg)
+        setup = build(cfg, group)
         if sweep is not None and not cfg.tracking.run_name:  # a sweep's jobs differ in what the name may not show
             setup = dataclasses.replace(setup, run_name=sweep_run_name(setup.run_name, sweep.values))
         if resumed is not None:
@@ -83,17 +98,20 @@ def train(
         with (
             StopRequests() as stop,
             open_tracker(
-                cfg.tracking,
+                cfg.tracking if main else dataclasses.replace(cfg.tracking, enabled=False),
                 run_name=setup.run_name,
                 tags=tags,
                 run_id=resumed.run_id if resumed else None,
                 secret_values=hidden,
             ) as tracker,
         ):
-            record_start(tracker, setup, recorded, typed, resumed)
+            if main:
+                record_start(tracker, setup, recorded, typed, resumed)
             with checkpoint.Checkpointer.for_run(
                 cfg,
-                run_id=tracker.run_id,
+                run_id=group.share(lambda: tracker.run_id),  # every rank knows the run's checkpoint folder
+                write=main,
+                world_size=group.world_size,
                 run_name=setup.run_name,
                 state=setup.state,
                 device=setup.device,
@@ -129,7 +147,7 @@ def train(
             )
             summary = format_summary(result)
             tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})
-    if echo:
+    if echo and main:
         print(summary, flush=True)
     return result
 
@@ -146,7 +164,7 @@ def record_start(
         tracker.set_tags(resumed.tags(typed, logged_step=tracker.last_step("train/loss")))
         if not resumed.fork:
             return  # the same run: its params are fixed, and the tags describe the resumed part
-    tracker.log_params(flatten(recorded))
+    tracker.log_params({**flatten(recorded), **setup.group.record(setup.cfg.loader.batch_size)})
     tracker.log_dataset(setup.spec, context="train")
     tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
     tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
@@ -194,7 +212,9 @@ def run_epochs(
             where = (
                 f"checkpoint {path}; continue with resume={tracker.run_id or 'latest'}"
                 if path
-                else ("no checkpoint (checkpoint.enabled=false): a new run starts from scratch")
+                else "rank 0 writes the checkpoint"
+                if not setup.group.is_main
+                else "no checkpoint (checkpoint.enabled=false): a new run starts from scratch"
             )
             log.warning("stopped at step %d; %s", setup.state.step, where)
             raise Stopped(stop.signum or 0)
@@ -253,14 +273,17 @@ def run_epoch(
             log=log_step,
             timer=timer,
             on_step=on_step,
-            should_stop=stop.requested,
+            stop_signal=lambda: stop.signum or 0,
+            group=setup.group,
             checkpoint_every=setup.cfg.checkpoint.every_n_steps,
             save_checkpoint=lambda: save_midway(tracker, saver, checkpoint.Position(epoch, skip + done, state.step)),
         )
         bar.close()
         if stats.stopped:
+            stop.adopt(stats.stop_signal)  # under DDP the signal may have reached another rank only
             tracker.flush()
             return None, done
+        setup.group.broadcast_buffers(state.model)  # BatchNorm's running statistics: rank 0's, on every rank
         val = evaluate(
             state.model,
             setup.val_batches,
@@ -268,8 +291,13 @@ def run_epoch(
             policy=setup.policy,
             prepare=setup.prepare,
             micro=setup.eval_micro,
+            group=setup.group,
         )
-    record = EpochRecord(epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown)
+    utilisation = sampler.summary(since=since)
+    ranks = distributed.rank_metrics(setup.group.gather(distributed.rank_view(stats.breakdown, utilisation)))
+    record = EpochRecord(
+        epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown, ranks
+    )
     eval_micro = setup.eval_micro
     tracker.log_metrics(
         {
@@ -278,7 +306,8 @@ def run_epoch(
             "val/acc": record.val_acc,
             "time/epoch_s": record.seconds,
             **stats.breakdown.metrics(),
-            **sampler.summary(since=since).metrics(),
+            **utilisation.metrics(),
+            **ranks,
             **allocator_metrics(device),
             **({"amp/skipped_steps": stats.skipped_steps} if state.scaler.is_enabled() else {}),
             **({"oom/eval_micro_batch_size": eval_micro.micro_batch} if eval_micro.events else {}),
@@ -322,7 +351,7 @@ def conclude(
     verdict = judge(
         setup.cfg,
         device_type=setup.device.type,
-        data_wait_pct=breakdown.data_wait_pct,
+        data_wait_pct=max([breakdown.data_wait_pct] + [e.slowest_rank_wait_pct for e in epochs]),
         h2d_pct=breakdown.h2d_pct,
         overhead_pct=breakdown.overhead_pct,
         gpu_util_pct=utilisation.gpu_util_mean_pct,
@@ -371,4 +400,5 @@ def conclude(
         model=setup.state.model,
         amp_probe=setup.amp_probe,
         notes=[note] if note else [],
+        distributed=setup.group.describe(setup.cfg.loader.batch_size),
     )

@@ -35,27 +35,49 @@ class EpochOrder(Sampler[int]):
     happens once per process), or on anything else that draws random numbers. So a resumed run
     visits the same samples in the same order as an uninterrupted one, and ``start`` skips the
     samples already trained on without loading them.
+
+    Under DDP each of ``world`` ranks visits every ``world``-th sample of that order from its
+    ``rank`` on, so batch ``k`` of all ranks together is batch ``k`` of one process with the global
+    batch. ``pad`` (training) repeats the order's first samples so every rank has as many samples, and
+    so as many steps, as the others; evaluation does not pad (its sums are reduced, not its steps).
     """
 
-    def __init__(self, size: int, *, seed: int, shuffle: bool) -> None:
+    def __init__(self, size: int, *, seed: int, shuffle: bool, rank: int = 0, world: int = 1, pad: bool = True) -> None:
         self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.rank, self.world, self.pad = rank, world, pad
         self.epoch, self.start = 1, 0
 
     def set_epoch(self, epoch: int, *, start: int = 0) -> None:
-        """Visit ``epoch``'s order from its ``start``-th sample (0 = the whole epoch)."""
-        self.epoch, self.start = epoch, min(max(start, 0), self.size)
+        """Visit ``epoch``'s order from its ``start``-th sample of this rank's share (0 = the whole epoch)."""
+        self.epoch, self.start = epoch, min(max(start, 0), self.shard_size)
+
+    @property
+    def shard_size(self) -> int:
+        """The samples this rank visits in a whole epoch."""
+        if self.world == 1:
+            return self.size
+        if self.pad:
+            return math.ceil(self.size / self.world)
+        return len(range(self.rank, self.size, self.world))
 
     def indices(self) -> torch.Tensor:
         if not self.shuffle:
-            return torch.arange(self.start, self.size)
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
-        return torch.randperm(self.size, generator=generator)[self.start :]
+            order = torch.arange(self.size)
+        else:
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+            order = torch.randperm(self.size, generator=generator)
+        if self.world > 1:
+            if self.pad and self.size % self.world:
+                extra = self.shard_size * self.world - self.size
+                order = torch.cat([order, order.repeat(math.ceil(extra / self.size))[:extra]])
+            order = order[self.rank :: self.world]
+        return order[self.start :]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
 
     def __len__(self) -> int:
-        return self.size - self.start
+        return self.shard_size - self.start
 
 
 class LoaderError(PipelineError):
@@ -211,9 +233,16 @@ class Normalize:
 
 
 def make_loader(
-    dataset: Dataset, cfg: LoaderConfig, *, device: torch.device, train: bool, seed: int
+    dataset: Dataset,
+    cfg: LoaderConfig,
+    *,
+    device: torch.device,
+    train: bool,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
 ) -> EpochLoader | ResidentLoader:
-    """The batches of one split, as ``loader.*`` configures them.
+    """The batches of one split, as ``loader.*`` configures them (this rank's share, under DDP).
 
     Args:
         dataset: yields ``(uint8 image [C, H, W], label)``.
@@ -221,9 +250,13 @@ def make_loader(
         device: where training runs (resident data is moved there; pinning only for CUDA).
         train: shuffle and honour ``drop_last`` (validation does neither).
         seed: seeds the shuffling, so the same seed gives the same order.
+        rank, world: this process's rank and the number of ranks (DDP); ``loader.batch_size`` is per rank.
     """
     if cfg.resident:
         images, labels = materialize(dataset)
+        if world > 1:  # a fixed share per rank, so each moves only its own samples to its device
+            share = resident_share(len(labels), rank=rank, world=world, pad=train)
+            images, labels = images[share], labels[share]
         resident = ResidentLoader(
             images.to(device),
             labels.to(device),
@@ -241,7 +274,7 @@ def make_loader(
     loader = EpochLoader(
         dataset,
         batch_size=cfg.batch_size,
-        sampler=EpochOrder(len(dataset), seed=seed, shuffle=train),
+        sampler=EpochOrder(len(dataset), seed=seed, shuffle=train, rank=rank, world=world, pad=train),
         num_workers=cfg.num_workers,
         pin_memory=pin,
         persistent_workers=cfg.persistent_workers,
@@ -251,6 +284,13 @@ def make_loader(
         generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
     )
     return _with_steps(loader, cfg, len(dataset))
+
+
+def resident_share(size: int, *, rank: int, world: int, pad: bool) -> torch.Tensor:
+    """The samples rank ``rank`` of ``world`` keeps resident: every ``world``-th one, padded (training) from the
+    start so every rank has as many, and so as many steps."""
+    total = math.ceil(size / world) * world if pad else size
+    return (torch.arange(total) % size)[rank::world]
 
 
 def _with_steps(batches: EpochLoader | ResidentLoader, cfg: LoaderConfig, samples: int) -> EpochLoader | ResidentLoader:

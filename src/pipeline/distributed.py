@@ -1,0 +1,355 @@
+"""Several processes, one training: DistributedDataParallel under ``torchrun`` (or a multi-task SLURM job).
+
+``from_env()`` reads what the launcher set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; a SLURM job with
+several tasks is mapped by ``pipeline.slurm``) and returns a ``Solo`` for a plain run, whose every
+method is free, or a ``Group`` once ``start(device)`` has joined the process group (NCCL on CUDA, Gloo
+on the CPU). The loop talks to either through the same few calls:
+
+- ``agree(failed, stop)``: the step's decisions, taken together by one collective on the CPU (Gloo,
+  also beside NCCL, so it never waits for the GPU): did any rank run out of memory (then every rank
+  shrinks its micro-batch and replays the step), and did any rank get a stop request (then every rank
+  stops after this same step). A NaN loss is agreed too: the logged loss is the mean over ranks, so
+  every rank sees the same NaN at the same step.
+- ``average_gradients(model)``: the step's one gradient all-reduce. Every micro-batch's backward runs
+  under DDP's ``no_sync()`` and the gradients are averaged once, after ``agree``: a rank that ran out
+  of memory mid-backward has then started no collective, so no rank can wait forever in an all-reduce
+  for a partner that is replaying its step. The price is the overlap of backward with communication,
+  a few per cent of a step on one node (see BENCHMARKS.md).
+- ``sum(tensor)`` (evaluation: sums, not per-rank means of Python floats), ``gather(obj)`` (rank 0
+  records everyone's utilisation and step-time shares), ``share(fn)`` (rank 0 decides, e.g. which
+  checkpoint to resume, and every rank gets the answer or the same error).
+
+Rank 0 alone owns the MLflow run and writes checkpoints; every rank loads them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from pipeline.config import DeviceConfig
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BUCKET_BYTES = 25 * 2**20  # gradients all-reduced per call: DDP's default bucket size
+TIMEOUT = datetime.timedelta(minutes=10)  # a rank that never answers a collective ends the run instead of hanging it
+
+
+class DistributedError(PipelineError):
+    """The launch or the process group cannot work (bad environment, unsupported device, another rank failed)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits in the job, as the launcher (torchrun, SLURM) set it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def launch_from(environ: Mapping[str, str]) -> Launch | None:
+    """The launch described by torchrun's variables (or a multi-task SLURM job's), or None for a plain run.
+
+    Raises:
+        DistributedError: the variables are present but inconsistent.
+    """
+    env: Mapping[str, str] = environ
+    if "WORLD_SIZE" not in env and "SLURM_NTASKS" in env:
+        from pipeline.slurm import torch_env_from_slurm
+
+        env = torch_env_from_slurm(environ) or environ
+        if env is not environ:
+            os.environ.update({k: v for k, v in env.items() if k not in environ})  # MASTER_ADDR & co. for the group
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        rank, local = int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    except (KeyError, ValueError) as err:
+        raise DistributedError(
+            f"WORLD_SIZE={env.get('WORLD_SIZE')} but RANK={env.get('RANK')} LOCAL_RANK={env.get('LOCAL_RANK')}: "
+            "start several processes with torchrun --nproc_per_node=N -m pipeline ..., which sets them all"
+        ) from err
+    if not 0 <= rank < world or local < 0:
+        raise DistributedError(f"RANK={rank} LOCAL_RANK={local} do not fit WORLD_SIZE={world}")
+    return Launch(rank, local, world)
+
+
+class Solo:
+    """A plain, one-process run: every collective is the identity and costs nothing."""
+
+    rank = 0
+    local_rank = 0
+    world_size = 1
+    backend = "none"
+    is_main = True
+
+    def place(self, device: torch.device) -> torch.device:
+        return device
+
+    def join(self, device: DeviceConfig) -> None:
+        pass
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def no_sync(self, model: nn.Module) -> Any:
+        return nullcontext()
+
+    def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
+        return failed, stop
+
+    def average_gradients(self, model: nn.Module) -> None:
+        pass
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather(self, obj: T) -> list[T]:
+        return [obj]
+
+    def share(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def broadcast_buffers(self, model: nn.Module) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def record(self, batch_size: int) -> dict[str, Any]:
+        return {}
+
+    def describe(self, batch_size: int) -> str:
+        return ""
+
+
+class Group(Solo):
+    """One rank of a DistributedDataParallel job (see the module's docstring)."""
+
+    def __init__(self, launch: Launch) -> None:
+        self.rank, self.local_rank, self.world_size = launch.rank, launch.local_rank, launch.world_size
+        self.is_main = self.rank == 0
+        self.backend = ""
+        self._control: Any = None  # the Gloo group for decisions (the default group when it is Gloo already)
+
+    def join(self, device: DeviceConfig) -> None:
+        """Join the process group before anything is built: NCCL when the run is to use CUDA, else Gloo; the
+        step's decisions always travel over Gloo, on the CPU.
+
+        Raises:
+            DistributedError: MPS (no collective backend), or fewer GPUs than processes on this node.
+        """
+        import torch.distributed as dist
+
+        if device.name == "mps":
+            raise DistributedError("torchrun with device=mps: MPS has no collective backend; train in one process")
+        cuda = device.name == "cuda" or (device.name == "auto" and torch.cuda.is_available())
+        if cuda:
+            count = torch.cuda.device_count()
+            if self.local_rank >= count:
+                raise DistributedError(
+                    f"LOCAL_RANK={self.local_rank} but this node has {count} GPU(s): start at most {count} "
+                    f"process(es) per node (torchrun --nproc_per_node={count}), or device=cpu"
+                )
+            torch.cuda.set_device(self.local_rank)
+        self.backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(self.backend, timeout=TIMEOUT)
+        self._control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
+        log.info("rank %d of %d joined the job (%s)", self.rank, self.world_size, self.backend)
+
+    def place(self, device: torch.device) -> torch.device:
+        """The rank's own device: ``cuda:LOCAL_RANK`` (one GPU per process); the CPU as it is."""
+        if device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        if self.backend == "nccl":
+            raise DistributedError(f"the job joined with NCCL but this rank resolved device {device}")
+        return device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP around the model. Buffers are not broadcast in forward (that is a collective a replayed step
+        would unbalance): BatchNorm's running statistics are taken from rank 0 before evaluation instead."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around DDP
+        return inner.no_sync() if hasattr(inner, "no_sync") else nullcontext()
+
+    def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
+        """Whether any rank failed this step (out of memory), and the stop signal any rank received (0 = none)."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(failed), stop], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(flags[0]), int(flags[1])
+
+    def average_gradients(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        for bucket in _buckets([p.grad for p in model.parameters() if p.grad is not None]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+        return tensor
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.sum(tensor).div_(self.world_size)
+
+    def gather(self, obj: T) -> list[T]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._control)
+        return out
+
+    def share(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on rank 0, its result on every rank; an error there is raised on every rank."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.is_main:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as err:
+                dist.broadcast_object_list([("error", f"{type(err).__name__}: {err}")], src=0, group=self._control)
+                raise
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        kind, value = box[0]
+        if kind == "error":
+            raise DistributedError(f"rank 0 stopped: {value}")
+        return value
+
+    def broadcast_buffers(self, model: nn.Module) -> None:
+        """Rank 0's buffers (BatchNorm's running statistics) on every rank: evaluation and checkpoints agree."""
+        import torch.distributed as dist
+
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def record(self, batch_size: int) -> dict[str, Any]:
+        """What the run records about the job: world size, backend, the per-rank and the global batch."""
+        return {
+            "distributed.world_size": self.world_size,
+            "distributed.backend": self.backend,
+            "distributed.batch_size_per_rank": batch_size,
+            "distributed.global_batch_size": batch_size * self.world_size,
+        }
+
+    def describe(self, batch_size: int) -> str:
+        return (
+            f"{self.world_size} ranks over {self.backend}, batch {batch_size} per rank, "
+            f"{batch_size * self.world_size} in all"
+        )
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Gradients in groups of one dtype and device, about ``BUCKET_BYTES`` each."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or size >= BUCKET_BYTES):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    if bucket:
+        yield bucket
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Solo | Group:
+    """The run's place in a distributed job: a ``Group`` under torchrun (not started yet), else ``Solo``."""
+    launch = launch_from(os.environ if environ is None else environ)
+    return Solo() if launch is None else Group(launch)
+
+
+@contextmanager
+def joined(device: DeviceConfig, environ: Mapping[str, str] | None = None) -> Iterator[Solo | Group]:
+    """This process's place in the job, joined for the block (and its log lines tagged with its rank)."""
+    group = from_env(environ)
+    with rank_logging(group):
+        group.join(device)
+        try:
+            yield group
+        finally:
+            group.close()
+
+
+def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
+    """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
+    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
+    if utilisation.gpu_util_mean_pct is not None:
+        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
+    return view
+
+
+def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's record of every rank's epoch: ``ranks/<r>/<name>`` for each, the slowest rank's data wait, and
+    the job's throughput (the sum of the ranks')."""
+    if len(per_rank) <= 1:
+        return {}
+    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
+    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
+    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
+    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
+    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
+    return metrics
+
+
+@contextmanager
+def rank_logging(group: Solo | Group) -> Iterator[None]:
+    """Ranks other than 0 prefix their log lines with their rank and show warnings and errors only."""
+    if group.world_size == 1:
+        yield
+        return
+    prefix = f"[rank {group.rank}] "
+
+    def tag(record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(prefix):
+            record.msg = prefix + str(record.msg)
+        return True
+
+    root, package = logging.getLogger(), logging.getLogger("pipeline")
+    level = package.level
+    for handler in root.handlers:
+        handler.addFilter(tag)
+    if not group.is_main:
+        package.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            handler.removeFilter(tag)
+        package.setLevel(level)

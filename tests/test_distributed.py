@@ -1,0 +1,284 @@
+"""DistributedDataParallel: the data shares, the decisions taken together, and real ``torchrun`` jobs on Gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from pipeline import distributed
+from pipeline.config import load
+from pipeline.data.loaders import EpochOrder, resident_share
+from pipeline.distributed import DistributedError, Launch, Solo, launch_from, rank_metrics
+from pipeline.loop import SOLO, LossWindow, TrainState, train_epoch
+from pipeline.memory import MicroBatcher
+from pipeline.precision import PrecisionPolicy
+from pipeline.timing import WallTimer
+from pipeline.train import train
+
+FAULTS = Path(__file__).parent / "faults"  # sitecustomize.py: faults injected into one rank of a real job
+
+
+# --- the data each rank reads ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_ranks_batches_together_are_the_single_process_batches_of_the_global_size(shuffle: bool) -> None:
+    size, per_rank, world = 96, 4, 3
+    single = EpochOrder(size, seed=7, shuffle=shuffle)
+    ranks = [EpochOrder(size, seed=7, shuffle=shuffle, rank=r, world=world) for r in range(world)]
+    for order in [single, *ranks]:
+        order.set_epoch(3)
+    whole = single.indices()
+    shares = [r.indices() for r in ranks]
+    assert [len(s) for s in shares] == [32, 32, 32]
+    for k in range(size // (per_rank * world)):
+        together = torch.cat([s[k * per_rank : (k + 1) * per_rank] for s in shares])
+        assert sorted(together.tolist()) == sorted(whole[k * per_rank * world : (k + 1) * per_rank * world].tolist())
+
+
+def test_training_shares_are_padded_to_equal_length_and_evaluation_shares_are_disjoint_and_complete() -> None:
+    train = [EpochOrder(10, seed=1, shuffle=True, rank=r, world=4, pad=True) for r in range(4)]
+    assert [len(o) for o in train] == [3, 3, 3, 3]  # 12 slots: every rank takes as many steps
+    seen = torch.cat([o.indices() for o in train]).tolist()
+    assert set(seen) == set(range(10)) and len(seen) == 12
+    val = [EpochOrder(10, seed=1, shuffle=False, rank=r, world=4, pad=False) for r in range(4)]
+    assert [o.indices().tolist() for o in val] == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+
+
+def test_a_resumed_rank_skips_its_own_batches_in_the_sampler() -> None:
+    order = EpochOrder(40, seed=3, shuffle=True, rank=1, world=2)
+    order.set_epoch(2)
+    whole = order.indices()
+    order.set_epoch(2, start=8)
+    assert order.indices().tolist() == whole[8:].tolist() and len(order) == 12
+
+
+def test_a_resident_rank_keeps_only_its_own_share() -> None:
+    assert resident_share(10, rank=1, world=4, pad=True).tolist() == [1, 5, 9]
+    assert resident_share(10, rank=3, world=4, pad=True).tolist() == [3, 7, 1]  # padded from the start
+    assert resident_share(10, rank=3, world=4, pad=False).tolist() == [3, 7]
+
+
+# --- the launch ---------------------------------------------------------------------------------------------
+
+
+def test_torchruns_variables_make_a_launch_and_a_plain_run_has_none() -> None:
+    assert launch_from({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == Launch(1, 1, 2)
+    assert launch_from({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    assert launch_from({}) is None
+    assert isinstance(distributed.from_env({}), Solo)
+    with pytest.raises(DistributedError, match="torchrun --nproc_per_node"):
+        launch_from({"WORLD_SIZE": "2"})
+    with pytest.raises(DistributedError, match="do not fit"):
+        launch_from({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"})
+
+
+def test_an_mps_run_under_torchrun_is_refused_before_anything_is_built() -> None:
+    group = distributed.Group(Launch(0, 0, 2))
+    with pytest.raises(DistributedError, match="MPS has no collective backend"):
+        group.join(load(["device=mps"]).device)
+
+
+def test_rank_0_records_every_rank_and_the_slowest_ranks_data_wait() -> None:
+    metrics = rank_metrics(
+        [
+            {"data_wait_pct": 5.0, "samples_per_s": 100.0, "gpu_util_mean_pct": 90.0},
+            {"data_wait_pct": 40.0, "samples_per_s": 60.0, "gpu_util_mean_pct": 50.0},
+        ]
+    )
+    assert metrics["ranks/1/gpu_util_mean_pct"] == 50.0 and metrics["ranks/0/data_wait_pct"] == 5.0
+    assert metrics["time/data_wait_pct_slowest_rank"] == 40.0 and metrics["time/slowest_rank"] == 1.0
+    assert metrics["throughput/global_samples_per_s"] == 160.0
+    assert rank_metrics([{"data_wait_pct": 5.0}]) == {}
+
+
+# --- the decisions, with another rank played by a fake group -----------------------------------------------------
+
+
+class OtherRanks(Solo):
+    """This process plus ranks that are not here: ``agree`` reports what they decided on the given calls."""
+
+    world_size = 2
+
+    def __init__(self, *, fail_on: set[int] = frozenset(), stop_on: dict[int, int] | None = None) -> None:
+        self.calls, self.fail_on, self.stop_on = 0, fail_on, stop_on or {}
+        self.averaged = 0
+
+    def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
+        self.calls += 1
+        return failed or self.calls in self.fail_on, max(stop, self.stop_on.get(self.calls, 0))
+
+    def average_gradients(self, model: torch.nn.Module) -> None:
+        self.averaged += 1
+
+
+def _state(batch: int) -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+    return TrainState(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.amp.GradScaler("cpu", enabled=False),
+        MicroBatcher(batch, batch),
+    )
+
+
+def _epoch(state: TrainState, group: Any, steps: int = 4) -> Any:
+    torch.manual_seed(1)
+    batches = [(torch.randint(0, 255, (8, 1, 4, 4), dtype=torch.uint8), torch.randint(0, 4, (8,))) for _ in range(6)]
+    return train_epoch(
+        state,
+        batches,
+        device=torch.device("cpu"),
+        policy=PrecisionPolicy("cpu", None),
+        prepare=lambda x: x.float() / 255,
+        log_every=2,
+        max_steps=steps,
+        log=lambda metrics, step: None,
+        timer=WallTimer(),
+        group=group,
+    )
+
+
+def test_when_another_rank_runs_out_of_memory_this_rank_shrinks_and_replays_the_same_step() -> None:
+    alone, together = _state(8), _state(8)
+    _epoch(alone, SOLO)
+    group = OtherRanks(fail_on={2})  # the second step's first try: another rank ran out of memory
+    stats = _epoch(together, group)
+    assert together.micro.micro_batch == 4 and [e.step for e in together.micro.events] == [2]
+    assert "another rank" in together.micro.events[0].message
+    assert stats.steps == 4 and group.calls == 5 and group.averaged == 4  # one replay; one average per step
+    for a, b in zip(alone.model.parameters(), together.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # the replayed step's gradients are the whole batch's
+
+
+def test_a_stop_another_rank_received_ends_this_ranks_epoch_after_the_same_step() -> None:
+    state = _state(8)
+    stats = _epoch(state, OtherRanks(stop_on={3: 15}), steps=6)
+    assert stats.stopped and stats.stop_signal == 15 and stats.steps == 3 and state.step == 3
+
+
+def test_the_logged_loss_is_every_ranks_mean_so_all_ranks_meet_a_nan_at_the_same_step() -> None:
+    window = LossWindow(4, torch.device("cpu"), skipped_steps_expected=False, reduce=lambda t: t * 0 + float("nan"))
+    window.add(torch.tensor(1.0), 8, 1)
+    with pytest.raises(Exception, match="became nan at step 1"):
+        window.close()
+
+
+# --- real torchrun jobs (Gloo on the CPU) ---------------------------------------------------------------------
+
+STEPS, PER_RANK = 12, 16
+COMMON = [
+    "device=cpu",
+    "trainer.epochs=1",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=2",
+    "monitor.plots=false",
+]
+
+
+def torchrun(tmp_path: Path, *overrides: str, fault: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH", "")]))
+    env["PIPELINE_FAULT"] = fault
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline"]
+    store = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    return subprocess.run(
+        [*command, *COMMON, f"loader.batch_size={PER_RANK}", store, *overrides],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same training in one process, with the global batch: what every DDP job must end with."""
+    folder = tmp_path_factory.mktemp("single")
+    cfg = load([*COMMON, f"loader.batch_size={2 * PER_RANK}", f"tracking.uri=sqlite:///{folder / 'mlflow.db'}"])
+    os.chdir(folder)
+    result = train(cfg, echo=False)
+    return {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+
+
+def only_run(tmp_path: Path) -> Any:
+    runs = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(["1"])
+    assert len(runs) == 1, [r.info.run_name for r in runs]  # rank 0 alone owns the MLflow run
+    return runs[0]
+
+
+def final_weights(tmp_path: Path, run_id: str) -> dict[str, torch.Tensor]:
+    return torch.load(tmp_path / "checkpoints" / run_id / "last.pt", weights_only=False)["model"]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_two_ranks_record_one_run_and_end_with_the_one_process_weights(
+    tmp_path: Path, one_process_weights: dict[str, torch.Tensor]
+) -> None:
+    proc = torchrun(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    p = run.data.params
+    assert (p["distributed.world_size"], p["distributed.backend"]) == ("2", "gloo")
+    assert (p["distributed.batch_size_per_rank"], p["distributed.global_batch_size"]) == ("16", "32")
+    assert {"ranks/0/data_wait_pct", "ranks/1/data_wait_pct", "time/data_wait_pct_slowest_rank"} <= set(
+        run.data.metrics
+    )
+    assert "distributed 2 ranks over gloo, batch 16 per rank, 32 in all" in proc.stdout
+    assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_error_on_one_rank_shrinks_both_and_training_finishes(
+    tmp_path: Path, one_process_weights: dict[str, torch.Tensor]
+) -> None:
+    proc = torchrun(tmp_path, fault="oom:1:8")  # rank 1 fits 8 samples, rank 0 all 16
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "out of memory on another rank" in output  # rank 0 shrank for rank 1
+    assert re.search(r"\[rank 1\].*out of memory at step 1 with micro-batch 16", output)
+    run = only_run(tmp_path)
+    assert run.info.status == "FINISHED" and run.data.metrics["oom/micro_batch_size"] == 8
+    assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)  # the global batch kept
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_finishes_the_run(
+    tmp_path: Path, one_process_weights: dict[str, torch.Tensor]
+) -> None:
+    proc = torchrun(tmp_path, fault="sigterm:1:5")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0  # both ranks exit 143, as a stopped run does
+    stops = re.findall(r"\[rank (\d)\].*stopped at step (\d+)", output)
+    assert sorted(stops) == [("0", "6"), ("1", "6")], output[-4000:]  # the signal came during step 5's agreement
+    run = only_run(tmp_path)
+    assert run.info.status == "KILLED"
+    checkpoints = list((tmp_path / "checkpoints").rglob("last.pt"))
+    assert len(checkpoints) == 1
+    assert torch.load(checkpoints[0], weights_only=False)["position"].step == 6
+
+    resumed = torchrun(tmp_path, f"resume={run.info.run_id}")
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    run = only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [2, 4, 6, 8, 10, 12]
+    assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)
