@@ -9,30 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from pipeline import checkpoint, distributed, doctor, resume
+from pipeline import checkpoint, distributed, record, resume
 from pipeline.build import Setup, build
-from pipeline.config import RunConfig, flatten
+from pipeline.config import RunConfig
 from pipeline.loop import evaluate, train_epoch
-from pipeline.memory import batchnorm_note
 from pipeline.monitor import allocator_metrics, open_sampler
-from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.provenance import describe_loader, environment_tags, run_tags, sweep_run_name
+from pipeline.provenance import run_tags, sweep_run_name
 from pipeline.secrets import env_values, mask_overrides, mask_tree
 from pipeline.stopping import Stopped, StopRequests
 from pipeline.store import check_reachable
 from pipeline.summary import EpochRecord, RunResult, format_summary
-from pipeline.timing import combine, launch_metrics, make_timer
+from pipeline.timing import launch_metrics, make_timer
 from pipeline.tracking import Tracker, open_tracker
-from pipeline.verdict import judge
 
 if TYPE_CHECKING:
     from pipeline.sweep import SweepJob
@@ -106,7 +100,7 @@ def _train(
             ) as tracker,
         ):
             if main:
-                record_start(tracker, setup, recorded, typed, resumed)
+                record.start(tracker, setup, recorded, typed, resumed)
             with checkpoint.Checkpointer.for_run(
                 cfg,
                 run_id=group.share(lambda: tracker.run_id),  # every rank knows the run's checkpoint folder
@@ -137,7 +131,7 @@ def _train(
                 finally:
                     sampler.stop()
                 saver.mark("finished")
-            result = conclude(
+            result = record.conclude(
                 setup,
                 epochs,
                 tracker=tracker,
@@ -150,27 +144,6 @@ def _train(
     if echo and main:
         print(summary, flush=True)
     return result
-
-
-def record_start(
-    tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: resume.Resumed | None
-) -> None:
-    """What a run records before training: its config, data and environment; or, resumed, what changed."""
-    probe = setup.amp_probe
-    if probe is not None:
-        tracker.set_tags({"amp.cpu_speed_vs_fp32": f"{probe.speed:.2f} (batch {probe.batch}, measured at start)"})
-        tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
-    if resumed is not None:
-        tracker.set_tags(resumed.tags(typed, logged_step=tracker.last_step("train/loss")))
-        if not resumed.fork:
-            return  # the same run: its params are fixed, and the tags describe the resumed part
-    tracker.log_params({**flatten(recorded), **setup.group.record(setup.cfg.loader.batch_size)})
-    tracker.log_dataset(setup.spec, context="train")
-    tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
-    tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
-    environment = doctor.report(smoke=False)  # the doctor's findings, kept with the run
-    tracker.log_text(json.dumps(environment, indent=2), "environment.json")
-    tracker.set_tags(environment_tags(environment, setup.device))
 
 
 def run_epochs(
@@ -334,71 +307,3 @@ def save_midway(tracker: Tracker, saver: checkpoint.Checkpointer, position: chec
     continues from a step whose metrics are all in the record (a write that fails is kept for later)."""
     tracker.flush()
     saver.write(position)
-
-
-def conclude(
-    setup: Setup,
-    epochs: list[EpochRecord],
-    *,
-    tracker: Tracker,
-    sampler: Any,
-    epoch_starts: list[float],
-    total_s: float,
-) -> RunResult:
-    """The run's verdict, pictures and record, once the sampler has stopped."""
-    breakdown = combine([e.breakdown for e in epochs])
-    utilisation = sampler.summary()
-    verdict = judge(
-        setup.cfg,
-        device_type=setup.device.type,
-        data_wait_pct=max([breakdown.data_wait_pct] + [e.slowest_rank_wait_pct for e in epochs]),
-        h2d_pct=breakdown.h2d_pct,
-        overhead_pct=breakdown.overhead_pct,
-        gpu_util_pct=utilisation.gpu_util_mean_pct,
-        precision=setup.policy.label,
-    )
-    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message}
-    note = batchnorm_note(setup.state.model, setup.state.micro)
-    if note:
-        tags["oom.batchnorm"] = note
-    tracker.set_tags(tags)
-    if setup.cfg.monitor.plots:
-        title = setup.run_name
-        tracker.log_figure(
-            lambda: utilisation_timeline(sampler.samples, epoch_starts, title=title), "plots/utilisation.png"
-        )
-        tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
-    tracker.log_metrics(
-        {
-            "time/total_s": total_s,
-            "time/tracking_write_s": tracker.write_s,
-            "time/tracking_background_write_s": tracker.background_write_s,
-        },
-        step=len(epochs),
-    )
-    return RunResult(
-        run_name=setup.run_name,
-        run_id=tracker.run_id,
-        device=str(setup.device),
-        device_name=setup.choice.name,
-        precision=setup.policy.label,
-        loader=describe_loader(setup.cfg),
-        parameters=setup.parameters,
-        steps=setup.state.step,
-        total_s=total_s,
-        epochs=epochs,
-        breakdown=breakdown,
-        utilisation=utilisation,
-        tracking_write_s=tracker.write_s,
-        tracking_background_write_s=tracker.background_write_s,
-        oom_events=list(setup.state.micro.events),
-        micro_batch=setup.state.micro.micro_batch,
-        eval_micro_batch=setup.eval_micro.micro_batch,
-        bottleneck=verdict.bottleneck,
-        verdict=verdict.message,
-        tracking=tracker.describe(),
-        model=setup.state.model,
-        amp_probe=setup.amp_probe,
-        notes=[note] if note else [],
-        distributed=setup.group.describe(setup.cfg.loader.batch_size),
-    )
