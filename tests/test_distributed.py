@@ -282,3 +282,17 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_finishes_the
     history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [2, 4, 6, 8, 10, 12]
     assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)
+
+
+def test_a_resident_loader_under_ddp_holds_only_this_ranks_share() -> None:
+    from torch.utils.data import TensorDataset
+
+    from pipeline.data.loaders import make_loader
+
+    images = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1)
+    dataset = TensorDataset(images, torch.arange(10))
+    cfg = load(["device=cpu", "loader=resident", "loader.batch_size=2"]).loader
+    loader = make_loader(dataset, cfg, device=torch.device("cpu"), train=True, seed=0, rank=1, world=2)
+    assert loader.labels.tolist() == [1, 3, 5, 7, 9] and len(loader) == 3
+    val = make_loader(dataset, cfg, device=torch.device("cpu"), train=False, seed=0, rank=1, world=3)
+    assert val.labels.tolist() == [1, 4, 7]

@@ -13,8 +13,8 @@ on the CPU). The loop talks to either through the same few calls:
 - ``average_gradients(model)``: the step's one gradient all-reduce. Every micro-batch's backward runs
   under DDP's ``no_sync()`` and the gradients are averaged once, after ``agree``: a rank that ran out
   of memory mid-backward has then started no collective, so no rank can wait forever in an all-reduce
-  for a partner that is replaying its step. The price is the overlap of backward with communication,
-  a few per cent of a step on one node (see BENCHMARKS.md).
+  for a partner that is replaying its step. The price is the overlap of backward with communication
+  (not yet measured on GPUs: CI has none).
 - ``sum(tensor)`` (evaluation: sums, not per-rank means of Python floats), ``gather(obj)`` (rank 0
   records everyone's utilisation and step-time shares), ``share(fn)`` (rank 0 decides, e.g. which
   checkpoint to resume, and every rank gets the answer or the same error).
