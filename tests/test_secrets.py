@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +15,7 @@ from pipeline.config import RunConfig, compose, flatten, load
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.secrets import MASK, env_keys, env_values, is_secret_key, mask_overrides, mask_text, mask_tree
 from pipeline.train import train
+from servers import mlflow_server
 from test_cli import cli, run_main
 
 SECRET = "hunter2-7Q9zX"
@@ -297,50 +294,14 @@ def test_a_tracking_uri_from_the_environment_is_used_but_not_recorded(
 
 @pytest.mark.slow
 def test_credentials_in_a_server_uri_appear_nowhere_in_the_store(tmp_path: Path) -> None:
-    port = 5123
-    server_dir = tmp_path / "server"
-    server_dir.mkdir()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{server_dir / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(server_dir / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        cwd=server_dir,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.5)
+    with mlflow_server(tmp_path / "server") as server:
         proc = cli(
             "device=cpu",
             "trainer.max_steps=2",
             "trainer.epochs=1",
-            f"tracking.uri=http://alice:{SECRET}@127.0.0.1:{port}",
+            f"tracking.uri=http://alice:{SECRET}@127.0.0.1:{server.port}",
             cwd=tmp_path,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert SECRET not in proc.stdout and "alice:***@" in proc.stdout
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    assert store_contains(server_dir, SECRET) == []
+    assert server.files_containing(SECRET) == []  # the SQLite store and the artifacts sent to it, once it stopped

@@ -325,3 +325,15 @@ def test_an_optuna_search_whose_every_trial_fails_still_closes_its_parent_and_li
     err = capsys.readouterr().err
     assert "No trials are completed yet" in err  # the sweeper's own error, then the list
     assert err.count("): NonFiniteLoss: training loss became nan") == 2
+
+
+def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.sweep import JOBS_DIR, Sweep, SweepJob, stopped
+
+    job = SweepJob(Sweep(id="s", keys=(), metric="val/acc"), 3, ("loader.batch_size=8",), tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    stopped(job, RuntimeError("stop"), 143)
+    assert not (tmp_path / JOBS_DIR).exists()
+    monkeypatch.setenv("RANK", "0")
+    stopped(job, RuntimeError("stop"), 143)
+    assert json.loads((tmp_path / JOBS_DIR / "3.json").read_text())["status"] == "KILLED"

@@ -15,6 +15,7 @@ fix) or 1, listing the failed jobs (see ``pipeline.sweep``).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -51,7 +52,8 @@ def run(cfg: DictConfig) -> float | None:
 def run_sweep_job(cfg: DictConfig) -> float | None:
     """One job of a sweep. Its failure is recorded (``pipeline.sweep.failed``) and returned as None, so that the
     next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here would
-    end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run.
+    end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run, except in a
+    submitit job, whose process is its own: there the other jobs run on and the sweep ends KILLED after them.
 
     Returns:
         The sweep's ``optimized_metric`` for this job (what Optuna maximises), None when it failed.
@@ -66,6 +68,11 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
         result = _train(run_cfg, cfg, job=job)
     except Stopped as stop:
         sweep.stopped(job, stop, stop.exit_code)
+        if "SUBMITIT_EXECUTOR" in os.environ:  # a submitit job (local or SLURM): its own process, one job
+            # Exiting would leave submitit no result, and the launcher would abandon the other jobs still running;
+            # returning lets it wait for them. The stop is recorded: the sweep still ends KILLED and exits 1.
+            print(f"{stop}; resume with resume=<run id>", file=sys.stderr, flush=True)
+            return None
         _stop(stop)
     except PipelineError as err:
         sweep.failed(job, err, exit_code=2, cfg=run_cfg)

@@ -9,8 +9,10 @@ tracking URI cannot work: a server that does not answer, an unknown scheme, MLfl
 file store, a SQLite path that is a folder, not a database, read-only, locked by another process,
 or on a nearly full disk, and an artifact folder (``./mlruns``) that cannot be written. Its local
 checks are a few file-system calls and one read-only look at the database's first page, cheap
-enough for every start. ``disk_full`` tells a write that failed for want of space (mid-run) from
-other errors, and ``DiskFull.explain`` names where.
+enough for every start; a server gets two requests (``/health``, then one API call with the
+credentials MLflow will send, which ``/health`` does not check). ``disk_full`` tells a write that
+failed for want of space (mid-run) from other errors, and ``DiskFull.explain`` names where;
+``server_down`` tells a server that stopped answering from a write it refused.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ NO_SPACE = ("database or disk is full", "no space left on device", "disk quota e
 
 
 UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves
+CREDENTIALS_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"  # any account may list; one small query
 
 
 def ui_base(uri: str) -> str:
@@ -182,6 +185,17 @@ def disk_full(err: BaseException) -> bool:
     return False
 
 
+def server_down(err: BaseException) -> bool:
+    """Whether ``err``, or an error it was raised from or while handling, says a tracking server did not answer:
+    a refused or dropped connection, a timeout, a proxy's 5xx retried to the end. MLflow wraps requests' errors in
+    its own exception (the original in ``__context__``), so the chain is read. A write the server refused (bad
+    request, permission) or a full disk is not this."""
+    import requests
+
+    down = (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError)
+    return any(isinstance(e, down) for e in _chain(err))
+
+
 def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
     """Fail now, not after an hour of training, if runs cannot be recorded at ``uri``.
 
@@ -211,22 +225,68 @@ def _check_server(uri: str, *, timeout_s: float) -> None:
     parsed = urlparse(uri)
     host = parsed.hostname or ""
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parsed.port}" if parsed.port else "")
-    health = urllib.request.Request(parsed._replace(netloc=netloc).geturl().rstrip("/") + "/health")
-    if parsed.username:  # urllib does not read user:password@ from the URL; MLflow sends it as basic auth
-        token = base64.b64encode(f"{unquote(parsed.username)}:{unquote(parsed.password or '')}".encode())
-        health.add_header("Authorization", "Basic " + token.decode())
-    try:
-        with urllib.request.urlopen(health, timeout=timeout_s) as response:
-            if response.status == 200:
-                return
-            problem = f"HTTP {response.status}"
+    base = parsed._replace(netloc=netloc).geturl().rstrip("/")
+    try:  # credentials in the URI only: a server that is down fails before MLflow's import (2 s) reads the others
+        with urllib.request.urlopen(_request(f"{base}/health", _uri_authorization(uri)), timeout=timeout_s) as response:
+            problem = "" if response.status == 200 else f"HTTP {response.status}"
     except (urllib.error.URLError, OSError) as err:
         problem = str(getattr(err, "reason", err))
-    raise TrackingUnavailable(
-        f"{_named(uri)} cannot be reached ({problem}): start the server "
-        f"(mlflow server --port {parsed.port or 5000}), fix the URI, or record locally with "
-        f"tracking.uri=sqlite:///mlflow.db"
+    if problem:
+        raise TrackingUnavailable(
+            f"{_named(uri)} cannot be reached ({problem}): start the server "
+            f"(mlflow server --port {parsed.port or 5000}), fix the URI, or record locally with "
+            f"tracking.uri=sqlite:///mlflow.db"
+        )
+    # /health answers anyone, whatever the Host header: bad credentials (--app-name basic-auth) and an address the
+    # server's --allowed-hosts does not list show only on an API call
+    try:
+        with urllib.request.urlopen(_request(f"{base}{CREDENTIALS_PROBE}", _authorization(uri)), timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as err:
+        code = err.code
+        if code not in (401, 403):
+            return  # not a question of access: MLflow's own call says what is wrong, in the run's words
+        said = err.read(300).decode(errors="replace").strip().splitlines()
+        problem = f"HTTP {code}" + (f": {mask_text(said[0])}" if said else "")
+    except (urllib.error.URLError, OSError):
+        return  # it answered /health a moment ago; a blip here is MLflow's to retry
+    if code == 401:
+        raise TrackingUnavailable(
+            f"{_named(uri)} refused the credentials ({problem}): set MLFLOW_TRACKING_USERNAME and "
+            f"MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to an account on the server"
+        )
+    raise TrackingUnavailable(  # MLflow's --allowed-hosts check answers 403 too, and /health is exempt from it
+        f"{_named(uri)} refused the request ({problem}): the server's --allowed-hosts must list {netloc}, the "
+        f"address this run uses, and the account must be allowed to read experiments"
     )
+
+
+def _authorization(uri: str) -> str | None:
+    """The Authorization header MLflow sends to ``uri``: ``user:password@`` in the URI (requests puts it over any
+    other), else MLFLOW_TRACKING_USERNAME and _PASSWORD (or ~/.mlflow/credentials), else MLFLOW_TRACKING_TOKEN."""
+    in_uri = _uri_authorization(uri)
+    if in_uri:
+        return in_uri
+    from mlflow.utils.credentials import get_default_host_creds  # MLflow's own reading of its variables
+
+    creds = get_default_host_creds(uri)
+    if creds.username and creds.password:
+        return _basic(creds.username, creds.password)
+    return f"Bearer {creds.token}" if creds.token else None
+
+
+def _uri_authorization(uri: str) -> str | None:
+    """Basic authentication from ``user:password@`` in the URI (urllib does not read it from the URL itself)."""
+    parsed = urlparse(uri)
+    return _basic(unquote(parsed.username), unquote(parsed.password or "")) if parsed.username else None
+
+
+def _basic(username: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode()
+
+
+def _request(url: str, authorization: str | None) -> urllib.request.Request:
+    return urllib.request.Request(url, headers={"Authorization": authorization} if authorization else {})
 
 
 def _check_sqlite(uri: str) -> None:

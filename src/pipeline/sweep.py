@@ -305,14 +305,16 @@ def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig 
         print(f"error: sweep {job.describe()}: {err}", file=sys.stderr, flush=True)
     else:
         log.error("sweep %s failed", job.describe(), exc_info=err)
+    if not _rank_0():
+        return  # a DDP job (SLURM tasks_per_node > 1): rank 0 records it
     run_id, run_name = _failed_run(job, cfg, error, secrets)
     overrides = mask_overrides(job.overrides)
     _save_outcome(job, JobOutcome(job.number, overrides, "FAILED", exit_code, error, run_id, run_name))
 
 
 def stopped(job: SweepJob, stop: BaseException, exit_code: int) -> None:
-    """A stop request (SIGTERM, Ctrl-C) ends the whole sweep: record the job; ``end_unfinished`` ends the parent
-    KILLED on the way out."""
+    """A stop request (SIGTERM, Ctrl-C): record the job. In-process and joblib sweeps end there (``end_unfinished``
+    ends the parent KILLED on the way out); under submitit the other jobs run on and the parent ends KILLED after."""
     overrides = mask_overrides(job.overrides)
     _save_outcome(job, JobOutcome(job.number, overrides, "KILLED", exit_code, f"{type(stop).__name__}: {stop}"))
 
@@ -499,7 +501,15 @@ def _secret_values(cfg: RunConfig | None) -> frozenset[str]:
         return frozenset()
 
 
+def _rank_0() -> bool:
+    """Whether this process records the job: always, except ranks other than 0 of a DDP job (their run is rank 0's;
+    ``pipeline.distributed`` has set ``RANK`` by the time a job ends)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _save_outcome(job: SweepJob, outcome: JobOutcome) -> None:
+    if not _rank_0():
+        return
     _write_json(job.folder / JOBS_DIR / f"{job.number}.json", asdict(outcome))
 
 

@@ -18,6 +18,10 @@ A failed write keeps its metrics: they go back in front of the buffer, one warni
 store is failing, and the next write retries them. If the store still refuses them when the run
 ends, they go to ``./unsent_metrics/<run_id>.jsonl`` with the run's final status, and the one
 command that imports them is printed (``python -m pipeline.outbox``, see ``pipeline.outbox``).
+A tracking server that stops answering (``pipeline.store.server_down``) never stops training either:
+tags it could not take are kept and written with the run's end (or its outbox file), and an artifact
+(a plot, config.yaml) it could not take is named in a warning and left out. Any other failed write
+(a full disk, a refused request) still raises.
 
 Nothing secret is sent: ``open_tracker(..., secret_values=env_values(cfg))`` hands the tracker the
 values read from environment variables, and every string it writes (params, tags, the run's name,
@@ -51,13 +55,14 @@ from pipeline.data.sources import DataSpec
 from pipeline.errors import ConfigError
 from pipeline.secrets import MASK, mask_text, mask_value
 from pipeline.stopping import Stopped
-from pipeline.store import absolute, connect, retrying, ui_base
+from pipeline.store import absolute, connect, retrying, server_down, ui_base
 
 log = logging.getLogger(__name__)
 
 FLUSH_AT = 500  # buffered metrics that wake the writer thread early
 METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 WRITE_EVERY_S = 10.0  # the writer thread's period: how stale the UI's live metrics may get
+HTTP_RETRIES = 2  # MLflow's retries of one request to a tracking server (its default: 7, about 4 minutes)
 STOP_WITHIN_S = 30.0  # how long a run's end waits for a write in flight ("database is locked" retries take ~13 s)
 PARAMS_PER_BATCH = 100  # MLflow's limit per log_batch call
 
@@ -144,6 +149,7 @@ class MlflowTracker:
         self._closing = threading.Event()
         self._writer: threading.Thread | None = None
         self._failing = False  # one warning per outage, not one per failed write (read under _write_lock)
+        self._unsent_tags: dict[str, str] = {}  # masked tags a down server did not take; sent with the run's end
         self.write_s = 0.0  # seconds the calling thread spent in flush()
         self.background_write_s = 0.0  # seconds the writer thread spent writing
 
@@ -161,10 +167,23 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=items[i : i + PARAMS_PER_BATCH])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set ``tags`` (masked); a server that does not answer gets them with the run's end instead."""
+        masked = {k: self.mask_value(k, str(v)) for k, v in tags.items()}
+        try:
+            self._send_tags(masked)
+        except Exception as err:
+            if not server_down(err):
+                raise
+            self._unsent_tags.update(masked)
+            log.warning(
+                "tags %s could not be written to %s (%s); kept for the run's end", ", ".join(masked), *self._why(err)
+            )
+
+    def _send_tags(self, masked: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        if tags:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, self.mask_value(k, str(v))) for k, v in tags.items()])
+        if masked:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in masked.items()])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffer ``metrics`` at ``step``; safe from any thread, and never waits for a write."""
@@ -199,10 +218,11 @@ class MlflowTracker:
         """
         unsent = self._close()
         end_time = int(time.time() * 1000)
-        left = {k: self.mask_value(k, str(v)) for k, v in (tags or {}).items()}  # the outbox file holds them too
+        # masked now: the outbox file holds them too
+        left = {**self._unsent_tags, **{k: self.mask_value(k, str(v)) for k, v in (tags or {}).items()}}
         try:
-            self.set_tags(left)
-            left = {}
+            self._send_tags(left)
+            left, self._unsent_tags = {}, {}
             retrying(lambda: self.client.set_terminated(self.run_id, status, end_time=end_time))
         except Exception as err:
             log.warning(
@@ -304,7 +324,7 @@ class MlflowTracker:
         return mask_value(key, value, values=self.secret_values)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, self.mask(text), artifact_file)
+        self._send_artifact(lambda: self.client.log_text(self.run_id, self.mask(text), artifact_file), artifact_file)
 
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
         """Draw the figure ``make()`` returns, its texts masked (the run's name is a title), as a PNG artifact."""
@@ -317,9 +337,27 @@ class MlflowTracker:
                 shown = text.get_text()
                 if self.mask(shown) != shown:
                     text.set_text(self.mask(shown))
-            self.client.log_figure(self.run_id, figure, artifact_file)
+            self._send_artifact(lambda: self.client.log_figure(self.run_id, figure, artifact_file), artifact_file)
         finally:
             plt.close(figure)
+
+    def _send_artifact(self, send: Callable[[], Any], artifact_file: str) -> None:
+        """Upload an artifact; one that a server that does not answer cannot take is left out, with a warning
+        (the outbox file holds metrics and tags, not files)."""
+        try:
+            send()
+        except Exception as err:
+            if not server_down(err):
+                raise
+            log.warning(
+                "artifact %s could not be written to %s (%s); the run goes on without it",
+                artifact_file,
+                *self._why(err),
+            )
+
+    def _why(self, err: BaseException) -> tuple[str, str]:
+        """The URI and the error for a warning, both masked."""
+        return self.mask(self.uri), self.mask(f"{type(err).__name__}: {err}")[:300]
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:
         """Record the dataset as a run input, so the runs table's Dataset column names it."""
@@ -386,6 +424,11 @@ def open_tracker(
         return
     # our summary prints the run's links, credentials removed; MLflow's own print would repeat them with credentials
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # MLflow retries a request to a server 7 times with growing pauses, about 4 minutes per write while a server is
+    # down, and the training thread writes between epochs: two quick retries (about 3 s), then the tracker's own
+    # retries (the writer thread, the next flush, the run's end, the outbox file) take over. Yours win if set.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     secret_values = frozenset(secret_values)
     if mask_text(cfg.experiment, secret_values) != cfg.experiment:  # the store keeps experiment names unmasked
         raise ConfigError("tracking.experiment", MASK, "a name that holds no value read from the environment")
