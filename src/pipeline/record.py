@@ -24,9 +24,7 @@ from pipeline.tracking import Tracker
 from pipeline.verdict import judge
 
 
-def start(
-    tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: Resumed | None
-) -> None:
+def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: Resumed | None) -> None:
     """What a run records before training: its config, data and environment; or, resumed, what changed."""
     probe = setup.amp_probe
     if probe is not None:
