@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,6 +89,9 @@ def test_json_output_parses_and_matches_the_table(capsys: pytest.CaptureFixture[
     assert main([]) == 0
     table = capsys.readouterr().out
     for check in document["checks"]:
+        if check["name"] == "CPU bfloat16":  # timed afresh in each run: on a busy machine it may cross 0.9x
+            assert re.search(r"(INFO|WARN)  CPU bfloat16", table)
+            continue
         assert f"{check['status']:<4}  {check['name']}" in table
     assert document["facts"]["torch_version"] == torch.__version__
     assert document["facts"]["cpu_bf16_matmul_speed"] > 0 and document["facts"]["cpu_bf16_conv_speed"] > 0

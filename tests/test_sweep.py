@@ -199,10 +199,10 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
 
     real_build = pipeline.train.build
 
-    def build(cfg: Any) -> Any:  # a runtime failure, not the user's to fix: exit status 1
+    def build(cfg: Any, *args: Any) -> Any:  # a runtime failure, not the user's to fix: exit status 1
         if cfg.loader.batch_size == 64:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_build(cfg)
+        return real_build(cfg, *args)
 
     monkeypatch.setattr(pipeline.train, "build", build)
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 1
@@ -298,10 +298,10 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
 
     real_build = pipeline.train.build
 
-    def build(cfg: Any) -> Any:  # SIGTERM arriving during job 1
+    def build(cfg: Any, *args: Any) -> Any:  # SIGTERM arriving during job 1
         if cfg.loader.batch_size == 64:
             raise Stopped(signal.SIGTERM)
-        return real_build(cfg)
+        return real_build(cfg, *args)
 
     monkeypatch.setattr(pipeline.train, "build", build)
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 143
