@@ -429,10 +429,11 @@ def test_two_quick_ctrl_c_still_end_the_run_killed_with_a_closing_message(
         os.kill(os.getpid(), signal.SIGINT)
 
     at_training_step(monkeypatch, 5, twice)
+    before = signal.getsignal(signal.SIGINT)  # pytest's; an earlier test's library may have changed it
     assert run_main(monkeypatch, "device=cpu", f"tracking.uri={store_uri}", *BASE) == 130
     assert "stopped by SIGINT at once (asked twice), mid-step: the last checkpoint stays" in capsys.readouterr().err
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
-    assert run.info.status == "KILLED" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert run.info.status == "KILLED" and signal.getsignal(signal.SIGINT) is before  # the handler given back
 
 
 def test_a_second_request_while_the_stop_checkpoint_is_written_does_not_cut_it_short(
@@ -538,3 +539,13 @@ def test_after_a_sigkill_mid_epoch_the_resumed_runs_metrics_have_no_gap(tmp_path
     if len(steps) > len(set(steps)):  # points written after the last checkpoint, then trained again: stated
         first, last = run.data.tags["resume.replayed_steps"].split(":")[0].split("-")
         assert {s for s in steps if steps.count(s) > 1} <= set(range(int(first), int(last) + 1))
+
+
+def test_a_checkpoint_from_before_a_key_existed_compares_as_that_keys_old_behaviour() -> None:
+    from pipeline.resume import config_changes
+
+    older = {"loader.batch_size": 64}
+    now = {"loader.batch_size": 64, "data.augment": "none", "data.augment_padding": 4}
+    now["loader.prefetch_to_device"] = "auto"
+    assert config_changes(older, now) == {}
+    assert config_changes(older, {**now, "data.augment": "crop_flip"}) == {"data.augment": ("none", "crop_flip")}

@@ -54,12 +54,21 @@ RUNTIME = (
     "loader.prefetch_factor",
     "loader.timeout",
     "loader.resident",  # the same EpochOrder either way
+    "loader.prefetch_to_device",  # the same batches, copied ahead
     "oom.",  # micro-batching keeps the effective batch
     "device.",
     "tracking.tags.",
     "fork",
 )
 NOT_COMPARED = ("resume",)  # differs by definition
+# Keys added after a checkpoint format, with the value that behaves as runs did before them: a checkpoint
+# written without the key compares as if it held this value.
+ADDED_LATER = {
+    "data.augment": "none",
+    "data.augment_padding": 4,
+    "loader.prefetch_to_device": "auto",
+    "trainer.compile_mode": "default",
+}
 
 
 @dataclass
@@ -181,7 +190,8 @@ def _describe(path: Path, state: Mapping[str, Any]) -> str:
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Dotted keys whose value differs between a checkpoint's config and this run's: ``{key: (saved, now)}``."""
     keys = (set(saved) | set(current)) - set(NOT_COMPARED)
-    return {k: (saved.get(k), current.get(k)) for k in sorted(keys) if saved.get(k) != current.get(k)}
+    was = {k: saved.get(k, ADDED_LATER.get(k)) for k in keys}
+    return {k: (was[k], current.get(k)) for k in sorted(keys) if was[k] != current.get(k)}
 
 
 def check_resumable(changes: Mapping[str, tuple[Any, Any]], *, fork: bool, run: str) -> None:
