@@ -1,20 +1,34 @@
 """Precision policy: amp picks bf16 or fp16 by device; fp16 gets a real GradScaler, others a pass-through.
 
-The CPU amp probe: both formats timed on a copy of the model, within a budget, and its advice.
+The CPU amp probe: both formats timed on a copy of the model, within a budget, and its advice. The trainer's
+device switches: CUDA-only ones refused elsewhere, channels_last refused for the MLP and warned about without amp.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient
 from torch import nn
 
 from pipeline import precision
-from pipeline.config import PrecisionConfig
-from pipeline.precision import AmpProbe, Timing, amp_advice, measure, probe_batch, probe_cpu_amp, resolve_precision
+from pipeline.config import ConfigError, PrecisionConfig, load
+from pipeline.precision import (
+    AmpProbe,
+    Timing,
+    amp_advice,
+    configure_backends,
+    measure,
+    probe_batch,
+    probe_cpu_amp,
+    resolve_precision,
+)
+from pipeline.train import train
 
 AUTO = PrecisionConfig("auto", tf32=True)
 
@@ -215,3 +229,103 @@ def test_a_warm_up_past_the_deadline_is_returned_as_a_cold_time(monkeypatch: pyt
     monkeypatch.setattr(precision.time, "perf_counter", clock)
     assert measure(clock.run, until=3.0) == Timing(4.0, warm=False)
     assert clock.calls == 1
+
+
+# --- trainer switches that only some devices or models act on: refused, or warned about, at start-up ---
+
+CUDA_ONLY = [
+    (["trainer.cudnn_benchmark=true"], r"trainer\.cudnn_benchmark=True is not allowed: expected false on {device}: "),
+    (
+        ["trainer.compile=true", "trainer.compile_mode=reduce-overhead"],
+        r"trainer\.compile_mode='reduce-overhead' is not allowed: expected default, max-autotune or "
+        r"max-autotune-no-cudagraphs on {device}: reduce-overhead adds CUDA graphs",
+    ),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "mps"])
+@pytest.mark.parametrize(("overrides", "match"), CUDA_ONLY, ids=["cudnn_benchmark", "reduce-overhead"])
+def test_a_cuda_only_switch_is_refused_on_an_explicit_other_device(
+    device: str, overrides: list[str], match: str
+) -> None:
+    with pytest.raises(ConfigError, match="^" + match.format(device=device)):
+        load([f"device={device}", *overrides])
+
+
+@pytest.mark.parametrize(("overrides", "match"), CUDA_ONLY, ids=["cudnn_benchmark", "reduce-overhead"])
+def test_a_cuda_only_switch_is_refused_once_device_auto_chose_the_cpu_before_any_run_exists(
+    make_cfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, overrides: list[str], match: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # auto chooses the CPU on any machine
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    cfg = make_cfg("device=auto", *overrides)  # valid as composed: auto may yet find a GPU
+    with pytest.raises(ConfigError, match="^" + match.format(device="cpu") + r".*\(device=cpu was chosen\)$"):
+        train(cfg, echo=False)
+    assert not Path("mlflow.db").exists() or not MlflowClient(store_uri).search_runs(experiment_ids=["0", "1"])
+
+
+@pytest.fixture
+def cuda_switches():
+    """The process-wide CUDA switches, put back afterwards (monkeypatch cannot: torch's cuBLAS module proxies them)."""
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_cuda_only_switches_are_set_on_cuda(cuda_switches) -> None:
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    trainer = load(["trainer.cudnn_benchmark=true", "trainer.compile=true"]).trainer
+    backends = configure_backends(PrecisionConfig("auto", tf32=False), trainer, torch.device("cuda", 0), amp=True)
+    assert backends == {"tf32": "false", "cudnn_benchmark": "true"}
+    assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.allow_tf32
+    assert not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_channels_last_is_refused_for_the_mlp_which_has_no_convolutions() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^trainer\.channels_last=True is not allowed: expected false with model=mlp"
+    ):
+        load(["trainer.channels_last=true"])
+    assert load(["model=resnet18", "trainer.channels_last=true"]).trainer.channels_last
+
+
+def channels_last_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "pipeline.precision" and r.levelno == logging.WARNING and "channels_last" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize(("amp", "warned"), [(False, 1), (True, 0)])
+def test_channels_last_without_amp_is_warned_about_and_with_amp_is_not(
+    caplog: pytest.LogCaptureFixture, amp: bool, warned: int
+) -> None:
+    trainer = load(["model=resnet18", "trainer.channels_last=true"]).trainer
+    with caplog.at_level(logging.WARNING):
+        assert configure_backends(AUTO, trainer, torch.device("cpu"), amp=amp) == {
+            "tf32": "n/a",
+            "cudnn_benchmark": "n/a",
+        }
+    messages = channels_last_warnings(caplog)
+    assert len(messages) == warned
+    if warned:
+        assert "often slower in float32" in messages[0] and "add amp=true" in messages[0]
+
+
+def test_a_channels_last_run_without_amp_warns_once_at_build(make_cfg, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = make_cfg(
+        "model=resnet18",
+        "tracking=none",
+        "data=synthetic",
+        "data.shape=[3,16,16]",
+        "data.num_samples=8",
+        "data.val_samples=4",
+        "loader.batch_size=4",
+        "trainer.channels_last=true",
+        "trainer.epochs=2",
+    )
+    with caplog.at_level(logging.WARNING):
+        result = train(cfg, echo=False)
+    assert len(result.epochs) == 2 and len(channels_last_warnings(caplog)) == 1  # at build, not per epoch or step

@@ -85,12 +85,14 @@ def mlp() -> nn.Module:
 
 
 def bare_epoch(images: torch.Tensor, labels: torch.Tensor, *, batch: int) -> float:
-    """A hand-written loop over in-memory uint8 tensors: the fastest honest baseline."""
+    """A hand-written loop over in-memory uint8 tensors: the fastest honest baseline, on the tensors' device."""
     torch.manual_seed(0)
-    model = mlp()
+    model = mlp().to(images.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if images.is_cuda:
+        torch.cuda.synchronize(images.device)  # the timed epoch starts with nothing queued
     start = time.perf_counter()
-    order = torch.randperm(len(labels))
+    order = torch.randperm(len(labels), device=images.device)
     for i in range(0, len(labels), batch):
         index = order[i : i + batch]
         x = (images[index].float() / 255 - 0.5) / 0.2887

@@ -14,12 +14,24 @@ import torch
 
 from pipeline import doctor
 from pipeline.config import RunConfig
-from pipeline.data import DataSpec, EpochLoader, Normalize, ResidentLoader, first_batch, load_data, make_loader
+from pipeline.data import (
+    CropFlip,
+    DataSpec,
+    DevicePrefetcher,
+    EpochLoader,
+    Normalize,
+    ResidentLoader,
+    first_batch,
+    load_data,
+    make_augment,
+    make_loader,
+    with_prefetch,
+)
 from pipeline.devices import DeviceChoice, activate, resolve_device
 from pipeline.distributed import Group, Solo
 from pipeline.loop import TrainState
 from pipeline.memory import MicroBatcher
-from pipeline.models import build_model, build_optimizer, count_parameters
+from pipeline.models import build_model, build_optimizer, compile_model, count_parameters
 from pipeline.precision import AmpProbe, PrecisionPolicy, check_cpu_amp, configure_backends, resolve_precision
 from pipeline.provenance import run_name
 
@@ -38,9 +50,10 @@ class Setup:
     state: TrainState
     eval_micro: MicroBatcher  # evaluation's own: its out-of-memory errors never shrink training's
     parameters: int
-    train_batches: EpochLoader | ResidentLoader
-    val_batches: EpochLoader | ResidentLoader
-    prepare: Normalize
+    train_batches: EpochLoader | ResidentLoader | DevicePrefetcher
+    val_batches: EpochLoader | ResidentLoader | DevicePrefetcher
+    prepare: Normalize  # per micro-batch: evaluation's whole path, training's last step
+    augment: CropFlip | None  # training only, once per batch before the OOM replay; None = data.augment=none
     run_name: str
     amp_probe: AmpProbe | None  # amp=true on the CPU: one step timed in both formats before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
@@ -64,7 +77,7 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
     activate(device)
     log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
     policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
-    backends = configure_backends(cfg.precision, cfg.trainer, device)
+    backends = configure_backends(cfg.precision, cfg.trainer, device, amp=cfg.amp)  # may refuse a CUDA-only switch
     t = cfg.trainer
     torch.manual_seed(t.seed)
 
@@ -74,6 +87,9 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
+    augment = make_augment(
+        cfg.data, in_shape=spec.in_shape, seed=t.seed, device=device, rank=group.rank, world=group.world_size
+    )
 
     def first_prepared() -> tuple[torch.Tensor, torch.Tensor]:  # read only when the amp check runs
         images, labels = first_batch(data.train, cfg.loader.batch_size)
@@ -83,7 +99,7 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
     parameters = count_parameters(model)
     model = group.wrap(model)
     if t.compile:
-        model = torch.compile(model)
+        model = compile_model(model, mode=t.compile_mode)  # compiles lazily: the first step pays
     optimizer = build_optimizer(
         t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
@@ -98,9 +114,18 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
         state=TrainState(model, optimizer, policy.make_scaler(), MicroBatcher.from_config(cfg.oom, batch_size=batch)),
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
         parameters=parameters,
-        train_batches=make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed, **shard),
-        val_batches=make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed, **shard),
+        train_batches=with_prefetch(
+            make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed, **shard),
+            cfg.loader,
+            device=device,
+        ),
+        val_batches=with_prefetch(
+            make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed, **shard),
+            cfg.loader,
+            device=device,
+        ),
         prepare=prepare,
+        augment=augment,
         run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
         amp_probe=amp_probe,
         group=group,

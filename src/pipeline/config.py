@@ -83,6 +83,8 @@ class LoaderConfig:
     drop_last: bool
     resident: bool
     timeout: float = 0.0
+    # true is checked against the device at build time (data.prefetch.prefetch_wanted), once device=auto is resolved
+    prefetch_to_device: bool | Literal["auto"] = "auto"
 
     def check(self) -> None:
         if self.batch_size < 1:
@@ -107,6 +109,19 @@ class LoaderConfig:
                 )
             if self.pin_memory is True:
                 raise ConfigError("loader.pin_memory", True, "auto or false with loader.resident=true")
+            if self.prefetch_to_device is True:
+                raise ConfigError(
+                    "loader.prefetch_to_device",
+                    True,
+                    "auto or false with loader.resident=true (the data is on the device already: no copy to overlap)",
+                )
+        if self.prefetch_to_device is True and self.pin_memory is False:
+            raise ConfigError(
+                "loader.prefetch_to_device",
+                True,
+                "auto or false with loader.pin_memory=false (a copy from unpinned memory blocks the host: "
+                "nothing would overlap), or set loader.pin_memory=auto",
+            )
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,8 @@ class DataConfig:
     num_classes: int | None = None
     num_samples: int | None = None
     val_samples: int | None = None
+    augment: Literal["none", "crop", "flip", "crop_flip"] = "none"  # training only (pipeline.data.augment)
+    augment_padding: int = 4  # zero pixels on each side before the random crop
 
     def check(self) -> None:
         if self.name == "imagefolder" and not self.root:
@@ -139,6 +156,12 @@ class DataConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"data.{key}", value, "an integer >= 1")
+        if self.augment_padding < 0:
+            raise ConfigError("data.augment_padding", self.augment_padding, "an integer >= 0 (pixels on each side)")
+        if self.augment in ("crop", "crop_flip") and self.augment_padding == 0:
+            raise ConfigError(
+                "data.augment_padding", 0, f"an integer >= 1 with data.augment={self.augment} (0 pixels crops nothing)"
+            )
 
 
 @dataclass(frozen=True)
@@ -154,9 +177,16 @@ class TrainerConfig:
     channels_last: bool
     cudnn_benchmark: bool
     compile: bool
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
     progress: bool | Literal["auto"]
 
     def check(self) -> None:
+        if self.compile_mode != "default" and not self.compile:
+            raise ConfigError(
+                "trainer.compile_mode",
+                self.compile_mode,
+                "default while trainer.compile=false (add trainer.compile=true to compile in this mode)",
+            )
         if self.epochs < 1:
             raise ConfigError("trainer.epochs", self.epochs, "an integer >= 1")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -169,6 +199,16 @@ class TrainerConfig:
             raise ConfigError("trainer.weight_decay", self.weight_decay, "a value >= 0")
         if self.log_every_n_steps < 1:
             raise ConfigError("trainer.log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
+
+    def cuda_only(self) -> dict[str, object]:
+        """The switches set here that only a CUDA device acts on: cuDNN's autotuner, and CUDA graphs (what
+        ``compile_mode=reduce-overhead`` adds to the default mode). Elsewhere they would be silent no-ops."""
+        switches: dict[str, object] = {}
+        if self.cudnn_benchmark:
+            switches["trainer.cudnn_benchmark"] = True
+        if self.compile_mode == "reduce-overhead":
+            switches["trainer.compile_mode"] = self.compile_mode
+        return switches
 
 
 @dataclass(frozen=True)
@@ -258,12 +298,32 @@ class RunConfig:
             raise ConfigError(
                 "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"
             )
+        if self.trainer.channels_last and self.model.name == "mlp":
+            raise ConfigError(
+                "trainer.channels_last",
+                True,
+                "false with model=mlp (channels_last lays out convolution inputs; the MLP has no convolutions)",
+            )
+        cuda_only = self.trainer.cuda_only()
+        if cuda_only and self.device.name in ("cpu", "mps"):  # device=auto: checked once it has chosen (precision.py)
+            key, value = next(iter(cuda_only.items()))
+            raise ConfigError(key, value, cuda_only_expected(key, self.device.name))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain nested values (what the run uses; see ``pipeline.secrets`` for the record)."""
         tree = dataclasses.asdict(self)
         del tree["env_keys"]
         return tree
+
+
+def cuda_only_expected(key: str, device_type: str) -> str:
+    """What a CUDA-only trainer switch must be on ``device_type``, and why: the end of its ``ConfigError``."""
+    if key == "trainer.cudnn_benchmark":
+        return f"false on {device_type}: cuDNN's autotuner exists only on CUDA GPUs (device=cuda)"
+    return (
+        f"default, max-autotune or max-autotune-no-cudagraphs on {device_type}: reduce-overhead adds CUDA graphs, "
+        "which exist only on CUDA GPUs (device=cuda)"
+    )
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:

@@ -78,6 +78,7 @@ def train_epoch(
     max_steps: int,
     log: LogFn,
     timer: StepTimer,
+    augment: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     on_step: Callable[[int], None] = lambda samples: None,
     stop_signal: Callable[[], int] = lambda: 0,
     checkpoint_every: int = 0,
@@ -85,6 +86,10 @@ def train_epoch(
     group: Solo | Group = SOLO,
 ) -> EpochStats:
     """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
+
+    Training's input path: ``augment(images, step)`` (None = none) once per batch on the device, after the copy
+    and before the out-of-memory replay, so a replay trains the same augmented pixels; then ``prepare``
+    (uint8 -> normalised float) per micro-batch, inside the replay.
 
     ``timer`` is marked four times a step (batch asked for, in hand, on the device, step done);
     ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
@@ -107,6 +112,8 @@ def train_epoch(
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         timer.copied()
+        if augment is not None:  # once per batch, before the replay below (off: not even a call)
+            images = augment(images, state.step + 1)
         n = labels.shape[0]
         while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
             failure = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import statistics
 import time
@@ -24,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import PrecisionConfig, TrainerConfig
+from pipeline.config import PrecisionConfig, TrainerConfig, cuda_only_expected
+from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _FORMATS = {"fp16": "float16", "bf16": "bfloat16"}
@@ -79,11 +83,31 @@ def bf16_native(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def configure_backends(precision: PrecisionConfig, trainer: TrainerConfig, device: torch.device) -> dict[str, str]:
-    """Set the process-wide CUDA switches for this run; returns them for the record.
+def configure_backends(
+    precision: PrecisionConfig, trainer: TrainerConfig, device: torch.device, *, amp: bool
+) -> dict[str, str]:
+    """Check the trainer's device switches against the device chosen, set the process-wide CUDA ones for this run;
+    returns them for the record.
 
-    They are left alone on other devices, where they mean nothing.
+    A CUDA-only switch (``trainer.cudnn_benchmark``, ``trainer.compile_mode=reduce-overhead``) on another device
+    is refused, not ignored: a run that says it autotuned cuDNN or used CUDA graphs and did not would be a false
+    record. ``device=cpu`` and ``mps`` are refused at validation already; this catches ``device=auto`` having
+    chosen one. ``precision.tf32`` stays a silent no-op off CUDA: it is on by default, for every device.
+    ``trainer.channels_last`` without amp earns a warning only: float32 convolutions in NHWC are often slower
+    (on GPUs the layout pays off for tensor cores under autocast), but not always, so it is worth measuring.
+
+    Raises:
+        ConfigError: a CUDA-only switch on a device that is not CUDA.
     """
+    cuda_only = trainer.cuda_only()
+    if cuda_only and device.type != "cuda":
+        key, value = next(iter(cuda_only.items()))
+        raise ConfigError(key, value, cuda_only_expected(key, device.type) + f" (device={device.type} was chosen)")
+    if trainer.channels_last and not amp:
+        log.warning(
+            "trainer.channels_last=true without amp=true: NHWC pays off for tensor-core convolutions under "
+            "autocast and is often slower in float32; add amp=true, or compare both layouts on this device"
+        )
     if device.type != "cuda":
         return {"tf32": "n/a", "cudnn_benchmark": "n/a"}
     torch.backends.cuda.matmul.allow_tf32 = precision.tf32
@@ -299,7 +323,5 @@ def check_cpu_amp(
     probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype)
     advice = amp_advice(probe)
     if advice:
-        import logging
-
-        logging.getLogger(__name__).warning(advice)
+        log.warning(advice)
     return probe

@@ -19,7 +19,7 @@ from pipeline.plots import step_breakdown, utilisation_timeline
 from pipeline.provenance import describe_loader, environment_tags
 from pipeline.resume import Resumed
 from pipeline.summary import EpochRecord, RunResult
-from pipeline.timing import combine
+from pipeline.timing import Breakdown, combine
 from pipeline.tracking import Tracker
 from pipeline.verdict import judge
 
@@ -75,9 +75,18 @@ def conclude(
             lambda: utilisation_timeline(sampler.samples, epoch_starts, title=title), "plots/utilisation.png"
         )
         tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
+    notes = [note] if note else []
+    once = {"time/total_s": total_s}
+    compile_s = compile_seconds([e.breakdown for e in epochs]) if setup.cfg.trainer.compile else None
+    if compile_s is not None:
+        once["time/compile_s"] = compile_s
+        notes.append(
+            f"torch.compile (mode {setup.cfg.trainer.compile_mode}) took about {compile_s:.1f} s: the first step's "
+            f"{breakdown.first_step_s:.1f} s less a steady step's; samples/s leaves that step out"
+        )
     tracker.log_metrics(
         {
-            "time/total_s": total_s,
+            **once,
             "time/tracking_write_s": tracker.write_s,
             "time/tracking_background_write_s": tracker.background_write_s,
         },
@@ -106,6 +115,33 @@ def conclude(
         tracking=tracker.describe(),
         model=setup.state.model,
         amp_probe=setup.amp_probe,
-        notes=[note] if note else [],
+        notes=notes,
         distributed=setup.group.describe(setup.cfg.loader.batch_size),
     )
+
+
+def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
+    """What ``torch.compile`` cost a run: its first step's time beyond a steady step's, in seconds.
+
+    torch.compile compiles at the model's first forward, inside the run's first training step. That step is
+    already kept out of the step-time shares and of ``throughput/samples_per_s`` (``timing``: each epoch's
+    first step is reported on its own), so the compilation never counts as training time; this only names
+    its size: the first step's duration less the mean of the steady steps (every epoch's steps after its
+    first). It was chosen over timing an explicit warm-up step before training, which would run a real
+    forward and backward whose side effects must then be undone (BatchNorm's running statistics, gradients,
+    DDP's gradient hooks), need its own out-of-memory path, and cost a step; this costs nothing. What it also
+    holds is the first step's other warm-up (cuDNN's autotuning, the allocator's first blocks, loader workers
+    starting): milliseconds, against compilation's seconds to minutes. A later recompile (a smaller last batch,
+    an out-of-memory fallback) falls in a steady step and raises the mean a little.
+
+    Args:
+        breakdowns: the run's epochs' breakdowns, in order.
+
+    Returns:
+        Seconds (>= 0), or None when no epoch had a step after its first, so nothing says what a step costs.
+    """
+    steady = [b for b in breakdowns if b.steps >= 2]  # a one-step epoch's only step is its first
+    steps = sum(b.steady_steps for b in steady)
+    if not breakdowns or not steps:
+        return None
+    return max(breakdowns[0].first_step_s - sum(b.step_s for b in steady) / steps, 0.0)

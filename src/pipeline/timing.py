@@ -15,6 +15,13 @@ the next batch) and call a compute-bound run input-bound. ``finish()`` is the ep
 
 The first step of an epoch (warm-up, cuDNN autotuning, compilation, worker start-up) is kept
 out of the shares and of the steady-state throughput and reported on its own.
+
+With a device prefetcher (``pipeline.data.prefetch``) batch k+1 is copied on a side stream while
+batch k computes. The prefetcher marks ``ready`` itself, just before it makes the training stream
+wait for the copy, so ``h2d`` is still the time the training stream stood idle for the copy: the
+part of the copy that compute did not hide, which is what the copy costs a step (zero when it is
+fully overlapped). The copy's own duration, timed by events on its stream, is reported apart
+(``time/h2d_copy_ms``) and is not part of the step time, since it overlaps the other parts.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ class Breakdown:
     """One epoch's step-time breakdown; shares and throughput cover the steady-state steps."""
 
     data_wait_s: float  # waiting for the loader to hand over the next batch
-    h2d_s: float  # copying the batch to the device
+    h2d_s: float  # copying the batch to the device (prefetched: waiting for the copy compute did not hide)
     compute_s: float  # forward, backward, optimizer step
     steady_steps: int
     steady_samples: int
@@ -42,6 +49,7 @@ class Breakdown:
     steps: int
     samples: int
     overhead_s: float = 0.0  # the pipeline's own work between steps: logging, checkpoints, progress
+    copy_s: float = 0.0  # copying on a prefetcher's side stream, overlapped with the above: not in step_s
 
     @property
     def step_s(self) -> float:
@@ -72,14 +80,16 @@ class Breakdown:
         return self.steady_samples / self.step_s if self.step_s > 0 else 0.0
 
     def metrics(self) -> dict[str, float]:
+        per_step_ms = 1000.0 / self.steady_steps if self.steady_steps else 0.0
         return {
             "time/data_wait_pct": self.data_wait_pct,
             "time/h2d_pct": self.h2d_pct,
             "time/compute_pct": self.compute_pct,
             "time/overhead_pct": self.overhead_pct,
             "time/first_step_s": self.first_step_s,
-            "time/step_ms": 1000.0 * self.step_s / self.steady_steps if self.steady_steps else 0.0,
+            "time/step_ms": self.step_s * per_step_ms,
             "throughput/samples_per_s": self.samples_per_s,
+            **({"time/h2d_copy_ms": self.copy_s * per_step_ms} if self.copy_s else {}),  # prefetched runs only
         }
 
 
@@ -93,6 +103,7 @@ class _Marks:
         self._fetch: Any = None
         self._ready: Any = None
         self._copied: Any = None
+        self._copies: list[tuple[int, Callable[[], float]]] = []  # (step index, reads its side-stream copy's seconds)
 
     def _mark(self) -> Any:
         raise NotImplementedError
@@ -100,6 +111,7 @@ class _Marks:
     def start(self) -> None:
         self._marks.clear()
         self._sizes.clear()
+        self._copies.clear()
         self._start = self._mark()
 
     def fetch(self) -> None:
@@ -115,8 +127,20 @@ class _Marks:
         self._marks.append((self._fetch, self._ready, self._copied, self._mark()))
         self._sizes.append(samples)
 
+    def copy_took(self, seconds: Callable[[], float]) -> None:
+        """This step's batch was copied on a side stream; ``seconds()`` says how long that took. Called by a
+        prefetcher; ``finish`` reads the value after its sync, so reading an event never waits mid-epoch."""
+        self._copies.append((len(self._marks), seconds))
+
     def batches(self, iterable: Iterable[T]) -> Iterator[T]:
-        """``iterable``'s items with ``fetch`` marked as each is asked for and ``ready`` as it arrives."""
+        """``iterable``'s items with ``fetch`` marked as each is asked for and ``ready`` as it arrives.
+
+        An iterable with ``timed_by(marks)`` (a device prefetcher) marks ``ready`` itself and reports its copies.
+        """
+        timed_by = getattr(iterable, "timed_by", None)
+        if timed_by is not None:
+            yield from self._fetched(timed_by(self))
+            return
         iterator = iter(iterable)  # starts loader workers: part of the epoch's first step
         while True:
             self.fetch()
@@ -127,6 +151,20 @@ class _Marks:
             self.ready()
             yield item
 
+    def _fetched(self, iterator: Iterator[T]) -> Iterator[T]:
+        while True:
+            self.fetch()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            yield item
+
+    def _copy_seconds(self) -> float:
+        """The steady steps' side-stream copy time (the first step left out, as ``_breakdown`` leaves it out)."""
+        first = 1 if len(self._marks) > 1 else 0
+        return sum(seconds() for index, seconds in self._copies if first <= index < len(self._marks))
+
 
 class WallTimer(_Marks):
     """Marks with ``time.perf_counter`` (the CPU, where the host does the work itself)."""
@@ -135,7 +173,7 @@ class WallTimer(_Marks):
         return time.perf_counter()
 
     def finish(self) -> Breakdown:
-        return _breakdown(self._start, self._marks, self._sizes)
+        return _breakdown(self._start, self._marks, self._sizes, copy_s=self._copy_seconds())
 
 
 class EventTimer(_Marks):
@@ -170,7 +208,7 @@ class EventTimer(_Marks):
         self._marks[-1][3].synchronize()  # the epoch's only wait for the device
         start = self._start
         marks = [tuple(start.elapsed_time(event) / 1e3 for event in step) for step in self._marks]
-        return _breakdown(0.0, marks, self._sizes)
+        return _breakdown(0.0, marks, self._sizes, copy_s=self._copy_seconds())  # copy events: done by the sync
 
 
 def make_timer(device: torch.device) -> WallTimer | EventTimer:
@@ -183,8 +221,9 @@ def make_timer(device: torch.device) -> WallTimer | EventTimer:
     return WallTimer()
 
 
-def _breakdown(start: float, marks: list[tuple[float, ...]], sizes: list[int]) -> Breakdown:
-    """Sum the parts of steps 2..N from (fetch, ready, copied, done) times; step 1 is reported alone."""
+def _breakdown(start: float, marks: list[tuple[float, ...]], sizes: list[int], *, copy_s: float = 0.0) -> Breakdown:
+    """Sum the parts of steps 2..N from (fetch, ready, copied, done) times; step 1 is reported alone.
+    ``copy_s`` is steps 2..N's side-stream copy time, already summed."""
     if not marks:
         return Breakdown(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0)
     first_step_s = marks[0][3] - start
@@ -199,7 +238,16 @@ def _breakdown(start: float, marks: list[tuple[float, ...]], sizes: list[int]) -
         previous_done = done
     steady_samples = sum(sizes[1:]) if len(marks) > 1 else sum(sizes)
     return Breakdown(
-        wait, h2d, compute, len(steady), steady_samples, first_step_s, len(marks), sum(sizes), overhead_s=overhead
+        wait,
+        h2d,
+        compute,
+        len(steady),
+        steady_samples,
+        first_step_s,
+        len(marks),
+        sum(sizes),
+        overhead_s=overhead,
+        copy_s=copy_s,
     )
 
 
@@ -217,6 +265,7 @@ def combine(breakdowns: list[Breakdown]) -> Breakdown:
         steps=sum(b.steps for b in breakdowns),
         samples=sum(b.samples for b in breakdowns),
         overhead_s=sum(b.overhead_s for b in breakdowns),
+        copy_s=sum(b.copy_s for b in breakdowns),
     )
 
 

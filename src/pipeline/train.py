@@ -241,6 +241,7 @@ def run_epoch(
             device=device,
             policy=setup.policy,
             prepare=setup.prepare,
+            augment=setup.augment,
             log_every=t.log_every_n_steps,
             max_steps=t.max_steps,
             log=log_step,

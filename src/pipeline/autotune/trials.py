@@ -91,6 +91,7 @@ class Trials:
             device=setup.device,
             policy=setup.policy,
             prepare=setup.prepare,
+            augment=setup.augment,  # the run's own input path, GPU augmentation included
             log_every=self.cfg.trainer.log_every_n_steps,  # the run's own host syncs
             max_steps=setup.state.step + steps,
             log=lambda metrics, step: None,

@@ -1,5 +1,6 @@
-"""Datasets and the batches the loop consumes (see ``sources`` and ``loaders``)."""
+"""Datasets and the batches the loop consumes (see ``sources``, ``loaders``, ``prefetch`` and ``augment``)."""
 
+from pipeline.data.augment import CropFlip, make_augment
 from pipeline.data.loaders import (
     EpochLoader,
     EpochOrder,
@@ -9,11 +10,14 @@ from pipeline.data.loaders import (
     first_batch,
     make_loader,
 )
+from pipeline.data.prefetch import DevicePrefetcher, with_prefetch
 from pipeline.data.sources import DataBundle, DataSpec, load_data
 
 __all__ = [
+    "CropFlip",
     "DataBundle",
     "DataSpec",
+    "DevicePrefetcher",
     "EpochLoader",
     "EpochOrder",
     "LoaderError",
@@ -21,5 +25,7 @@ __all__ = [
     "ResidentLoader",
     "first_batch",
     "load_data",
+    "make_augment",
     "make_loader",
+    "with_prefetch",
 ]

@@ -1,8 +1,10 @@
 """Batches for the loop: the torch DataLoader path and the resident path.
 
 Both yield ``(images, labels)``; the loop copies them to the device (a no-op for resident
-batches, which are there already) and ``Normalize`` turns uint8 pixels into normalised floats
-on the device, one whole batch at a time.
+batches, which are there already, and for batches a ``prefetch.DevicePrefetcher`` copied ahead)
+and ``Normalize`` turns uint8 pixels into normalised floats on the device, one whole batch at a
+time. Training may augment the uint8 batch first (``augment``), once per batch; evaluation only
+normalises.
 """
 
 from __future__ import annotations

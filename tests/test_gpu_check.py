@@ -1,0 +1,301 @@
+"""scripts/gpu_check.py: its dry run runs the whole plan on the CPU, prints every row and writes the numbers;
+goals are judged where they mean something; a failing row does not stop the rest; missing packages are named."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+ROW_KEYS = {"key", "name", "value", "unit", "goal", "status", "detail", "raw"}
+TOP_KEYS = {
+    "schema",
+    "command",
+    "dry_run",
+    "started",
+    "seconds",
+    "machine",
+    "pipeline",
+    "missing_optional",
+    "augment",
+    "plan",
+    "summary",
+    "rows",
+}
+DRY_SKIPPED = {  # row key -> the reason's start: what has no meaning on a CPU, or would take minutes there
+    "resnet50_tf32": "precision.tf32 acts on CUDA GPUs only",
+    "resnet50_fp16": "float16 autocast on a CPU is emulated",
+    "resnet50_bf16_channels_last_compile": "inductor takes minutes to compile ResNet-50 on a CPU",
+    "input_gpu_util": "dry run: no GPU is read",
+    "nvml_read_cost": "dry run: no GPU is read",
+    "gputil_read_cost": "dry run: no GPU is read",
+    "nvml_busy_util": "dry run: no GPU is read",
+    "gputil_busy_util": "dry run: no GPU is read",
+}
+MEASURED = ["mlp", "resnet50_fp32", "resnet50_bf16", "resnet50_bf16_channels_last", "input_vs_synthetic"]
+
+
+@pytest.fixture(scope="module")
+def gpu_check() -> Iterator[ModuleType]:
+    """The script as a module (it is no package), so main() runs in this process; registered while it is used,
+    as its dataclasses need."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["gpu_check"]
+
+
+def rows_by_key(document: dict) -> dict[str, dict]:
+    return {row["key"]: row for row in document["rows"]}
+
+
+def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
+    gpu_check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    document = json.loads(out.read_text())
+
+    assert set(document) == TOP_KEYS and document["dry_run"] is True and document["schema"] == 1
+    assert document["pipeline"] == str(SCRIPT.parents[1] / "src" / "pipeline")  # the checkout's, not a copy
+    assert [row["key"] for row in document["rows"]] == gpu_check.ROW_ORDER
+    assert all(set(row) == ROW_KEYS for row in document["rows"])
+    rows = rows_by_key(document)
+
+    table = [line for line in printed.splitlines() if line.startswith("| ")]
+    assert table[0] == "| check | value | unit | goal | result | detail |" and len(table) == 1 + len(rows)
+    for line, row in zip(table[1:], document["rows"], strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        assert cells[0] == row["name"] and cells[2] == row["unit"] and cells[4] == row["status"]
+        assert cells[3] == (row["goal"] or "—")
+
+    assert {key: row["detail"][: len(DRY_SKIPPED[key])] for key, row in rows.items() if row["status"] == "SKIP"} == (
+        DRY_SKIPPED
+    )
+    assert not [row for row in document["rows"] if row["status"] in ("ERROR", "FAIL")]
+    for key in MEASURED:  # measured, but speed goals are not judged at tiny sizes
+        assert rows[key]["status"] == "INFO" and rows[key]["value"] > 0, key
+    assert rows["resnet50_bf16_channels_last"]["goal"] == ">= 3000 img/s"
+    assert rows["resnet50_bf16_channels_last_compile"]["goal"] == ">= 4500 img/s"
+    assert (rows["mlp"]["goal"], rows["input_vs_synthetic"]["goal"], rows["input_gpu_util"]["goal"]) == (
+        "<= 0.5 s",
+        ">= 0.9",
+        ">= 90%",
+    )
+    assert rows["pipeline_vs_bare"]["goal"] == ">= 0.98" and rows["pipeline_vs_bare"]["value"] > 0
+
+    mlp = rows["mlp"]["raw"]
+    assert rows["mlp"]["value"] == pytest.approx(mlp["train_s"] + mlp["eval_s"])
+    assert len(mlp["eval_s_per_epoch"]) == 2 and mlp["eval_s"] == mlp["eval_s_per_epoch"][-1]
+
+    oom = rows["oom_fallback"]  # a functional goal: judged in a dry run too
+    assert oom["status"] == "PASS" and oom["raw"]["oom_events"] == [16, 8] and oom["raw"]["micro_batch"] == 4
+    assert oom["raw"]["steps"] == 6 and oom["value"] == pytest.approx(oom["raw"]["samples_per_s"])
+    assert "micro-batch 16 -> 8 -> 4 after 2 out-of-memory event(s)" in oom["detail"]
+
+    doctor = rows["doctor"]
+    failed = sum(check["status"] == "FAIL" for check in doctor["raw"]["checks"])
+    assert doctor["value"] == failed and doctor["status"] == ("PASS" if failed == 0 else "FAIL")
+    assert document["summary"] == {s: sum(r["status"] == s for r in document["rows"]) for s in document["summary"]}
+
+
+@pytest.mark.parametrize(
+    ("plan", "key", "value", "expected"),
+    [
+        ("GPU_PLAN", "resnet50_bf16_channels_last", 3100.0, "PASS"),
+        ("GPU_PLAN", "resnet50_bf16_channels_last", 2900.0, "FAIL"),
+        ("GPU_PLAN", "mlp", 0.5, "PASS"),
+        ("GPU_PLAN", "mlp", 0.51, "FAIL"),
+        ("GPU_PLAN", "input_gpu_util", None, "INFO"),  # nothing measured: nothing judged
+        ("DRY_PLAN", "resnet50_bf16_channels_last", 2900.0, "INFO"),  # tiny sizes: a speed means nothing
+        ("DRY_PLAN", "oom_fallback", 0.0, "FAIL"),  # surviving means something at any size
+        ("DRY_PLAN", "doctor", 0.0, "PASS"),
+    ],
+)
+def test_speed_goals_are_judged_on_the_gpu_sizes_only_and_functional_goals_everywhere(
+    gpu_check: ModuleType, plan: str, key: str, value: float | None, expected: str
+) -> None:
+    assert getattr(gpu_check, plan).judge(value, gpu_check.GOALS[key]) == expected
+
+
+def test_a_failing_measurement_is_an_error_row_and_the_others_still_run(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = gpu_check.train_run
+
+    def failing_for_the_mlp(overrides: list[str]):
+        if "model=mlp" in overrides:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+        return real(overrides)
+
+    monkeypatch.setattr(gpu_check, "train_run", failing_for_the_mlp)
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--only", "mlp,oom", "--out", str(out)]) == 1  # an ERROR row fails the check
+    rows = rows_by_key(json.loads(out.read_text()))
+    assert list(rows) == ["mlp", "oom_fallback"]
+    assert rows["mlp"]["status"] == "ERROR" and rows["mlp"]["value"] is None
+    assert rows["mlp"]["detail"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "failing_for_the_mlp" in rows["mlp"]["raw"]["traceback"]
+    assert rows["oom_fallback"]["status"] == "PASS"
+    assert "| ERROR | RuntimeError: CUDA error: an illegal memory access" in capsys.readouterr().out
+
+
+def test_missing_packages_are_named_with_the_pip_command_before_anything_runs(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    absent = {"hydra", "omegaconf", "GPUtil", "mlflow"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "error: the GPU check needs hydra-core, omegaconf: pip install hydra-core omegaconf",
+        "note: rows skipped for want of GPUtil (GPUtil): pip install GPUtil",
+        "note: mlflow is not installed, and not needed: the check records nothing (tracking=none)",
+    ]
+    assert captured.out == "" and not out.exists()
+
+
+def test_torch_missing_points_at_the_build_for_the_machines_cuda(gpu_check: ModuleType) -> None:
+    message = gpu_check.dependency_message(["torch", "torchvision", "tqdm"], [])
+    assert message.startswith("error: the GPU check needs torch, torchvision, tqdm: pip install torch torchvision tqdm")
+    assert "https://pytorch.org/get-started/locally/" in message
+
+
+def test_gputil_on_python_3_12_without_distutils_asks_for_setuptools(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "distutils" else real(name, *a))
+    monkeypatch.setattr(gpu_check.sys, "version_info", (3, 12, 1))
+    required, optional = gpu_check.missing_dependencies()
+    assert required == [] and "setuptools" in optional
+    assert gpu_check.dependency_message([], ["setuptools"]) == (
+        "note: rows skipped for want of setuptools (GPUtil's distutils on Python 3.12+): pip install setuptools"
+    )
+
+
+def test_without_a_gpu_the_full_check_refuses_and_names_the_dry_run(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path / "check.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no usable CUDA GPU here") and "--dry-run checks the plan on the CPU" in err
+
+
+def test_unknown_steps_are_refused(gpu_check: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        gpu_check.main(["--dry-run", "--only", "mlp,nope"])
+    assert info.value.code == 2 and "unknown step(s) ['nope']" in capsys.readouterr().err
+
+
+def test_a_step_skipped_whole_is_shown_where_its_rows_would_be(gpu_check: ModuleType) -> None:
+    rows = [
+        gpu_check.Row("pipeline_vs_bare", "p", 1.0, "x"),
+        gpu_check.Row("compile", "compile: ...", None, "", status="SKIP"),  # over the time budget
+        gpu_check.Row("doctor", "d", 0.0, "FAIL"),
+        gpu_check.Row("resnet50_bf16_channels_last", "r", 1.0, "img/s"),
+    ]
+    ordered = [r.key for r in gpu_check.in_table_order(rows)]
+    assert ordered == ["doctor", "resnet50_bf16_channels_last", "compile", "pipeline_vs_bare"]
+
+
+@pytest.mark.slow
+def test_the_dry_run_works_as_a_plain_script_from_any_folder(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", "check.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| check | value | unit | goal | result | detail |" in done.stdout
+    assert "[gpu_check] compile:" in done.stderr  # progress goes to stderr, the table to stdout
+    document = json.loads((tmp_path / "check.json").read_text())
+    assert [row["key"] for row in document["rows"]][:2] == ["doctor", "mlp"] and len(document["rows"]) == 16
+    assert document["pipeline"] == str(SCRIPT.parents[1] / "src" / "pipeline")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["check.json"]  # no mlflow.db, checkpoints or outputs
+
+
+class FakeNvml:
+    """A GPU backend that reads a fixed utilisation."""
+
+    name = "nvml"
+
+    def __init__(self, util: float) -> None:
+        self.util = util
+
+    def read(self) -> list:
+        from pipeline.monitor.gpu import GpuReading
+
+        return [GpuReading(0, util_pct=self.util)]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_poller_keeps_its_backends_utilisation_readings_until_stopped(gpu_check: ModuleType) -> None:
+    with gpu_check.Poller(FakeNvml(87.5), interval_s=0.01) as poller:
+        for _ in range(500):  # until a reading arrives (at most 5 s on a very busy machine)
+            if poller.values:
+                break
+            threading.Event().wait(0.01)
+    count = len(poller.values)
+    threading.Event().wait(0.05)
+    assert count >= 1 and set(poller.values) == {87.5} and len(poller.values) == count  # stopped: no more readings
+
+
+def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisation(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The GPU path without a GPU: pipeline.bench's readings and the busy loop's pollers are stood in for."""
+    from pipeline import bench
+
+    monkeypatch.setattr(
+        bench,
+        "bench_sampler_backends",
+        lambda sizes: [
+            bench.Row("sampler reading, psutil (CPU, RAM)", "120 µs", "(info)", None, "per reading"),
+            bench.Row("sampler reading, nvml", "85 µs", "(info)", None, "per reading of one GPU"),
+            bench.Row(
+                "sampler reading, gputil", "n/a", "(info)", None, "ModuleNotFoundError: No module named 'GPUtil'"
+            ),
+        ],
+    )
+    ctx = gpu_check.Context(gpu_check.GPU_PLAN, "default", tmp_path)
+    ctx.busy = {"why": {"gputil": "ModuleNotFoundError: No module named 'GPUtil'"}, "nvml": [90.0, 100.0, 95.0]}
+    rows = {row.key: row for row in gpu_check.step_sampler(ctx)}
+    assert list(rows) == ["nvml_read_cost", "gputil_read_cost", "nvml_busy_util", "gputil_busy_util"]
+    assert (rows["nvml_read_cost"].value, rows["nvml_read_cost"].unit, rows["nvml_read_cost"].status) == (
+        85.0,
+        "µs",
+        "INFO",
+    )
+    assert rows["gputil_read_cost"].status == "SKIP" and "No module named 'GPUtil'" in rows["gputil_read_cost"].detail
+    assert rows["nvml_busy_util"].value == pytest.approx(95.0) and rows["nvml_busy_util"].raw["readings"] == [
+        90.0,
+        100.0,
+        95.0,
+    ]
+    assert rows["gputil_busy_util"].status == "SKIP" and "GPUtil" in rows["gputil_busy_util"].detail
+    ctx.busy = {}  # --only sampler: the busy loop never ran
+    rows = {row.key: row for row in gpu_check.step_sampler(ctx)}
+    assert rows["nvml_busy_util"].status == "SKIP" and "did not run" in rows["nvml_busy_util"].detail
