@@ -22,10 +22,10 @@ run: $(STAMP) ## train with the defaults (MLP on the bundled digits, CPU or best
 test: $(STAMP) ## lint, then the whole test suite (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 test-fast: $(STAMP) ## the quick inner loop: tests not marked slow
-	$(PY) -m pytest -m "not slow" -x -q
+	$(PY) -m pytest -m "not slow" -x -q -n 2
 
 format: $(STAMP) ## apply ruff's formatter and safe fixes
 	$(PY) -m ruff format .

@@ -219,7 +219,7 @@ def test_a_step_skipped_whole_is_shown_where_its_rows_would_be(gpu_check: Module
 def test_the_dry_run_works_as_a_plain_script_from_any_folder(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", "check.json"],
+        [sys.executable, str(SCRIPT), "--dry-run", "--only", "doctor,mlp", "--out", "check.json"],  # the rest: above
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -228,9 +228,10 @@ def test_the_dry_run_works_as_a_plain_script_from_any_folder(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| check | value | unit | goal | result | detail |" in done.stdout
-    assert "[gpu_check] compile:" in done.stderr  # progress goes to stderr, the table to stdout
+    assert "[gpu_check] mlp:" in done.stderr  # progress goes to stderr, the table to stdout
     document = json.loads((tmp_path / "check.json").read_text())
-    assert [row["key"] for row in document["rows"]][:2] == ["doctor", "mlp"] and len(document["rows"]) == 16
+    assert [row["key"] for row in document["rows"]][:2] == ["doctor", "mlp"]
+    assert {row["status"] for row in document["rows"][:2]} <= {"PASS", "INFO"}
     assert document["pipeline"] == str(SCRIPT.parents[1] / "src" / "pipeline")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["check.json"]  # no mlflow.db, checkpoints or outputs
 
