@@ -6,6 +6,7 @@ import functools
 import gzip
 import hashlib
 import http.server
+import pickle
 import threading
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torchvision.datasets as tvd
 
 from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
 from pipeline.config import DataConfig, LoaderConfig
-from pipeline.data import EpochOrder, Normalize, ResidentLoader, load_data, make_loader
+from pipeline.data import DataBundle, EpochOrder, Normalize, ResidentLoader, load_data, make_loader
 from pipeline.errors import DatasetError
 
 LOADER = LoaderConfig(
@@ -234,3 +235,53 @@ def test_normalize_scales_uint8_pixels_with_mean_and_std() -> None:
     out = norm(torch.tensor([0, 255, 128], dtype=torch.uint8).view(1, 1, 1, 3))
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.view(-1), torch.tensor([-2.0, 2.0, (128 / 255 - 0.5) / 0.25]))
+
+
+def test_make_loader_passes_the_start_method_to_the_dataloader_and_auto_leaves_the_default() -> None:
+    bundle = load_data(DataConfig("synthetic", shape=[1, 4, 4], num_classes=3, num_samples=20, val_samples=5))
+    cpu = torch.device("cpu")
+    spawn = LoaderConfig(**{**LOADER.__dict__, "num_workers": 1, "multiprocessing_context": "spawn"})
+    loader = make_loader(bundle.train, spawn, device=cpu, train=True, seed=1)  # no iteration: no worker starts
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
+    auto = LoaderConfig(**{**LOADER.__dict__, "num_workers": 1})
+    assert make_loader(bundle.train, auto, device=cpu, train=True, seed=1).multiprocessing_context is None
+
+
+def _bundle(name: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> DataBundle:
+    """The dataset ``name`` as the pipeline builds it, from files written under ``root`` where it reads files."""
+    if name in ("mnist", "fashion_mnist"):
+        write_mnist(root, "MNIST" if name == "mnist" else "FashionMNIST", n_train=40, n_val=10)
+        return load_data(DataConfig(name, root=str(root), download=False))
+    if name == "cifar10":
+        md5 = write_cifar10(root, per_batch=4, n_val=4)
+        monkeypatch.setattr(
+            tvd.CIFAR10, "train_list", [[f"data_batch_{i}", md5[f"data_batch_{i}"]] for i in range(1, 6)]
+        )
+        monkeypatch.setattr(tvd.CIFAR10, "test_list", [["test_batch", md5["test_batch"]]])
+        monkeypatch.setattr(tvd.CIFAR10, "meta", {**tvd.CIFAR10.meta, "md5": md5["batches.meta"]})
+        return load_data(DataConfig("cifar10", root=str(root), download=False))
+    if name.startswith("imagefolder"):
+        write_image_folder(root / "imgs", per_class=3, size=12)
+        channels = 1 if name.endswith("grey") else 3
+        return load_data(DataConfig("imagefolder", root=str(root / "imgs"), image_size=8, channels=channels))
+    if name == "synthetic":
+        return load_data(DataConfig("synthetic", shape=[3, 4, 4], num_classes=3, num_samples=20, val_samples=5))
+    return load_data(DataConfig("digits", image_size=8, val_fraction=0.2))
+
+
+@pytest.mark.parametrize(
+    "name", ["digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "imagefolder", "imagefolder_grey"]
+)
+def test_every_dataset_survives_the_pickling_that_spawned_workers_receive_it_by(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under spawn (always on Windows and macOS) each loader worker unpickles the dataset: a lambda, a local class
+    or an open file in it fails there, and only there."""
+    bundle = _bundle(name, tmp_path, monkeypatch)
+    for split in (bundle.train, bundle.val):
+        back = pickle.loads(pickle.dumps(split))
+        assert type(back) is type(split) and len(back) == len(split) > 0
+        for i in (0, len(split) - 1):
+            (image, label), (image_back, label_back) = split[i], back[i]
+            assert image.dtype == torch.uint8 and image.shape == bundle.spec.in_shape
+            assert torch.equal(image_back, image) and int(label_back) == int(label)

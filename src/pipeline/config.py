@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -85,6 +87,8 @@ class LoaderConfig:
     timeout: float = 0.0
     # true is checked against the device at build time (data.prefetch.prefetch_wanted), once device=auto is resolved
     prefetch_to_device: bool | Literal["auto"] = "auto"
+    # how workers start; auto = this process's default: spawn on Windows and macOS, fork on Linux (3.14: forkserver)
+    multiprocessing_context: Literal["auto", "fork", "spawn", "forkserver"] = "auto"
 
     def check(self) -> None:
         if self.batch_size < 1:
@@ -102,6 +106,20 @@ class LoaderConfig:
                 raise ConfigError("loader.persistent_workers", True, "false with loader.num_workers=0")
             if self.prefetch_factor is not None:
                 raise ConfigError("loader.prefetch_factor", self.prefetch_factor, "null with loader.num_workers=0")
+            if self.multiprocessing_context != "auto":
+                raise ConfigError(
+                    "loader.multiprocessing_context",
+                    self.multiprocessing_context,
+                    "auto with loader.num_workers=0 (no worker processes to start)",
+                )
+        # a method the platform lacks (fork, forkserver on Windows) would fail only as the first worker starts
+        if self.multiprocessing_context not in ("auto", *multiprocessing.get_all_start_methods()):
+            raise ConfigError(
+                "loader.multiprocessing_context",
+                self.multiprocessing_context,
+                f"auto or a start method this platform ({sys.platform}) has: "
+                f"{', '.join(multiprocessing.get_all_start_methods())}",
+            )
         if self.resident:
             if self.num_workers:
                 raise ConfigError(

@@ -2,8 +2,10 @@
 
 Each check is PASS, WARN, FAIL or INFO, with its evidence and, for WARN and FAIL, the fix as a
 command or a setting. The exit status is 1 when any check FAILs. Facts come from torch, NVML
-(nvidia-ml-py), ``nvidia-smi`` and, on Linux, ``/sys/class/drm``; each source may be missing, and
-its absence is itself evidence. Nothing here imports MLflow or Hydra, so it answers in seconds.
+(nvidia-ml-py), ``nvidia-smi``, ``nvcc`` and the OS's own list of display adapters (Windows:
+Win32_VideoController, macOS: system_profiler, Linux: ``/sys/class/drm``), read through
+``pipeline.platforms``; each source may be missing, and its absence is itself evidence. Nothing
+here imports MLflow or Hydra, so it answers in seconds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,8 +29,18 @@ import torch
 from pipeline.config import DeviceConfig
 from pipeline.devices import cudnn_version, resolve_device
 from pipeline.monitor.gpu import normalize_uuid
+from pipeline.platforms import (
+    Probe,
+    Toolkit,
+    cudnn_text,
+    display_adapters,
+    find_nvidia_smi,
+    find_toolkit,
+    prime_profile,
+    shadowing_cudnn,
+    vendor_of,
+)
 
-PCI_VENDORS = {"0x10de": "NVIDIA", "0x1002": "AMD", "0x8086": "Intel"}
 # CUDA versions of PyTorch's wheel indexes (download.pytorch.org/whl/cuXYZ), newest last
 WHEEL_CUDA = ["11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0"]
 
@@ -66,9 +77,20 @@ class Facts:
     driver_version: str | None = None
     driver_cuda: str | None = None  # the newest CUDA the driver supports, e.g. "12.4"
     nvidia_gpus: list[NvidiaGpu] = field(default_factory=list)
-    nvidia_smi: str | None = None  # its path, when on PATH
-    adapters: list[str] = field(default_factory=list)  # display adapters seen in /sys/class/drm
+    nvidia_smi: str | None = None  # its path: on PATH, or where the Windows driver installs it
+    nvidia_smi_on_path: bool = True  # False when found only in System32 or NVSMI (GPUtil runs it by name)
+    system: str = field(default_factory=platform.system)  # "Linux", "Windows", "Darwin"
+    os_version: str = ""  # macOS 14.5, Windows 10 (10.0.22631), the Linux kernel
+    machine: str = ""  # x86_64, arm64
+    adapters: list[str] = field(default_factory=list)  # display adapters as the OS lists them
+    adapter_source: str = "/sys/class/drm"  # Win32_VideoController, system_profiler SPDisplaysDataType
+    adapter_error: str | None = None  # why the OS's list could not be read
+    prime: str | None = None  # `prime-select query` on Linux: nvidia, on-demand, intel
+    prime_offload: str | None = None  # __NV_PRIME_RENDER_OFFLOAD as set (rendering only; CUDA ignores it)
     mps: bool = False
+    mps_built: bool | None = None
+    toolkit: Toolkit = field(default_factory=Toolkit)  # nvcc's CUDA: matters only for compiling extensions
+    cudnn_shadows: list[dict[str, Any]] = field(default_factory=list)  # cuDNN on PATH / LD_LIBRARY_PATH
     gputil_error: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     cpus: int = 1
@@ -81,9 +103,20 @@ class Facts:
     cpu_amx: bool | None = None  # amx_bf16: the tile unit that makes bfloat16 pay off on the CPU
 
 
-def gather() -> Facts:
-    """Read every source; none of them raising stops the others."""
-    facts = Facts(torch_cuda=torch.version.cuda, cpus=os.cpu_count() or 1)
+def gather(probe: Probe | None = None) -> Facts:
+    """Read every source; none of them raising stops the others.
+
+    Args:
+        probe: the OS, environment, commands and files to read (tests pass recorded ones).
+    """
+    probe = probe or Probe()
+    facts = Facts(
+        torch_cuda=torch.version.cuda,
+        cpus=os.cpu_count() or 1,
+        system=probe.system,
+        os_version=probe.os_version(),
+        machine=probe.machine(),
+    )
     facts.cuda_available = torch.cuda.is_available()
     facts.arch_list = list(torch.cuda.get_arch_list()) if torch.version.cuda else []
     if facts.cuda_available:
@@ -98,22 +131,31 @@ def gather() -> Facts:
                     "uuid": str(getattr(p, "uuid", "")),
                 }
             )
-        facts.cudnn, facts.cudnn_error = cudnn_version()
         with contextlib.suppress(Exception):  # the GPU may be unusable: the compute check says so
             facts.bf16 = torch.cuda.is_bf16_supported()
+    if facts.torch_cuda:  # without a GPU too: a cuDNN on LD_LIBRARY_PATH that torch refuses shows here
+        facts.cudnn, facts.cudnn_error = cudnn_version()
     _nvml(facts)
-    facts.nvidia_smi = shutil.which("nvidia-smi")
+    facts.nvidia_smi, facts.nvidia_smi_on_path = find_nvidia_smi(probe)
     if facts.nvidia_smi and not facts.nvidia_gpus:
-        _smi(facts)
-    facts.adapters = _drm_adapters()
-    facts.mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+        _smi(facts, probe)
+    facts.adapters, facts.adapter_source, facts.adapter_error = display_adapters(probe)
+    facts.prime = prime_profile(probe)
+    facts.prime_offload = probe.environ.get("__NV_PRIME_RENDER_OFFLOAD")
+    mps = getattr(torch.backends, "mps", None)
+    facts.mps = bool(mps and mps.is_available())
+    facts.mps_built = bool(mps and mps.is_built()) if mps else None
+    facts.toolkit = find_toolkit(probe)
+    facts.cudnn_shadows = shadowing_cudnn(probe, torch_lib_dirs()) if facts.torch_cuda else []
     try:
         import GPUtil  # noqa: F401  (1.4.0 imports distutils)
     except Exception as err:  # ModuleNotFoundError: distutils on Python 3.12+, or GPUtil missing
         facts.gputil_error = f"{type(err).__name__}: {err}"
     facts.env = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER") if k in os.environ}
-    if Path("/dev/shm").is_dir():
-        facts.shm_mb = shutil.disk_usage("/dev/shm").total // 2**20
+    shm = probe.path("/dev/shm")  # Linux only: Windows and macOS workers share memory without it
+    if shm.is_dir():
+        with contextlib.suppress(OSError):
+            facts.shm_mb = shutil.disk_usage(shm).total // 2**20
     # get_start_method() without allow_none would fix the method for the whole process: read, never set
     facts.start_method = multiprocessing.get_start_method(allow_none=True) or (
         f"{multiprocessing.get_all_start_methods()[0]} (the default)"
@@ -191,47 +233,28 @@ def _nvml(facts: Facts) -> None:
             pynvml.nvmlShutdown()
 
 
-def _smi(facts: Facts) -> None:
+def _smi(facts: Facts, probe: Probe) -> None:
     """nvidia-smi's own view, when NVML could not be read in-process."""
-    try:
-        out = subprocess.run([facts.nvidia_smi or "nvidia-smi"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as err:
-        facts.nvml_error = (facts.nvml_error or "") + f"; nvidia-smi failed: {err}"
+    smi = facts.nvidia_smi or "nvidia-smi"
+    out = probe.run([smi], timeout_s=10)
+    if not out.ok:
+        facts.nvml_error = (facts.nvml_error or "") + f"; nvidia-smi: {out.error}"
         return
-    text = out.stdout + out.stderr
-    if out.returncode != 0:
-        facts.nvml_error = (facts.nvml_error or "") + f"; nvidia-smi: {' '.join(text.split())[:200]}"
-        return
-    if match := re.search(r"Driver Version:\s*([\d.]+)", text):
+    if match := re.search(r"Driver Version:\s*([\d.]+)", out.output):
         facts.driver_version = match.group(1)
-    if match := re.search(r"CUDA Version:\s*([\d.]+)", text):
+    if match := re.search(r"CUDA Version:\s*([\d.]+)", out.output):
         facts.driver_cuda = match.group(1)
-    try:
-        query = subprocess.run(
-            [
-                facts.nvidia_smi or "nvidia-smi",
-                "--query-gpu=index,name,uuid,memory.total",
-                "--format=csv,noheader,nounits",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        for line in query.stdout.strip().splitlines():
+    query = probe.run([smi, "--query-gpu=index,name,uuid,memory.total", "--format=csv,noheader,nounits"], timeout_s=10)
+    for line in query.output.strip().splitlines() if query.ok else []:
+        with contextlib.suppress(ValueError):  # a line of another shape ("No devices were found")
             index, name, uuid, memory = (part.strip() for part in line.split(","))
             facts.nvidia_gpus.append(NvidiaGpu(int(index), name, uuid, int(float(memory))))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass
 
 
-def _drm_adapters() -> list[str]:
-    adapters = []
-    for vendor_file in sorted(Path("/sys/class/drm").glob("card[0-9]*/device/vendor")):
-        if "-" in vendor_file.parent.parent.name:
-            continue  # connectors (card0-HDMI-A-1) repeat their card
-        vendor = vendor_file.read_text().strip()
-        adapters.append(f"{vendor_file.parent.parent.name}: {PCI_VENDORS.get(vendor, vendor)}")
-    return adapters
+def torch_lib_dirs() -> list[Path]:
+    """Where torch loads its bundled cuDNN from: torch/lib (Windows wheels), nvidia/cudnn (Linux pip wheels)."""
+    package = Path(torch.__file__).parent
+    return [package / "lib", package.parent / "nvidia" / "cudnn" / "lib", package.parent / "nvidia" / "cudnn" / "bin"]
 
 
 def _text(value: Any) -> str:
@@ -255,44 +278,62 @@ def checks(facts: Facts, *, smoke: bool = True) -> list[Check]:
     ``smoke=False`` skips the allocations on each device (a training run attaching its report
     should not create a CUDA context on GPUs it does not use).
     """
-    out: list[Check] = []
-    nvidia_seen = bool(facts.nvidia_gpus) or any("NVIDIA" in a for a in facts.adapters)
-    if not nvidia_seen:
-        how = facts.nvml_error or "NVML lists no GPU"
-        out.append(
-            Check(
-                "NVIDIA GPU",
-                "INFO",
-                f"no NVIDIA GPU found ({how}; nvidia-smi "
-                f"{'at ' + facts.nvidia_smi if facts.nvidia_smi else 'not on PATH'}): training runs on "
-                f"the CPU{' or Apple MPS' if facts.mps else ''}, and device=auto chooses that",
-            )
-        )
-    else:
-        names = ", ".join(f"{g.index}: {g.name} ({g.memory_mb} MiB)" for g in facts.nvidia_gpus) or "seen in /sys"
-        out.append(
-            Check(
-                "NVIDIA GPU", "PASS", f"driver {facts.driver_version or '?'} (CUDA {facts.driver_cuda or '?'}); {names}"
-            )
-        )
+    out: list[Check] = [_nvidia_check(facts)]
+    nvidia_seen = _nvidia_seen(facts)
     out += _build_checks(facts, nvidia_seen)
+    out.append(_toolkit_check(facts))
     out += _device_checks(facts, smoke=smoke)
+    out += _cudnn_path_checks(facts)
     if smoke:
         out.append(_cpu_bf16_check(facts))
     out += _order_checks(facts)
-    out.append(_hybrid_check(facts, nvidia_seen))
-    if platform.system() == "Darwin":
-        out.append(
-            Check(
-                "Apple MPS",
-                "PASS" if facts.mps else "WARN",
-                f"torch.backends.mps.is_available() = {facts.mps}",
-                "" if facts.mps else "install a torch build for macOS 12.3+ on Apple silicon",
-            )
-        )
+    out.append(_hybrid_check(facts))
+    if facts.system == "Darwin":
+        out.append(_mps_check(facts))
     out += _monitoring_checks(facts, nvidia_seen)
     out.append(_loading_check(facts))
     return out
+
+
+def _nvidia_adapters(facts: Facts) -> list[str]:
+    return [a for a in facts.adapters if vendor_of(a) == "NVIDIA"]
+
+
+def _nvidia_seen(facts: Facts) -> bool:
+    """An NVIDIA GPU that a CUDA build of torch could use: listed by the driver, or by the OS outside macOS."""
+    return bool(facts.nvidia_gpus) or (facts.system != "Darwin" and bool(_nvidia_adapters(facts)))
+
+
+def _smi_where(facts: Facts) -> str:
+    if not facts.nvidia_smi:
+        return "not on PATH" + (", System32 or NVSMI" if facts.system == "Windows" else "")
+    return f"at {facts.nvidia_smi}" + ("" if facts.nvidia_smi_on_path else " (not on PATH)")
+
+
+def _nvidia_check(facts: Facts) -> Check:
+    if facts.nvidia_gpus:
+        names = ", ".join(f"{g.index}: {g.name} ({g.memory_mb} MiB)" for g in facts.nvidia_gpus)
+        return Check(
+            "NVIDIA GPU", "PASS", f"driver {facts.driver_version or '?'} (CUDA {facts.driver_cuda or '?'}); {names}"
+        )
+    how = f"{facts.nvml_error or 'NVML lists no GPU'}; nvidia-smi {_smi_where(facts)}"
+    if facts.torch_gpus:  # the driver works (torch uses it); only its tools could not be read
+        names = ", ".join(f"{g['index']}: {g['name']} ({g['memory_mb']} MiB)" for g in facts.torch_gpus)
+        return Check("NVIDIA GPU", "PASS", f"torch sees {names}; the driver's own tools not read ({how})")
+    if _nvidia_seen(facts):  # the OS lists the card, the driver does not
+        return Check(
+            "NVIDIA GPU",
+            "WARN",
+            f"{facts.adapter_source} lists {'; '.join(_nvidia_adapters(facts))}, but the NVIDIA driver lists no GPU "
+            f"({how})",
+            "install (or reinstall) the NVIDIA driver from nvidia.com; on a laptop see 'graphics adapters' below",
+        )
+    return Check(
+        "NVIDIA GPU",
+        "INFO",
+        f"no NVIDIA GPU found ({how}): training runs on the CPU{' or Apple MPS' if facts.mps else ''}, "
+        "and device=auto chooses that",
+    )
 
 
 def _build_checks(facts: Facts, nvidia_seen: bool) -> list[Check]:
@@ -333,6 +374,86 @@ def _build_checks(facts: Facts, nvidia_seen: bool) -> list[Check]:
     return found
 
 
+def _toolkit_check(facts: Facts) -> Check:
+    """nvcc's CUDA beside torch's and the driver's, and which of them matters (for training: the driver's)."""
+    toolkit = facts.toolkit
+    extensions = "the Toolkit matters only for compiling CUDA extensions (torch.utils.cpp_extension)"
+    if toolkit.cuda is None:
+        where = toolkit.error or "nvcc not on PATH, CUDA_PATH and CUDA_HOME unset"
+        return Check(
+            "CUDA Toolkit (nvcc)",
+            "INFO",
+            f"no CUDA Toolkit found ({where}): not needed to train, pip and conda builds of torch carry their own "
+            f"CUDA runtime; {extensions}",
+        )
+    found = f"nvcc at {toolkit.nvcc} is CUDA {toolkit.build or toolkit.cuda}"
+    if facts.torch_cuda is None:
+        return Check(
+            "CUDA Toolkit (nvcc)",
+            "INFO",
+            f"{found}, but torch is a CPU-only build: installing a Toolkit does not give torch CUDA "
+            f"(see 'torch build'); {extensions}",
+        )
+    driver = f"the driver supports CUDA {facts.driver_cuda}" if facts.driver_cuda else "the driver's CUDA is unknown"
+    evidence = (
+        f"{found}; torch {facts.torch_version} carries its own CUDA {facts.torch_cuda} runtime; {driver}. "
+        f"For training only the driver matters (it must support {facts.torch_cuda}: 'driver vs runtime'); "
+        f"nvcc's version is not used. {extensions[0].upper()}{extensions[1:]}"
+    )
+    torch_major = _version(facts.torch_cuda)[0]
+    if _version(toolkit.cuda)[0] != torch_major:
+        evidence += (
+            f", which need a Toolkit {torch_major}.x: with this one they fail with 'The detected CUDA version "
+            f"({toolkit.cuda}) mismatches the version that was used to compile PyTorch ({facts.torch_cuda})'"
+        )
+    elif _version(toolkit.cuda) != _version(facts.torch_cuda):
+        evidence += f", which this Toolkit builds (torch warns of the minor version mismatch with {facts.torch_cuda})"
+    else:
+        evidence += ", which this Toolkit builds"
+    return Check("CUDA Toolkit (nvcc)", "INFO", evidence)
+
+
+def _cudnn_path_checks(facts: Facts) -> list[Check]:
+    """A cuDNN on PATH (Windows) or LD_LIBRARY_PATH (Linux) that the loader may take instead of torch's own."""
+    if facts.torch_cuda is None or facts.system not in ("Windows", "Linux"):
+        return []
+    variable = "PATH" if facts.system == "Windows" else "LD_LIBRARY_PATH"
+    bundled = cudnn_text(facts.cudnn)
+    if not facts.cudnn_shadows:
+        return [
+            Check(
+                "cuDNN on the library path",
+                "PASS",
+                f"no cuDNN on {variable} besides torch's own ({'cuDNN ' + bundled if bundled else 'version unknown'})",
+            )
+        ]
+    out = []
+    for shadow in facts.cudnn_shadows:
+        theirs = shadow["version"]
+        same = bool(bundled and theirs) and _version(bundled)[0] == _version(theirs)[0]
+        evidence = (
+            f"{shadow['folder']} on {shadow['variable']} holds {', '.join(shadow['files'][:3])}"
+            f"{' …' if len(shadow['files']) > 3 else ''} (cuDNN {theirs or 'of unknown version'}), which could "
+            f"shadow the cuDNN {bundled or '(version unknown)'} bundled with torch"
+        )
+        if same:
+            evidence += ": the same major version, harmless while that holds"
+        else:
+            evidence += " ('Could not load library cudnn…', 'Unable to find cuDNN' or 'cuDNN version incompatibility')"
+        out.append(
+            Check(
+                "cuDNN on the library path",
+                "INFO" if same else "WARN",
+                evidence,
+                ""
+                if same
+                else f"remove {shadow['folder']} from {shadow['variable']}: torch does not need it (it loads its "
+                "own cuDNN); if the folder must stay, move the cudnn files out of it",
+            )
+        )
+    return out
+
+
 def kernel_for(capability: tuple[int, int], arch_list: list[str]) -> bool:
     """Whether torch ships code this GPU can run: its own sm_XY, or PTX of an older (same-major) compute_XY."""
     major, minor = capability
@@ -367,7 +488,10 @@ def _device_checks(facts: Facts, *, smoke: bool) -> list[Check]:
                 "cuDNN",
                 "FAIL",
                 facts.cudnn_error,
-                "install a torch build whose cuDNN supports this GPU (older GPUs need an older torch)",
+                "remove the folders named under 'cuDNN on the library path' from "
+                f"{facts.cudnn_shadows[0]['variable']}: torch brings its own cuDNN"
+                if facts.cudnn_shadows
+                else "install a torch build whose cuDNN supports this GPU (older GPUs need an older torch)",
             )
         )
     if facts.torch_gpus:
@@ -433,16 +557,86 @@ def _order_checks(facts: Facts) -> list[Check]:
     ]
 
 
-def _hybrid_check(facts: Facts, nvidia_seen: bool) -> Check:
+def _hybrid_check(facts: Facts) -> Check:
+    """The adapters as the OS lists them, and, where an NVIDIA one is listed but unusable, this OS's remedy."""
     choice = resolve_device(DeviceConfig("auto"))
-    adapters = "; ".join(facts.adapters) or "none listed in /sys/class/drm"
-    integrated = [a for a in facts.adapters if "AMD" in a or "Intel" in a]
-    note = " AMD and Intel (integrated) GPUs are not CUDA devices: PyTorch cannot train on them." if integrated else ""
+    adapters = "; ".join(facts.adapters) or "none listed" + (f" ({facts.adapter_error})" if facts.adapter_error else "")
+    evidence = (
+        f"display adapters ({facts.adapter_source}): {adapters}. device=auto picks {choice.device} ({choice.reason})."
+    )
+    vendors = {vendor_of(a) for a in facts.adapters}
+    if vendors & {"AMD", "Intel"}:
+        evidence += " AMD and Intel (integrated) GPUs are not CUDA devices: PyTorch cannot train on them" + (
+            " except through MPS on macOS." if facts.system == "Darwin" else "."
+        )
+    if "Microsoft" in vendors:
+        evidence += " 'Microsoft Basic Display Adapter' is a GPU running without its own driver."
+    if facts.prime:
+        evidence += f" PRIME profile (prime-select query): {facts.prime}."
+    if facts.prime_offload:
+        evidence += f" __NV_PRIME_RENDER_OFFLOAD={facts.prime_offload} (moves rendering only; CUDA does not need it)."
+    nvidia = _nvidia_adapters(facts)
+    if not nvidia:
+        return Check("graphics adapters", "INFO", evidence)
+    if facts.system == "Darwin":
+        return Check(
+            "graphics adapters",
+            "WARN",
+            evidence + " macOS has had no NVIDIA CUDA driver since 10.13, and torch has no CUDA build for macOS.",
+            "train with device=mps (Apple silicon, or an AMD GPU on macOS 12.3+) or device=cpu; for CUDA, use "
+            "Linux or Windows",
+        )
+    if facts.torch_gpus:
+        return Check("graphics adapters", "INFO", evidence)
+    if facts.nvidia_gpus:  # the driver has the card: the build, the driver's CUDA or CUDA_VISIBLE_DEVICES is why
+        return Check(
+            "graphics adapters",
+            "INFO",
+            f"{evidence} The NVIDIA driver lists the GPU, so graphics switching is not what keeps torch off it: "
+            "see 'torch build', 'driver vs runtime' and CUDA_VISIBLE_DEVICES.",
+        )
     return Check(
         "graphics adapters",
-        "INFO",
-        f"display adapters: {adapters}. device=auto picks {choice.device} ({choice.reason}).{note}",
+        "WARN",
+        f"{evidence} An NVIDIA adapter is listed, but neither torch nor the NVIDIA driver can use it.",
+        _hybrid_fix(facts),
     )
+
+
+def _hybrid_fix(facts: Facts) -> str:
+    """What makes a hybrid laptop's NVIDIA GPU usable, in this OS's own words."""
+    if facts.system == "Windows":
+        return (
+            "plug in the charger: on battery the discrete GPU may be disabled (vendor power modes such as Eco or "
+            "battery saver switch it off); in Settings > System > Display > Graphics add "
+            f"{Path(sys.executable).name} ({sys.executable}) and set it to High performance; in the NVIDIA Control "
+            "Panel, Manage 3D settings > Preferred graphics processor > High-performance NVIDIA processor; "
+            "then run the doctor again"
+        )
+    if facts.prime and facts.prime.startswith("intel"):
+        return (
+            "the PRIME profile 'intel' unloads the NVIDIA driver: sudo prime-select on-demand (or nvidia), then "
+            "reboot. __NV_PRIME_RENDER_OFFLOAD=1 only moves rendering to the NVIDIA GPU; CUDA does not need it"
+        )
+    return (
+        "load the NVIDIA driver (lsmod | grep nvidia; nvidia-smi must list the GPU)"
+        + ("; with nvidia-prime: sudo prime-select on-demand and reboot" if facts.prime else "")
+        + "; plug in the charger if firmware powers the discrete GPU off on battery"
+    )
+
+
+def _mps_check(facts: Facts) -> Check:
+    version = f"macOS {facts.os_version or '?'} on {facts.machine or '?'}"
+    evidence = f"{version}; torch.backends.mps.is_available() = {facts.mps}, is_built() = {facts.mps_built}"
+    if facts.mps:
+        return Check("Apple MPS", "PASS", evidence + ": train with device=mps (device=auto picks it)")
+    if not facts.mps_built:
+        fix = "this torch build has no MPS: pip install --force-reinstall torch (the macOS arm64 wheels include it)"
+    elif _version(facts.os_version) < (12, 3):
+        fix = "MPS needs macOS 12.3 or later: update macOS, or train with device=cpu"
+    else:
+        fix = "MPS needs a Metal GPU (Apple silicon, or AMD on an Intel Mac): train with device=cpu"
+    return Check("Apple MPS", "WARN", evidence, fix)
 
 
 def _monitoring_checks(facts: Facts, nvidia_seen: bool) -> list[Check]:
@@ -454,13 +648,20 @@ def _monitoring_checks(facts: Facts, nvidia_seen: bool) -> list[Check]:
         "nvidia-ml-py reads the GPU in-process" if not facts.nvml_error else facts.nvml_error,
         "" if not facts.nvml_error else "pip install nvidia-ml-py (and a working driver); or monitor=gputil",
     )
-    usable = not facts.gputil_error and facts.nvidia_smi
-    gputil = Check(
-        "GPU monitoring (GPUtil)",
-        "PASS" if usable else "WARN",
-        "GPUtil imports and nvidia-smi is on PATH" if usable else (facts.gputil_error or "nvidia-smi is not on PATH"),
-        "" if usable else "pip install setuptools (GPUtil needs distutils), or use monitor=nvml",
-    )
+    usable = not facts.gputil_error and facts.nvidia_smi and facts.nvidia_smi_on_path
+    if usable:
+        evidence, fix = "GPUtil imports and nvidia-smi is on PATH", ""
+    elif facts.gputil_error:
+        evidence, fix = facts.gputil_error, "pip install setuptools (GPUtil needs distutils), or use monitor=nvml"
+    elif facts.nvidia_smi:  # found where the Windows driver puts it; GPUtil runs it by name
+        evidence = f"nvidia-smi is at {facts.nvidia_smi}, which is not on PATH"
+        fix = f"add {Path(facts.nvidia_smi).parent} to PATH, or use monitor=nvml"
+    else:
+        evidence, fix = (
+            "nvidia-smi is not on PATH",
+            "install the NVIDIA driver (it brings nvidia-smi), or use monitor=nvml",
+        )
+    gputil = Check("GPU monitoring (GPUtil)", "PASS" if usable else "WARN", evidence, fix)
     return [nvml, gputil]
 
 
@@ -485,7 +686,13 @@ def _cpu_bf16_check(facts: Facts) -> Check:
 
 
 def _loading_check(facts: Facts) -> Check:
-    shm = f"/dev/shm {facts.shm_mb} MiB" if facts.shm_mb is not None else "no /dev/shm"
+    if facts.shm_mb is not None:
+        shm = f"/dev/shm {facts.shm_mb} MiB"
+    elif facts.system in ("Windows", "Darwin"):
+        os_name = "macOS" if facts.system == "Darwin" else facts.system
+        shm = f"no /dev/shm on {os_name} (workers pass batches through the OS's shared memory: nothing to size)"
+    else:
+        shm = "no /dev/shm"
     small = facts.shm_mb is not None and facts.shm_mb < 1024
     return Check(
         "data loading",

@@ -55,6 +55,7 @@ RUNTIME = (
     "loader.timeout",
     "loader.resident",  # the same EpochOrder either way
     "loader.prefetch_to_device",  # the same batches, copied ahead
+    "loader.multiprocessing_context",  # the same batches, from workers started another way
     "oom.",  # micro-batching keeps the effective batch
     "device.",
     "tracking.tags.",
@@ -67,6 +68,7 @@ ADDED_LATER = {
     "data.augment": "none",
     "data.augment_padding": 4,
     "loader.prefetch_to_device": "auto",
+    "loader.multiprocessing_context": "auto",
     "trainer.compile_mode": "default",
 }
 

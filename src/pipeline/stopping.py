@@ -1,9 +1,14 @@
-"""Clean stops: SIGTERM (a cluster's scheduler) and Ctrl-C end the run at a step boundary.
+"""Clean stops: SIGTERM (a cluster's scheduler), Ctrl-C and, on Windows, Ctrl-Break end the run at a step boundary.
 
-``StopRequests`` turns both signals into a flag the loop reads after each step (a plain
+``StopRequests`` turns these signals into a flag the loop reads after each step (a plain
 attribute read, no system call); the run then writes a checkpoint, is marked KILLED in MLflow,
-and the process exits 143 (SIGTERM) or 130 (Ctrl-C), as shells and schedulers expect. A second
-request during training stops at once, and the run is still closed as KILLED.
+and the process exits 128 + the signal's number: 143 (SIGTERM) or 130 (Ctrl-C), as shells and
+schedulers expect, 149 (Ctrl-Break). A second request during training stops at once, and the run
+is still closed as KILLED.
+
+Windows delivers only Ctrl-C (SIGINT) and Ctrl-Break (SIGBREAK) to a console program: Python
+defines SIGTERM there, but nothing sends it (``taskkill /F`` ends the process outright, as SIGKILL
+does), so a stop there is Ctrl-C or Ctrl-Break in the run's console.
 """
 
 from __future__ import annotations
@@ -17,7 +22,20 @@ from types import FrameType, TracebackType
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGBREAK")  # SIGBREAK: Windows' Ctrl-Break, absent elsewhere
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The stop signals this platform's ``signal`` module defines, read when called (not at import)."""
+    return tuple(getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name))
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15: the platform's name for the number, else the number itself."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class Stopped(Exception):
@@ -27,11 +45,11 @@ class Stopped(Exception):
         self.signum, self.at_once = signum, at_once
         self.exit_code = 128 + signum
         how = "at once (asked twice), mid-step: the last checkpoint stays" if at_once else "at a step boundary"
-        super().__init__(f"stopped by {signal.Signals(signum).name} {how}")
+        super().__init__(f"stopped by {signal_name(signum)} {how}")
 
 
 class StopRequests:
-    """Within ``with StopRequests() as stop:``, SIGTERM and SIGINT become requests.
+    """Within ``with StopRequests() as stop:``, SIGTERM, SIGINT and SIGBREAK (where it exists) become requests.
 
     The first sets ``stop.signum``: the loop stops at the next step boundary and writes a checkpoint.
     A second one while training (inside ``stop.interruptible()``) stops at once: ``Stopped`` is raised
@@ -64,7 +82,7 @@ class StopRequests:
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for sig in STOP_SIGNALS:
+            for sig in stop_signals():
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -74,7 +92,7 @@ class StopRequests:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
+        name = signal_name(signum)
         if self.signum is None:
             self.signum = signum
             log.warning("%s received: stopping after the current step and writing a checkpoint", name)

@@ -24,14 +24,16 @@ import logging
 import os
 import shutil
 import sqlite3
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
+from urllib.request import url2pathname
 
 from pipeline.errors import PipelineError
 from pipeline.secrets import mask_text
@@ -90,21 +92,62 @@ class DiskFull(TrackingUnavailable):
         )
 
 
+def sqlite_database(uri: str) -> str | None:
+    """The database of a ``sqlite://`` URI as SQLAlchemy, and so MLflow, reads it: what follows the third slash up
+    to a ``?``, percent-decoded; None for other stores and in-memory SQLite. ``sqlite:///mlflow.db`` is
+    ``mlflow.db`` (relative), ``sqlite:////home/me/mlflow.db`` is ``/home/me/mlflow.db``, and
+    ``sqlite:///C:/Users/me/mlflow.db`` is ``C:/Users/me/mlflow.db``, a Windows path in forward slashes (which
+    Windows accepts). Not ``urlparse``: it would cut a file name at a ``#``."""
+    scheme, sep, rest = uri.partition("://")
+    if scheme.lower() != "sqlite" or not sep:
+        return None
+    _host, slash, database = rest.partition("/")
+    database = unquote(database.partition("?")[0])
+    return database if slash and database not in ("", ":memory:") else None
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI (None for other stores and in-memory SQLite)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "sqlite" or not parsed.path or parsed.path == "/:memory:":
-        return None
-    return Path(unquote(parsed.path[1:] if uri.startswith("sqlite:///") else parsed.path))
+    database = sqlite_database(uri)
+    return None if database is None else Path(database)
 
 
-def absolute(uri: str) -> str:
+def sqlite_uri(path: PurePath) -> str:
+    """The ``sqlite:///`` URI of an absolute database path, as MLflow writes it on each platform: in forward
+    slashes, since a backslash is no URI character. ``/home/me/mlflow.db`` gives ``sqlite:////home/me/mlflow.db``,
+    Windows' ``C:`` drive path ``sqlite:///C:/Users/me/mlflow.db`` and a share (two leading backslashes)
+    ``sqlite://///server/share/mlflow.db``. Only ``%`` and ``?`` are escaped, the two characters SQLAlchemy would
+    read otherwise: spaces stay as typed, so the URI (and the checkpoints' record of it) reads as the path does."""
+    return "sqlite:///" + path.as_posix().replace("%", "%25").replace("?", "%3F")
+
+
+def absolute(uri: str, *, cwd: PurePath | None = None) -> str:
     """A relative ``sqlite:///mlflow.db`` made absolute, so it names one file whatever the working directory
-    (MLflow also caches stores by URI: a relative one would follow the first directory it was used in)."""
-    path = sqlite_path(uri)
-    if path is None or path.is_absolute():
+    (MLflow also caches stores by URI: a relative one would follow the first directory it was used in).
+
+    Args:
+        uri: any tracking URI; only relative SQLite ones change.
+        cwd: the folder a relative path starts from; by default the working directory, symbolic links resolved.
+            A ``PureWindowsPath`` reads the URI as Windows would, on any system.
+    """
+    database = sqlite_database(uri)
+    if database is None:
         return uri
-    return f"sqlite:///{path.resolve()}"
+    path = (type(cwd) if cwd is not None else Path)(database)
+    if path.is_absolute():  # on Windows, a drive and a root: /mlflow.db is relative to the current drive
+        return uri
+    return sqlite_uri(cwd / path if cwd is not None else Path(database).resolve())
+
+
+def sqlite_file_uri(path: PurePath) -> str:
+    """SQLite's own read-only ``file:`` URI for an absolute path (``sqlite3.connect(..., uri=True)``).
+
+    Not ``Path.as_uri()``: for a Windows share that puts the server in the authority
+    (``file://server/share/mlflow.db``), which SQLite refuses; here it is ``file:////server/share/mlflow.db``,
+    ``file:///C:/Users/me/mlflow.db`` for a drive and ``file:///home/me/mlflow.db`` on POSIX.
+    """
+    posix = path.as_posix()
+    return f"file://{'' if posix.startswith('/') else '/'}{quote(posix, safe='/:')}?mode=ro"
 
 
 @contextlib.contextmanager
@@ -203,7 +246,7 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
         TrackingUnavailable: one line naming the URI (credentials masked) and the fix.
     """
     parsed = urlparse(uri)
-    scheme = parsed.scheme.lower()
+    scheme = uri_scheme(uri)
     if scheme in ("http", "https"):
         _check_server(uri, timeout_s=timeout_s)
     elif scheme == "sqlite":
@@ -219,6 +262,13 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
             f"{_named(uri)} has an unknown scheme {scheme!r}: use sqlite:///path/to/mlflow.db (a local file), "
             f"{server} (an MLflow server) or postgresql://, mysql://, mssql:// (a database)"
         )
+
+
+def uri_scheme(uri: str) -> str:
+    """``uri``'s scheme in lower case; "" for a plain path, a Windows one included: ``C:\\runs`` parses as scheme
+    ``c``, which MLflow also takes for a drive letter."""
+    scheme = urlparse(uri).scheme.lower()
+    return "" if len(scheme) == 1 else scheme
 
 
 def _check_server(uri: str, *, timeout_s: float) -> None:
@@ -296,8 +346,8 @@ def _check_sqlite(uri: str) -> None:
     folder = path.parent
     if path.is_dir():
         raise TrackingUnavailable(
-            f"{_named(uri)} names the folder {path}, not a database file: use tracking.uri=sqlite:///"
-            f"{path.absolute() / 'mlflow.db'}"
+            f"{_named(uri)} names the folder {path}, not a database file: use tracking.uri="
+            f"{sqlite_uri(path.absolute() / 'mlflow.db')}"
         )
     if not folder.is_dir():
         raise TrackingUnavailable(
@@ -308,13 +358,13 @@ def _check_sqlite(uri: str) -> None:
         raise TrackingUnavailable(
             f"{_named(uri)}: the folder {folder.absolute()} is read-only, and SQLite writes {path.name} and its "
             f"journal ({path.name}-journal or -wal) there: choose a writable folder, e.g. "
-            f"tracking.uri=sqlite:///{Path.home() / 'mlflow.db'}"
+            f"tracking.uri={sqlite_uri(Path.home() / 'mlflow.db')}"
         )
     if path.exists():
         if not os.access(path, os.R_OK | os.W_OK):
             raise TrackingUnavailable(
                 f"{_named(uri)}: the database {path.absolute()} is read-only: make it writable "
-                f"(chmod u+w {path}) or choose another file"
+                f"({_make_writable(path)}) or choose another file"
             )
         _check_database(uri, path)
     _check_free_space(uri, folder, "the tracking store")
@@ -328,7 +378,7 @@ def _check_database(uri: str, path: Path) -> None:
     if not problem:
         try:  # waits while another process writes, as long as MLflow's retries would (timeout=)
             with contextlib.closing(
-                sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=lock_wait_s())
+                sqlite3.connect(sqlite_file_uri(path.absolute()), uri=True, timeout=lock_wait_s())
             ) as db:
                 db.execute("PRAGMA schema_version").fetchone()
         except sqlite3.OperationalError as err:
@@ -341,7 +391,7 @@ def _check_database(uri: str, path: Path) -> None:
     if problem:
         raise TrackingUnavailable(
             f"{_named(uri)}: {path.absolute()} is not an SQLite database ({problem}): point tracking.uri at a new "
-            f"file, e.g. sqlite:///{path.absolute().parent / 'mlflow.db'}"
+            f"file, e.g. {sqlite_uri(path.absolute().parent / 'mlflow.db')}"
         )
 
 
@@ -349,15 +399,15 @@ def _check_file_store(uri: str) -> None:
     """A plain path or ``file:`` URI is MLflow's file store, retired in MLflow 3 unless explicitly allowed."""
     allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
     if not allowed:
-        kind = "a file: URI" if urlparse(uri).scheme else "a plain path, not a URI"
+        kind = "a file: URI" if uri_scheme(uri) else "a plain path, not a URI"
         setting = "MLFLOW_TRACKING_URI" if _from_environment(uri) else "tracking.uri"
         raise TrackingUnavailable(
             f"{_named(uri)} is {kind}: MLflow's file store, which MLflow 3 no longer opens: set "
             f"{setting}=sqlite:///mlflow.db (a file) or http://host:5000 (a server), or MLFLOW_ALLOW_FILE_STORE=true "
             f"to open an old file store"
         )
-    parsed = urlparse(uri)
-    folder = Path(unquote(parsed.path)) if parsed.scheme else Path(uri)
+    # a file: URI's path as MLflow reads it: file:///C:/runs is C:\runs on Windows, /C:/runs to Path
+    folder = Path(url2pathname(urlparse(uri).path)) if uri_scheme(uri) else Path(uri)
     target = folder if folder.exists() else folder.parent
     if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
         raise TrackingUnavailable(
@@ -419,9 +469,20 @@ def _plugin_scheme(scheme: str) -> bool:
 def _locked(uri: str, path: Path) -> str:
     return (
         f"{_named(uri)}: the database {path.absolute()} is locked by another process (waited "
-        f"{lock_wait_s():.1f} s, as long as MLflow's retries): find it with `fuser {path.absolute()}`, let it "
-        f"finish or stop it, or choose another tracking.uri"
+        f"{lock_wait_s():.1f} s, as long as MLflow's retries): find it with {_find_holder(path.absolute())}, let "
+        f"it finish or stop it, or choose another tracking.uri"
     )
+
+
+def _find_holder(path: Path) -> str:
+    """How to find the process that holds ``path`` open, with the tools this platform has."""
+    if sys.platform == "win32":
+        return f"Resource Monitor (resmon: CPU, Associated Handles, search {path.name})"
+    return f"`{'lsof' if sys.platform == 'darwin' else 'fuser'} {path}`"
+
+
+def _make_writable(path: Path) -> str:
+    return f"attrib -r {path}" if sys.platform == "win32" else f"chmod u+w {path}"
 
 
 def _named(uri: str) -> str:

@@ -264,6 +264,8 @@ def use_platform_start_method() -> None:
 
     joblib's loky workers make ``loky`` the default start method, and a DataLoader's workers started with it fail
     (``'Process' object has no attribute 'env'``): ``loader.num_workers > 0`` would fail in every parallel job.
+    The platform's default is the first method ``get_all_start_methods`` lists (spawn on Windows and macOS), the
+    one ``loader.multiprocessing_context=auto`` means; a named method is the DataLoader's own and needs nothing here.
     """
     import multiprocessing
 

@@ -76,7 +76,13 @@ def candidates(current: LoaderConfig, machine: Machine, *, batch_size: int | Non
     found = [current]
     if machine.resident_fits:
         pin = "auto" if base.pin_memory is True else base.pin_memory  # resident refuses pin_memory=true
-        no_workers = {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "timeout": 0.0}
+        no_workers = {
+            "num_workers": 0,
+            "persistent_workers": False,
+            "prefetch_factor": None,
+            "timeout": 0.0,
+            "multiprocessing_context": "auto",
+        }
         found.append(dataclasses.replace(base, resident=True, pin_memory=pin, **no_workers))
     pins = [current.pin_memory]
     if machine.device_type == "cuda":  # "auto" pins on CUDA: kept as the user spelled it
@@ -92,6 +98,7 @@ def candidates(current: LoaderConfig, machine: Machine, *, batch_size: int | Non
                     persistent_workers=workers > 0 and (current.persistent_workers if had else True),
                     prefetch_factor=(current.prefetch_factor if had else 2) if workers else None,
                     timeout=current.timeout if workers and had else 0.0,
+                    multiprocessing_context=current.multiprocessing_context if workers else "auto",
                 )
             )
     for loader in found:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -97,7 +98,9 @@ class EpochLoader(DataLoader):
     rather than a traceback or a hang: ``loader.timeout`` bounds every wait for a batch, including
     the ones PyTorch's own timeout does not cover (receiving a batch's shared memory from a worker
     that was stopped, e.g. by SIGSTOP, after it announced the batch), through a SIGALRM watchdog
-    in the main thread (two ``setitimer`` calls a batch, about a microsecond).
+    in the main thread (two ``setitimer`` calls a batch, about a microsecond; Windows has no SIGALRM, so there
+    PyTorch's timeout alone applies). Under spawn and forkserver the first batch also waits for the workers to
+    start and import torch, seconds each: loader.timeout must cover that too.
     """
 
     sampler: EpochOrder
@@ -135,9 +138,19 @@ def _worker_fault(message: str, loader: DataLoader) -> str:
     else:
         fix = "a worker process died (killed by the OOM killer or a signal, or crashed in native code)"
     return (
-        f"{first} — {fix}. Check memory (dmesg, free) and /dev/shm, try fewer loader.num_workers, or "
-        f"loader.num_workers=0 to see the error in the main process"
+        f"{first} — {fix}. {_memory_hint()}, try fewer loader.num_workers, or loader.num_workers=0 to see the "
+        f"error in the main process"
     )
+
+
+def _memory_hint() -> str:
+    """Where to look for the memory a worker ran out of: on Linux batches pass through /dev/shm, which containers
+    keep small; Windows and macOS have no such folder."""
+    if sys.platform.startswith("linux"):
+        return "Check memory (dmesg, free) and /dev/shm"
+    if sys.platform == "darwin":
+        return "Check memory (Activity Monitor)"
+    return "Check memory (Task Manager)"
 
 
 class _Watchdog:
@@ -284,8 +297,22 @@ def make_loader(
         drop_last=train and cfg.drop_last,
         timeout=cfg.timeout,
         generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
+        multiprocessing_context=worker_start_method(cfg),
     )
     return _with_steps(loader, cfg, len(dataset))
+
+
+def worker_start_method(cfg: LoaderConfig) -> str | None:
+    """``loader.multiprocessing_context`` as the DataLoader takes it: None for auto (and without workers), which
+    leaves the choice to this process's default, the platform's unless the program set another.
+
+    Under spawn and forkserver each worker unpickles the dataset and the collate function and imports torch
+    afresh (seconds per worker, paid again each epoch without ``persistent_workers``); what the datasets hold
+    (tensors, paths, torchvision transforms, ``images._ImageLoader``) is picklable for that.
+    """
+    if cfg.num_workers == 0 or cfg.multiprocessing_context == "auto":
+        return None
+    return cfg.multiprocessing_context
 
 
 def resident_share(size: int, *, rank: int, world: int, pad: bool) -> torch.Tensor:

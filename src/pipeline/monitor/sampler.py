@@ -168,11 +168,14 @@ class Sampler:
 
         Workers restart every epoch without ``persistent_workers``, so dropping matters on long
         runs. Process equality includes the creation time, so a new process that reuses an old
-        pid gets a new object rather than the old one's counters.
+        pid gets a new object rather than the old one's counters. Recursive, because under the
+        forkserver start method the workers are the fork server's children, not ours (it, and the
+        resource tracker that spawn and forkserver start, are counted too: idle, they add ~0%).
+        psutil lists children from /proc on Linux (~1 ms) and from the process table elsewhere.
         """
         known = self._family
         family = {self._process.pid: self._process}
-        for child in self._process.children(recursive=True):  # a scan of /proc, ~1 ms
+        for child in self._process.children(recursive=True):
             old = known.get(child.pid)
             family[child.pid] = old if old is not None and old == child else child
         self._family = family
