@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 def augmenter(kind: str, shape: tuple[int, int, int], *, seed: int = 3, padding: int = 4, **shard: int) -> CropFlip:
     cfg = DataConfig("synthetic", augment=kind, augment_padding=padding)
     augment = make_augment(cfg, in_shape=shape, seed=seed, device=CPU, **shard)
-    assert augment is not None
+    assert isinstance(augment, CropFlip), f"data.augment={kind} built no augmenter"
     return augment
 
 

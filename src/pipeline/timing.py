@@ -137,27 +137,16 @@ class _Marks:
 
         An iterable with ``timed_by(marks)`` (a device prefetcher) marks ``ready`` itself and reports its copies.
         """
-        timed_by = getattr(iterable, "timed_by", None)
-        if timed_by is not None:
-            yield from self._fetched(timed_by(self))
-            return
-        iterator = iter(iterable)  # starts loader workers: part of the epoch's first step
+        timed_by = getattr(iterable, "timed_by", None)  # a prefetcher marks ``ready`` itself, before its wait
+        iterator = timed_by(self) if timed_by is not None else iter(iterable)  # starts loader workers: step 1's
         while True:
             self.fetch()
             try:
                 item = next(iterator)
             except StopIteration:
                 return
-            self.ready()
-            yield item
-
-    def _fetched(self, iterator: Iterator[T]) -> Iterator[T]:
-        while True:
-            self.fetch()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
+            if timed_by is None:
+                self.ready()
             yield item
 
     def _copy_seconds(self) -> float:
