@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from pipeline import compare
-from pipeline.compare import CompareError, RunRecord, build, group, speedup, stat, table_csv, table_markdown
+from pipeline.compare import CompareError, RunRecord, build, group, table_csv, table_markdown
 
 BASE = {"model.name": "mlp", "loader.batch_size": "64", "loader.num_workers": "0", "loader.resident": "false"}
 BASE |= {"data.name": "digits", "trainer.lr": "0.01", "trainer.seed": "0", "amp": "false"}
@@ -35,7 +35,9 @@ def record(
 ) -> RunRecord:
     """A run as ``search_runs`` would give it: ``epoch_s=`` and friends name metrics by their last part."""
     names = {"epoch_s": "time/epoch_s", "acc": "val/acc", "gpu": "gpu/util_mean_pct", "peak": "memory/max_allocated_mb"}
-    names |= {"device_peak": "gpu/mem_peak_mb", "oom": "oom/events"}
+    names |= {"device_peak": "gpu/mem_peak_mb", "oom": "oom/events", "step_ms": "time/step_ms"}
+    names |= {"wait": "time/data_wait_pct", "h2d": "time/h2d_pct", "compute": "time/compute_pct"}
+    names |= {"own": "time/overhead_pct"}
     values = {names[k]: v for k, v in metrics.items()}
     if samples_per_s is not None:
         values.setdefault("time/epoch_s", 60000 / samples_per_s)
@@ -59,51 +61,7 @@ def repeats(prefix: str, values: list[float], **kwargs: Any) -> list[RunRecord]:
     return [record(f"{prefix}{i}", v, seed=i, **kwargs) for i, v in enumerate(values)]
 
 
-# ---- the arithmetic ----
-
-
-def test_stat_gives_the_median_the_range_and_the_iqr_of_known_numbers() -> None:
-    s = stat([120, 80, 100, 110, 90])
-    assert (s.median, s.low, s.high, s.n, s.iqr) == (100, 80, 120, 5, 20)
-    assert s.spread == pytest.approx(0.20) and s.noisy
-    calm = stat([99, 100, 100, 101, 102])
-    assert calm.spread == pytest.approx(0.01) and not calm.noisy
-    assert stat([7.0]).iqr == 0 and not stat([7.0]).noisy
-    assert stat([]) is None
-
-
-def test_a_speedup_with_three_repeats_says_it_cannot_show_a_difference() -> None:
-    result = speedup([100, 101, 99], [150, 151, 149])
-    assert result.median_ratio == pytest.approx(1.5)
-    assert result.real is None and result.p is None
-    assert "cannot show a difference" in result.reason
-    assert result.cell() == "~1.50×"
-
-
-def test_a_speedup_is_real_when_five_repeats_separate_and_the_effect_is_large() -> None:
-    result = speedup([100, 101, 102, 103, 104], [110, 111, 112, 113, 114])
-    assert result.median_ratio == pytest.approx(112 / 102)
-    assert result.p == pytest.approx(2 / 252)  # exact two-sided p of fully separated 5 vs 5
-    assert result.real is True
-    assert result.cell() == "1.10×"
-
-
-def test_a_significant_speedup_smaller_than_the_minimum_effect_is_shown_as_approximate() -> None:
-    base, faster = [100, 100.1, 100.2, 100.3, 100.4], [101, 101.1, 101.2, 101.3, 101.4]
-    result = speedup(base, faster)
-    assert result.p == pytest.approx(2 / 252) and result.median_ratio == pytest.approx(101.2 / 100.2)
-    assert result.real is False and result.cell() == "~1.01×"
-    assert "1.0% < 3%" in result.reason
-    assert speedup(base, faster, min_effect=0.005).real is True  # the threshold is the caller's...
-    runs = [*repeats("a", base), *repeats("b", faster, params={"amp": "true"})]
-    assert build(runs, min_effect=0.005).lines[1].vs_baseline.real is True  # ...all the way from --min-effect
-
-
-def test_a_large_speedup_the_rank_test_does_not_confirm_is_shown_as_approximate() -> None:
-    result = speedup([90, 95, 100, 105, 110], [80, 96, 104, 112, 125])
-    assert result.median_ratio == pytest.approx(1.04)  # above the minimum effect...
-    assert result.p > 0.05 and result.real is False  # ...but the samples overlap
-    assert result.cell() == "~1.04×"
+# ---- rows ----
 
 
 def test_seed_repeats_share_a_row_other_params_and_other_hardware_do_not() -> None:
@@ -115,11 +73,46 @@ def test_seed_repeats_share_a_row_other_params_and_other_hardware_do_not() -> No
     ]
     rows = group(runs)
     assert [[r.id for r in row.runs] for row in rows] == [["a0", "a1", "a2", "a3"], ["b0"], ["c0"]]
-    assert rows[0].stat("throughput/samples_per_s").median == 1005
+    assert rows[0].speed().median == 1005
+
+
+def test_runs_of_another_commit_local_changes_or_torch_are_another_row_and_the_table_says_so() -> None:
+    code = {"mlflow.source.git.commit": "1a2b3c4d5e6f", "git.dirty": "false", "torch.version": "2.6.0"}
+    changed = {**code, "git.dirty": "true", "git.diff": "9f8e7d6c"}
+    runs = [
+        *repeats("a", [100, 101, 102], tags=code),
+        *repeats("b", [130, 131, 132], tags=changed),
+        *repeats("c", [90, 91, 92], tags={**code, "torch.version": "2.7.0"}),
+    ]
+    table = build(runs)
+    assert [line.row.n for line in table.lines] == [3, 3, 3]
+    assert [line.row.name for line in table.lines] == [
+        "mlp-bs64 @clean torch 2.6.0",
+        "mlp-bs64 @+changes 9f8e7d torch 2.6.0",
+        "mlp-bs64 @clean torch 2.7.0",
+    ]
+    assert table.provenance == ["git.dirty", "git.diff", "torch.version"]
+    text = table_markdown(table)
+    header = next(line for line in text.splitlines() if line.startswith("| run"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[8:11] == ["local changes", "changes", "torch"]
+    assert "have the same config and differ only in: local changes, changes" in text.replace("\n", " ")
+
+
+def test_bookkeeping_keys_never_split_a_row() -> None:
+    places = [
+        {"checkpoint.dir": "ckpt-a", "monitor.interval_s": "0.5", "trainer.progress": "true"},
+        {"checkpoint.dir": "ckpt-b", "monitor.interval_s": "2.0", "trainer.progress": "false"},
+        {"tracking.run_name": "mine", "tracking.tags": "{'who': 'me'}", "tracking.uri": "sqlite:///x.db"},
+    ]
+    runs = [record(f"r{i}", 100 + i, seed=i, params=p) for i, p in enumerate(places)]
+    table = build(runs)
+    assert len(table.lines) == 1 and table.lines[0].row.n == 3
+    assert table.diff_keys == [] and "checkpoint.dir" not in table_markdown(table)
 
 
 def test_a_row_is_named_after_what_its_repeats_names_share() -> None:
-    named = [record(f"r{i}", 100, seed=i, name=f"mlp-digits-cpu-bs32-w0-seed{i}-lr0.1") for i in range(3)]
+    named = [record(f"r{i}", 100, seed=i, name=f"seed{i}-mlp-digits-cpu-bs32-w0-lr0.1") for i in range(3)]
     assert group(named)[0].name == "mlp-digits-cpu-bs32-w0-lr0.1"
     assert group([record("a", name="x-1"), record("b", seed=1, name="x-1-b")])[0].name == "x-1"
     assert group([record("a", name="one"), record("b", seed=1, name="two")])[0].name == "one (+1 names)"
@@ -128,29 +121,109 @@ def test_a_row_is_named_after_what_its_repeats_names_share() -> None:
 def test_keys_that_differ_become_columns_and_keys_that_do_not_are_printed_once() -> None:
     runs = [
         *repeats("a", [1000, 1010]),
-        record("b0", 2000, params={"loader.batch_size": "128", "trainer.lr": "0.1"}),
+        record("b0", 2000, params={"loader.batch_size": "128", "trainer.lr": "0.1", "amp": "true"}),
     ]
     table = build(runs)
-    assert table.diff_keys == ["trainer.lr"]  # batch size has its own column; the seed is the repeat
-    assert table.same == {"amp": "false", "data.name": "digits"}
+    assert table.diff_keys == ["trainer.lr"]  # batch size has its own column, amp the precision column
+    assert table.same == {"data.name": "digits"}
     text = table_markdown(table)
-    assert text.startswith("Same in every run: `amp=false`, `data.name=digits`")
+    assert text.startswith("Same in every run: `data.name=digits`")
     header = next(line for line in text.splitlines() if line.startswith("| run"))
-    columns = [c.strip() for c in header.strip("|").split("|")][5:10]
-    assert columns == ["batch", "workers", "resident", "trainer.lr", "epoch s"]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[5:10] == ["batch", "workers", "resident", "trainer.lr", "epoch s"]
+    assert "amp" not in columns and len(columns) == len(set(columns))
     assert "trainer.seed" not in text
 
 
-def test_rows_show_median_and_range_and_the_speedup_over_the_first_row() -> None:
+def test_prose_above_and_below_the_table_is_wrapped_for_mlflows_page() -> None:
+    params = {f"data.key{i:02d}": f"value-{i}" for i in range(40)}
+    text = table_markdown(build([record("a", 100, params=params), record("b", 200, params={**params, "amp": "true"})]))
+    prose = [line for line in text.splitlines() if not line.startswith("|")]
+    assert max(len(line) for line in prose) <= 100
+    assert sum("`data.key" in line for line in prose) >= 5  # the long list spans several lines
+
+
+# ---- speed-ups ----
+
+
+def test_rows_show_median_and_range_and_the_speedup_with_its_interval() -> None:
     runs = [*repeats("a", [100, 101, 102, 103, 104]), *repeats("b", [200, 210, 205, 220, 190], params={"amp": "true"})]
     table = build(runs)
     first, second = table.lines
     assert first.row is table.baseline and first.vs_baseline.reason == "baseline"
-    assert second.vs_baseline.median_ratio == pytest.approx(205 / 102) and second.vs_baseline.real is True
+    ratios = sorted(b / a for a in [100, 101, 102, 103, 104] for b in [200, 210, 205, 220, 190])
+    c = second.vs_baseline.comparison
+    assert c.ratio == pytest.approx(ratios[12]) and (c.low, c.high) == pytest.approx((ratios[2], ratios[22]))
+    assert second.vs_baseline.real is True and c.p == pytest.approx(2 / 252)
     text = table_markdown(table)
     assert "| 102 (100–104)" in text and "| 205 (190–220)" in text
-    assert "2.01×" in text and "real: p=0.0079" in text
+    assert f"| {c.ratio:.2f}× [{c.low:.2f}–{c.high:.2f}] " in text and "real: p=0.0079, rank, 5v5" in text
     assert "| 5%" in text and "noisy" not in text.split("\n\n")[1]  # IQR 10 / median 205 = 4.9%: not flagged
+
+
+def test_the_tie_case_reports_the_exact_p_and_is_not_real() -> None:
+    table = build(
+        [*repeats("a", [1000, 2000, 3000, 4000]), *repeats("b", [4000, 5000, 6000, 7000], params={"amp": "1"})]
+    )
+    speedup = table.lines[1].vs_baseline
+    assert speedup.comparison.p == pytest.approx(4 / 70) and speedup.real is False
+    assert "~ p=0.057 ≥ 0.05" in speedup.reason
+
+
+def test_three_repeats_each_cannot_show_a_difference_but_three_against_five_can() -> None:
+    short = build([*repeats("a", [100, 101, 99]), *repeats("b", [150, 151, 149], params={"amp": "1"})])
+    assert short.lines[1].vs_baseline.real is None
+    assert "rank, 3v3 cannot show a difference (p ≥ 0.1): add repeats" in short.lines[1].vs_baseline.reason
+    assert short.lines[1].vs_baseline.cell().startswith("~1.50× [")
+    lopsided = build([*repeats("a", [100, 101, 99]), *repeats("b", [150, 151, 149, 152, 148], params={"amp": "1"})])
+    assert lopsided.lines[1].vs_baseline.real is True and "p=0.036" in lopsided.lines[1].vs_baseline.reason
+
+
+def test_several_rows_are_corrected_for_together_by_holm() -> None:
+    rows = [repeats("a", [100, 101, 102, 103])]
+    rows += [repeats(f"x{i}", [200 + i, 201 + i, 202 + i, 203 + i], params={"trainer.lr": str(i)}) for i in range(3)]
+    four = build([r for row in rows for r in row])
+    assert [ln.vs_baseline.real for ln in four.lines[1:]] == [False] * 3  # 0.029 × 3 = 0.086: not below 0.05
+    assert "(Holm, 3 tests)" in four.lines[1].vs_baseline.reason
+    assert "adjusted by Holm over the table's 3 comparisons" in table_markdown(four).replace("\n", " ")
+    rows = [repeats("a", [100, 101, 102, 103, 104])]
+    rows += [repeats(f"x{i}", [200 + i + j for j in range(5)], params={"trainer.lr": str(i)}) for i in range(3)]
+    five = build([r for row in rows for r in row])
+    assert [ln.vs_baseline.real for ln in five.lines[1:]] == [True] * 3  # 0.0079 × 3 = 0.024
+
+
+def test_rows_run_in_the_same_rounds_are_compared_round_by_round() -> None:
+    """Six rounds on a machine that slows 10% a round: the rank test sees overlapping samples, the paired test a
+    steady 5% gain in every round."""
+    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.round": str(i)}) for i in range(6)]
+    new = [record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.round": str(i)}) for i in range(6)]
+    speedup = build([*base, *new]).lines[1].vs_baseline
+    assert speedup.comparison.test == "paired" and speedup.comparison.ratio == pytest.approx(1.05)
+    assert speedup.real is True and "paired, 6 rounds" in speedup.reason
+    unpaired = (
+        build(
+            [
+                *(record(r.id, r.metrics["throughput/samples_per_s"], seed=i) for i, r in enumerate(base)),
+                *(
+                    record(r.id, r.metrics["throughput/samples_per_s"], seed=i, params={"amp": "1"})
+                    for i, r in enumerate(new)
+                ),
+            ]
+        )
+        .lines[1]
+        .vs_baseline
+    )
+    assert unpaired.comparison.test == "rank" and unpaired.real is False
+
+
+def test_a_ddp_job_is_compared_by_the_throughput_of_all_its_ranks() -> None:
+    single = repeats("a", [1000, 1001, 1002, 1003])
+    ddp = [record(f"d{i}", 990 + i, seed=i, params={"device.index": "ddp"}) for i in range(4)]
+    for run in ddp:
+        run.metrics["throughput/global_samples_per_s"] = 2 * run.metrics["throughput/samples_per_s"]  # type: ignore[index]
+    line = build([*single, *ddp]).lines[1]
+    assert line.row.speed().median == pytest.approx(2 * 991.5)
+    assert line.vs_baseline.real is True and line.vs_baseline.ratio == pytest.approx(1.98, rel=0.01)
 
 
 def test_a_row_whose_spread_reaches_ten_percent_is_flagged_noisy() -> None:
@@ -159,12 +232,15 @@ def test_a_row_whose_spread_reaches_ten_percent_is_flagged_noisy() -> None:
     assert next(csv.DictReader(io.StringIO(table_csv(table))))["spread_iqr_over_median"] == "0.2"
 
 
-def test_a_baseline_named_on_the_command_line_is_the_reference() -> None:
+def test_a_baseline_is_named_by_its_row_or_a_run() -> None:
     runs = [record("a0", 100, name="slow"), record("b0", 400, name="fast", params={"amp": "true"})]
     table = build(runs, baseline="fast")
     assert table.baseline.name == "fast"
-    assert table.lines[0].vs_baseline.median_ratio == pytest.approx(0.25)
-    with pytest.raises(CompareError, match="--baseline nope: no selected run"):
+    assert table.lines[0].vs_baseline.ratio == pytest.approx(0.25)
+    named = [record(f"s{i}", 100 + i, seed=i, name=f"seed{i}-mlp") for i in range(2)]
+    named += [record(f"t{i}", 200 + i, seed=i, name=f"seed{i}-mlp-amp", params={"amp": "1"}) for i in range(2)]
+    assert build(named, baseline="mlp-amp").baseline.name == "mlp-amp"  # the row's name, as the table prints it
+    with pytest.raises(CompareError, match="--baseline nope: no row or selected run has that name or id"):
         build(runs, baseline="nope")
 
 
@@ -175,7 +251,7 @@ def test_a_run_lacking_metrics_is_listed_and_its_cells_are_empty() -> None:
     ]
     table = build(runs)
     failed = table.lines[1]
-    assert failed.row.stat("throughput/samples_per_s") is None and failed.vs_baseline.median_ratio is None
+    assert failed.row.speed() is None and failed.vs_baseline.ratio is None
     assert failed.row.oom_events == 2
     text = table_markdown(table)
     assert "- run mlp-bs4096 (f0, FAILED) has no time/epoch_s, throughput/samples_per_s, val/acc; error: OOM: x" in text
@@ -183,17 +259,85 @@ def test_a_run_lacking_metrics_is_listed_and_its_cells_are_empty() -> None:
     assert row.rstrip(" |").endswith("1 FAILED") and "| 2 " in row  # a status column appears; OOM events 2
 
 
-def test_a_ladder_compares_each_row_with_the_previous_and_adds_the_geometric_mean() -> None:
+def test_a_ladder_gives_the_total_and_the_mean_step_not_a_mean_of_cumulative_gains() -> None:
     runs = [record("a", 100), record("b", 200, params={"amp": "true"})]
     runs.append(record("c", 800, params={"amp": "true", "loader.resident": "true"}))
     table = build(runs, ladder=True)
-    assert [ln.vs_previous and ln.vs_previous.median_ratio for ln in table.lines] == [None, 2.0, 4.0]
-    assert table.geomean_vs_baseline == pytest.approx(math.sqrt(2.0 * 8.0))  # 2× and 8× over the baseline
-    assert table.geomean_per_step == pytest.approx(math.sqrt(2.0 * 4.0))
+    assert [ln.vs_previous and ln.vs_previous.ratio for ln in table.lines] == [
+        None,
+        pytest.approx(2.0),
+        pytest.approx(4.0),
+    ]
+    assert table.total == pytest.approx(8.0) and table.per_step == pytest.approx(math.sqrt(8.0))
     text = table_markdown(table)
-    assert "| geometric mean" in text and "| 4.00× " in text and "2.83× per step" in text
-    last = list(csv.DictReader(io.StringIO(table_csv(table))))[-1]
-    assert last["run"] == "geometric mean" and float(last["speedup"]) == pytest.approx(4.0)
+    assert "Ladder: 8.00× in all (the last row over the baseline), 2.83× per step over 2 step(s)" in text
+    rows = list(csv.DictReader(io.StringIO(table_csv(table))))
+    assert [r["run"] for r in rows[-2:]] == ["ladder total", "ladder per step"]
+    assert float(rows[-2]["speedup"]) == pytest.approx(8.0) and float(rows[-1]["speedup"]) == pytest.approx(2.828, 1e-3)
+
+
+def test_a_real_slowdown_is_said_in_words_and_a_doubtful_one_is_not() -> None:
+    slower = build(
+        [
+            *repeats("a", [100.0, 101.0, 99.0, 100.5, 100.2]),
+            *repeats("b", [77.0, 78.0, 76.5, 77.5, 77.2], params={"amp": "1"}),
+        ]
+    )
+    assert slower.lines[1].vs_baseline.real and slower.lines[1].vs_baseline.cell().startswith("0.77× slower [")
+    doubtful = build([*repeats("a", [100.0, 101.0, 99.0]), *repeats("b", [77.0, 78.0, 76.5], params={"amp": "1"})])
+    assert doubtful.lines[1].vs_baseline.cell().startswith("~0.77× [")
+
+
+def test_an_accuracy_search_is_ranked_by_its_objective() -> None:
+    runs = [
+        record(f"r{i}", speed, params={"trainer.lr": lr}, acc=acc)
+        for i, (speed, lr, acc) in enumerate([(300, "0.1", 0.80), (100, "0.01", 0.95), (200, "0.3", 0.90)])
+    ]
+    table = build(runs, rank_by="val/acc")
+    assert [ln.row.param("trainer.lr") for ln in table.lines] == ["0.01", "0.3", "0.1"]
+    assert table.baseline is table.lines[0].row
+    assert "Rows ranked by val/acc (the search's objective), best first." in table_markdown(table)
+
+
+# ---- why a row is faster ----
+
+
+def test_every_row_splits_its_step_and_says_what_moved_against_the_baseline() -> None:
+    def split(wait: float, compute: float) -> dict[str, float]:
+        step = wait + compute + 1.0
+        return {
+            "step_ms": step,
+            "wait": 100 * wait / step,
+            "h2d": 0.0,
+            "compute": 100 * compute / step,
+            "own": 100 * 1.0 / step,
+        }
+
+    starved, fed = split(50.0, 10.0), split(8.0, 11.0)
+    runs = [record(f"a{i}", 1000, seed=i, **starved) for i in range(2)]
+    runs += [record(f"b{i}", 3000, seed=i, params={"loader.num_workers": "4"}, **fed) for i in range(2)]
+    table = build(runs)
+    assert table.lines[1].step_change == "data wait −42 ms, compute +1.0 ms"
+    text = table_markdown(table)
+    assert "| 61.0 = 50.0+0+10.0+1.00 " in text and "| 20.0 = 8.00+0+11.0+1.00 " in text
+    assert "data wait −42 ms, compute +1.0 ms" in text
+    row = list(csv.DictReader(io.StringIO(table_csv(table))))[1]
+    assert float(row["step_data_wait_ms"]) == pytest.approx(8.0) and row["step_vs_baseline"].startswith("data wait")
+
+
+def test_the_chart_draws_samples_per_s_and_the_step_stacked_by_part() -> None:
+    split = {"step_ms": 10.0, "wait": 60.0, "h2d": 10.0, "compute": 25.0, "own": 5.0}
+    table = build([*repeats("a", [100, 110, 120], **split), *repeats("b", [300, 330, 360], params={"amp": "1"})])
+    figure = compare.chart(table)
+    speed, step = figure.axes[:2]
+    assert sorted(bar.get_width() for bar in speed.patches) == [110, 330]
+    labels = [t.get_text() for t in speed.get_yticklabels()]
+    assert labels == ["mlp-bs64 (n=3)", "mlp-bs64 (n=3)"]
+    whiskers = speed.collections[0].get_segments()  # the error bars, one segment per bar
+    assert sorted((seg[0][0], seg[1][0]) for seg in whiskers) == [(100, 120), (300, 360)]
+    top = [bar for bar in step.patches if bar.get_y() > 0.5]  # the baseline is drawn on top (y = 1)
+    assert [round(bar.get_width(), 6) for bar in top] == [6.0, 1.0, 2.5, 0.5]
+    assert [t.get_text() for t in step.get_legend().get_texts()] == ["data wait", "copy", "compute", "own work"]
 
 
 def test_single_epoch_runs_and_device_memory_get_footnotes() -> None:
@@ -211,18 +355,8 @@ def test_the_compare_link_is_the_one_mlflow_ui_parses() -> None:
     fields = dict(part.split("=", 1) for part in query.split("&"))
     assert json.loads(fields["runs"]) == ["r1", "r2"] and json.loads(fields["experiments"]) == ["7"]
     assert fields["workflowType"] == "machine_learning"
+    assert compare.compare_link("", ["r1"], ["7"]).startswith("#/compare-runs?runs=")  # relative: the UI's own page
     assert compare.ui_base("https://bob:pw@mlflow.example.com/") == "https://mlflow.example.com"
-
-
-def test_the_chart_has_one_bar_per_row_at_its_median_with_min_max_whiskers() -> None:
-    table = build([*repeats("a", [100, 110, 120]), *repeats("b", [300, 330, 360], params={"amp": "true"})])
-    figure = compare.chart(table)
-    bars = figure.axes[0].patches
-    assert sorted(bar.get_width() for bar in bars) == [110, 330]
-    labels = [t.get_text() for t in figure.axes[0].get_yticklabels()]
-    assert labels == ["mlp-bs64 (n=3)", "mlp-bs64 (n=3)"]
-    whiskers = figure.axes[0].collections[0].get_segments()  # the error bars, one segment per bar
-    assert sorted((seg[0][0], seg[1][0]) for seg in whiskers) == [(100, 120), (300, 360)]
 
 
 # ---- end to end, on a real store ----
@@ -299,13 +433,13 @@ def test_main_compares_the_latest_sweep_writes_the_files_and_attaches_them_to_it
     # sweep.job order, repeats grouped, the parent and the older runs left out
     summary = [(r["batch_size"], r["n"], r["status"]) for r in rows]
     assert summary == [("64", "5", "FINISHED"), ("128", "5", "FINISHED"), ("4096", "1", "1 FAILED")]
-    assert float(rows[1]["speedup"]) == pytest.approx(1500 / 1000) and rows[1]["speedup_real"] == "true"
+    assert float(rows[1]["speedup"]) == pytest.approx(1500 / 1000, rel=0.01) and rows[1]["real"] == "true"
     assert rows[0]["samples_per_s_min"] == "990" and rows[0]["samples_per_s_max"] == "1010"
     assert rows[2]["samples_per_s_median"] == "" and rows[2]["oom_events"] == "1"
 
-    assert "## 11 runs in 3 rows — sweep S1, parent run sweep-S1: 11 runs" in printed
+    assert "## sweep S1: 11 runs in 3 rows" in printed
     table = [line for line in printed.splitlines() if line.startswith("| mlp-digits")]
-    assert "| 1,000 (990–1,010)" in table[0] and "| 1.50× " in table[1] and "real: p=0.0079" in table[1]
+    assert "| 1,000 (990–1,010)" in table[0] and "| 1.50× [" in table[1] and "real: p=0.0079" in table[1]
     assert "- run mlp-digits-cuda-fp32-bs4096-w0" in printed and "error: OutOfMemoryError" in printed
 
     link = next(w for w in printed.split() if "compare-runs" in w)
@@ -325,7 +459,7 @@ def test_main_with_run_ids_keeps_their_order_and_refuses_to_log_without_a_sweep(
     argv = ["--uri", store_uri, "--out", str(tmp_path / "o"), "--runs", f"{first},{second},nope", "--log"]
     assert compare.main(argv) == 2
     captured = capsys.readouterr()
-    assert "runs given by id (not found: nope): 2 runs" in captured.out
+    assert "runs given by id (not found: nope): 2 runs in 2 rows" in captured.out
     batches = [line.split("|")[6].strip() for line in captured.out.splitlines() if line.startswith("| mlp")]
     assert batches == ["128", "64"]
     assert captured.err.strip() == "error: --log: these runs are not one sweep (no parent run tagged sweep.role=parent)"
@@ -341,15 +475,17 @@ def test_main_without_a_sweep_compares_the_experiments_runs_with_a_note(
     assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o")]) == 0
     printed = capsys.readouterr().out
     assert "no sweep in experiment 'pipeline' (no run tagged sweep.role=parent): all its runs: 2 runs" in printed
-    assert "~3.00×" in printed and "n=1 < 4: cannot show a difference" in printed
+    assert "~3.00× [3.00–3.00]*" in printed and "rank, 1v1 cannot show a difference (p ≥ 1): add repeats" in printed
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--experiment", "nope"], "error: no experiment 'nope'; there are: Default, pipeline (--experiment NAME)"),
-        (["--sweep", "S9"], "error: no sweep 'S9' in experiment 'pipeline' (runs tagged sweep.id=S9)"),
-        (["--baseline", "zzz"], "error: --baseline zzz: no selected run has that id or name"),
+        (["--sweep", "S9"], "error: no sweep 'S9' in experiment 'pipeline' (no run tagged sweep.id=S9...)"),
+        (["--sweep", "S"], "error: --sweep S: 2 sweeps start so (S0, S1); give more characters"),
+        (["--sweep", "S1_"], "error: --sweep 'S1_': quotes, backslashes, % and _ are not allowed"),
+        (["--baseline", "zzz"], "error: --baseline zzz: no row or selected run has that name or id (rows: mlp-digits"),
     ],
 )
 def test_main_says_what_is_wrong_in_one_line_and_exits_2(
@@ -396,22 +532,17 @@ def test_200_runs_are_read_in_one_query_without_per_run_calls(
 
     assert compare.main(["--uri", store_uri, "--sweep", "BIG"]) == 0
     assert len(calls) == 1 and calls[0]["max_results"] == compare.MAX_RUNS
-    assert "## 199 runs in 4 rows" in capsys.readouterr().out
+    assert "## sweep BIG: 199 runs in 4 rows" in capsys.readouterr().out
+
+    calls.clear()
+    assert compare.main(["--uri", store_uri, "--sweep", "BI"]) == 0  # a prefix: still one query
+    assert len(calls) == 1 and "## sweep BIG: 199 runs in 4 rows" in capsys.readouterr().out
 
     calls.clear()
     assert compare.main(["--uri", store_uri]) == 0  # latest: one query finds the sweep, one reads it
     assert [c["max_results"] for c in calls] == [1, compare.MAX_RUNS]
-    assert "## 199 runs in 4 rows" in capsys.readouterr().out
+    assert "## sweep BIG: 199 runs in 4 rows" in capsys.readouterr().out
 
     calls.clear()
     assert compare.main(["--uri", store_uri, "--last", "8"]) == 0
-    assert len(calls) == 1 and "## 8 runs in 4 rows" in capsys.readouterr().out
-
-
-def test_a_real_slowdown_is_said_in_words_and_a_doubtful_one_is_not() -> None:
-    from pipeline.compare import speedup
-
-    slower = speedup([100.0, 101.0, 99.0, 100.5, 100.2], [77.0, 78.0, 76.5, 77.5, 77.2])
-    assert slower.real and slower.cell() == "0.77× slower"
-    doubtful = speedup([100.0, 101.0, 99.0], [77.0, 78.0, 76.5])  # n=3: no difference can be shown
-    assert doubtful.cell() == "~0.77×"
+    assert len(calls) == 1 and "8 runs in 4 rows" in capsys.readouterr().out

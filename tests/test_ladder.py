@@ -25,8 +25,10 @@ def steps(jobs: list[list[str]]) -> list[str]:
 def test_the_cpu_ladder_composes_and_leaves_out_the_steps_with_no_cpu_meaning() -> None:
     jobs = ladder_plan("ladder_cpu")
     assert steps(jobs) == ["baseline", "cpu1_resident", "cpu2_batch", "cpu3_amp", "cpu4_compile"]
-    assert len(jobs) == 5 * 4  # four seeds a step: enough for compare's rank test
-    configs = [load(job) for job in jobs[::4]]  # one seed of each step
+    assert len(jobs) == 5 * 5  # five seeds a step: enough for a rank test over 4 comparisons, Holm-corrected
+    assert steps(jobs[5:10]) == steps(jobs[:5])[::-1]  # round by round, every other round reversed
+    assert {o for job in jobs[:5] for o in job if o.startswith("trainer.seed=")} == {"trainer.seed=1"}
+    configs = [load(job) for job in jobs[:5]]  # round 1: one seed of each step
     assert [c.device.name for c in configs] == ["cpu"] * 5
     assert [(c.trainer.channels_last, c.loader.num_workers, c.loader.pin_memory) for c in configs] == [
         (False, 0, "auto")
@@ -44,6 +46,7 @@ def test_the_cpu_ladder_composes_and_leaves_out_the_steps_with_no_cpu_meaning() 
 def test_the_gpu_ladder_follows_the_steps_dependencies() -> None:
     jobs = ladder_plan("ladder_gpu")
     order = steps(jobs)
+    assert len(jobs) == 7 * 6  # six seeds a step: Holm over 6 comparisons leaves 5 vs 5 (p >= 0.0079) no margin
     assert order[0] == "baseline" and order.index("gpu1_amp") < order.index("gpu2_channels_last")  # NHWC after AMP
     configs = {step: load(["experiment=ladder_gpu", f"+ladder={step}"]) for step in order}  # composing needs no GPU
     assert configs["gpu2_channels_last"].amp and configs["gpu2_channels_last"].trainer.channels_last

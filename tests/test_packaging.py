@@ -36,6 +36,7 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"pipeline/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert expected <= names and "pipeline/conf/config.yaml" in names and "pipeline/__main__.py" in names
+    assert "hydra_plugins/pipeline_sweeper/interleaved_sweeper.py" in names  # the default sweeper (conf/design/)
 
     site = tmp_path / "site"
     subprocess.run(
@@ -46,13 +47,16 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
     )
     probe = (
         "import pipeline.config as c; d = c.config_dir(); cfg = c.load(['model=resnet50']);"
-        "print(c.__file__); print(d); print(cfg.model.name)"
+        "print(c.__file__); print(d); print(cfg.model.name);"
+        "print(c.sweep_jobs(['amp=false,true', 'trainer.seed=1,2']))"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120
     ).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1] == str(site / "pipeline" / "conf") and out[2] == "resnet50"
+    interleaved = "[['amp=false', 'trainer.seed=1'], ['amp=true', 'trainer.seed=1'], ['amp=true', 'trainer.seed=2'], "
+    assert out[3] == interleaved + "['amp=false', 'trainer.seed=2']]"
 
 
 def test_the_linter_sees_every_python_file_of_the_package_and_the_tests() -> None:

@@ -41,19 +41,29 @@ def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("swept", "name"),
+    ("derived", "swept", "name"),
     [
-        ({"loader.batch_size": "32", "loader.num_workers": "0"}, "mlp-digits-cpu-bs32-w0"),  # the name shows both
-        ({"loader.batch_size": "32", "trainer.lr": "0.01"}, "mlp-digits-cpu-bs32-w0-lr0.01"),
-        ({"trainer.optimizer": "adamw", "loader": "workers"}, "mlp-digits-cpu-bs32-w0-optimizer=adamw-loader=workers"),
-        ({"device": "auto"}, "mlp-digits-cpu-bs32-w0-device=auto"),  # auto and cpu would both read cpu
-        ({"device": "cpu", "amp": "true", "model": "mlp"}, "mlp-digits-cpu-bs32-w0"),
-        ({"trainer.lr": "0.0029813770307052724"}, "mlp-digits-cpu-bs32-w0-lr0.00298138"),  # Optuna's floats
-        ({"trainer.lr": "0.1", "other.lr": "1e-05"}, "mlp-digits-cpu-bs32-w0-trainer.lr0.1-other.lr1e-05"),
+        ("mlp-digits-cpu-bs32-w0", {"loader.batch_size": "32", "loader.num_workers": "0"}, "bs32-w0-mlp-digits-cpu"),
+        ("mlp-digits-cpu-bs32-w0", {"loader.batch_size": "32", "trainer.lr": "0.01"}, "bs32-lr0.01-mlp-digits-cpu-w0"),
+        (
+            "mlp-digits-cpu-bs32-w0",
+            {"trainer.optimizer": "adamw", "loader": "workers"},
+            "optimizer=adamw-loader=workers-mlp-digits-cpu-bs32-w0",
+        ),
+        ("mlp-digits-cpu-bs32-w0", {"device": "auto"}, "device=auto-mlp-digits-cpu-bs32-w0"),  # auto would read cpu
+        ("mlp-digits-cpu-amp-bf16-bs32-w0", {"device": "cpu", "amp": "true"}, "cpu-amp-bf16-mlp-digits-bs32-w0"),
+        ("mlp-digits-cpu-bs32-w0", {"trainer.seed": "1", "amp": "false"}, "fp32-seed1-mlp-digits-cpu-bs32-w0"),
+        ("mlp-digits-cpu-bs32-w0", {"trainer.lr": "0.0029813770307052724"}, "lr0.00298138-mlp-digits-cpu-bs32-w0"),
+        (
+            "mlp-digits-cpu-bs32-w0",
+            {"trainer.lr": "0.1", "other.lr": "1e-05"},
+            "trainer.lr0.1-other.lr1e-05-mlp-digits-cpu-bs32-w0",
+        ),
+        ("my-own-name", {"trainer.lr": "0.1"}, "lr0.1-my-own-name"),  # not a derived name: kept whole, after
     ],
 )
-def test_a_jobs_name_adds_the_swept_values_its_derived_name_does_not_show(swept: dict[str, str], name: str) -> None:
-    assert sweep_run_name("mlp-digits-cpu-bs32-w0", swept) == name
+def test_a_jobs_name_starts_with_what_the_sweep_varies(derived: str, swept: dict[str, str], name: str) -> None:
+    assert sweep_run_name(derived, swept) == name
 
 
 @pytest.mark.parametrize("name", ["mnist_gpu", "cifar10_resnet18_gpu", "digits_quick"])
@@ -141,10 +151,10 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
     assert parent.data.tags["sweep.keys"] == "loader.batch_size,trainer.lr"
     assert parent.data.tags["sweep.command"].startswith("python -m pipeline -m loader.batch_size=32,64 trainer.lr=")
     assert [r.info.run_name for r in children] == [
-        "mlp-digits-cpu-bs32-w0-lr0.01",
-        "mlp-digits-cpu-bs32-w0-lr0.1",
-        "mlp-digits-cpu-bs64-w0-lr0.01",
-        "mlp-digits-cpu-bs64-w0-lr0.1",
+        "bs32-lr0.01-mlp-digits-cpu-w0",
+        "bs32-lr0.1-mlp-digits-cpu-w0",
+        "bs64-lr0.01-mlp-digits-cpu-w0",
+        "bs64-lr0.1-mlp-digits-cpu-w0",
     ]
     for number, run in enumerate(children):
         assert run.info.status == "FINISHED"
@@ -164,7 +174,9 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
     assert [row["status"] for row in rows] == ["FINISHED"] * 4
     assert all(f"| {r.info.run_name} " in markdown for r in children)
     assert Path(artifact(tmp_path, parent, "compare/compare.png")).read_bytes().startswith(b"\x89PNG")
-    assert parent.data.tags["mlflow.note.content"] == markdown.rstrip("\n")
+    note = parent.data.tags["mlflow.note.content"]  # the table, its links relative to the UI's own page
+    assert note.split("\n[MLflow's compare page")[0] == markdown.split("\nMLflow's compare page")[0]
+    assert "\n[MLflow's compare page for these 4 runs](#/compare-runs?runs=" in note and "http" not in note
     out = capsys.readouterr().out
     assert f"sweep {sweep_id[:8]}: 4 job(s), 4 finished, 0 failed" in out and markdown.splitlines()[2] in out
     assert f"this sweep:   http://127.0.0.1:5000/#/experiments/1/runs/{parent.info.run_id}" in out
@@ -178,7 +190,7 @@ def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_lis
     parent, children = sweep_runs(tmp_path)
     assert [r.info.status for r in children] == ["FINISHED", "FAILED", "FINISHED"]  # the job after it still ran
     assert children[1].data.tags["error"].startswith("NonFiniteLoss: training loss became nan at step ")
-    assert children[1].info.run_name == "mlp-digits-cpu-bs32-w0-lr1e+30"
+    assert children[1].info.run_name == "lr1e+30-mlp-digits-cpu-bs32-w0"
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "1"
     assert parent.data.tags["sweep.failures"].startswith("job #1 (trainer.lr=1e+30 trainer.epochs=1 ")
     assert "NonFiniteLoss: training loss became nan" in parent.data.tags["sweep.failures"]
@@ -187,7 +199,7 @@ def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_lis
     assert len(listed) == 2 and listed[1].startswith("  job #1 (trainer.lr=1e+30 ")
     assert "): NonFiniteLoss: training loss became nan at step" in listed[1]
     note = parent.data.tags["mlflow.note.content"]
-    line = next(row for row in note.splitlines() if row.startswith("| mlp-digits-cpu-bs32-w0-lr1e+30 "))
+    line = next(row for row in note.splitlines() if row.startswith("| lr1e+30-mlp-digits-cpu-bs32-w0 "))
     assert "FAILED" in line
 
 
@@ -208,9 +220,9 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 1
     parent, children = sweep_runs(tmp_path)
     assert [(r.info.run_name, r.info.status) for r in children] == [
-        ("mlp-digits-cpu-bs32-w0", "FINISHED"),
-        ("mlp-digits-cpu-bs64-w0", "FAILED"),  # made by the sweep for the job, named as train would have
-        ("mlp-digits-cpu-bs16-w0", "FINISHED"),
+        ("bs32-mlp-digits-cpu-w0", "FINISHED"),
+        ("bs64-mlp-digits-cpu-w0", "FAILED"),  # made by the sweep for the job, named as train would have
+        ("bs16-mlp-digits-cpu-w0", "FINISHED"),
     ]
     failed = children[1].data.tags
     assert failed["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
@@ -223,7 +235,7 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
         "exit_code": 1,
         "error": "RuntimeError: CUDA error: an illegal memory access was encountered",
         "run_id": children[1].info.run_id,
-        "run_name": "mlp-digits-cpu-bs64-w0",
+        "run_name": "bs64-mlp-digits-cpu-w0",
         "value": None,
     }
     err = capsys.readouterr().err
@@ -252,10 +264,10 @@ def test_parallel_jobs_in_joblib_processes_on_a_fresh_store_lose_no_run(tmp_path
     assert "validated against ConfigStore schema" not in proc.stderr
     parent, children = sweep_runs(tmp_path)
     assert [(r.info.run_name, r.info.status) for r in children] == [
-        ("mlp-digits-cpu-bs32-w0", "FINISHED"),
-        ("mlp-digits-cpu-bs32-w2", "FINISHED"),
-        ("mlp-digits-cpu-bs64-w0", "FINISHED"),
-        ("mlp-digits-cpu-bs64-w2", "FINISHED"),
+        ("bs32-w0-mlp-digits-cpu", "FINISHED"),
+        ("bs32-w2-mlp-digits-cpu", "FINISHED"),
+        ("bs64-w0-mlp-digits-cpu", "FINISHED"),
+        ("bs64-w2-mlp-digits-cpu", "FINISHED"),
     ]
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep.launcher"] == "parallel"
@@ -281,7 +293,7 @@ def test_an_optuna_search_runs_its_trials_as_nested_runs_returning_val_acc(
     for run in children:
         assert 0.001 <= float(run.data.params["trainer.lr"]) <= 0.3
         assert run.data.params["loader.batch_size"] in {"32", "64", "128", "256"}
-        assert "-lr" in run.info.run_name
+        assert run.info.run_name.startswith("lr")  # what the search varies comes first
     assert children[0].info.run_name != children[1].info.run_name
     returned = outcomes(tmp_path)
     assert [returned[n]["value"] for n in (0, 1)] == pytest.approx(
@@ -306,7 +318,7 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
     monkeypatch.setattr(pipeline.train, "build", build)
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 143
     parent, children = sweep_runs(tmp_path)
-    assert [r.info.run_name for r in children] == ["mlp-digits-cpu-bs32-w0"]  # job 2 never started
+    assert [r.info.run_name for r in children] == ["bs32-mlp-digits-cpu-w0"]  # job 2 never started
     tags = parent.data.tags
     assert parent.info.status == "KILLED" and tags["sweep.failures"].startswith("job #1 (loader.batch_size=64")
     assert "Stopped: stopped by SIGTERM" in tags["sweep.failures"] and "sweep.incomplete" in tags

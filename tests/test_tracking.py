@@ -181,8 +181,13 @@ def test_git_tags_record_the_commit_and_whether_the_tree_was_dirty(tmp_path: Pat
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
     tags = git_tags(str(tmp_path))
     assert tags["mlflow.source.git.commit"] == git("rev-parse", "HEAD") and tags["git.dirty"] == "false"
+    assert "git.diff" not in tags
     (tmp_path / "a.txt").write_text("2")
-    assert git_tags(str(tmp_path))["git.dirty"] == "true"
+    two = git_tags(str(tmp_path))
+    assert two["git.dirty"] == "true" and len(two["git.diff"]) == 12
+    assert git_tags(str(tmp_path))["git.diff"] == two["git.diff"]  # the same edit, the same hash
+    (tmp_path / "a.txt").write_text("3")
+    assert git_tags(str(tmp_path))["git.diff"] != two["git.diff"]  # another edit of the same commit: another row
 
 
 def test_git_tags_are_absent_outside_a_repository(tmp_path: Path) -> None:

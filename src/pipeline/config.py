@@ -384,8 +384,9 @@ def load(overrides: Sequence[str] = ()) -> RunConfig:
 
 
 def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
-    """The jobs ``python -m pipeline -m ...`` runs, each as its overrides, expanded by Hydra's own parser and
-    basic sweeper (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options). ``hydra...``
+    """The jobs ``python -m pipeline -m ...`` runs, each as its overrides, expanded by Hydra's own parser as its
+    basic sweeper does (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options), in the
+    interleaved sweeper's order (``pipeline.design``). ``hydra...``
     overrides configure Hydra, not a job, and are left out, as the sweeper leaves them out.
 
     Returns:
@@ -396,7 +397,6 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
         OverrideError: an override Hydra cannot parse, or a ``glob()`` over something that is not a group.
     """
     from hydra import initialize_config_dir
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException, OverrideParseException
@@ -414,11 +414,13 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
         task = [o for o in parsed if not o.is_hydra_override()]
         if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in task):
             return None
+        from hydra_plugins.pipeline_sweeper.interleaved_sweeper import axes
+        from pipeline.design import interleave
+
         try:
-            (jobs,) = BasicSweeper.split_arguments(task, max_batch_size=None)
+            return interleave(axes(task)).jobs  # the interleaved sweeper's order: job N here is job N there
         except HydraException as err:
             raise OverrideError(str(err).splitlines()[0]) from None
-    return jobs
 
 
 def from_dictconfig(cfg: Any) -> RunConfig:

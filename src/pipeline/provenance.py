@@ -8,6 +8,7 @@ refuses the GPU is recorded as such (the doctor's report explains it), not raise
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import platform
 import re
@@ -81,13 +82,27 @@ def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[
     return tags
 
 
-# Swept keys whose value the derived name shows as it is: a sweep over them needs nothing added to the name.
-NAMED_KEYS = frozenset(
-    {"model", "model.name", "data", "data.name", "loader.batch_size", "loader.num_workers", "loader.resident", "amp"}
-)
-# Shown unless the value is auto, which the name shows resolved (device=auto and device=cpu can both say cpu).
-NAMED_UNLESS_AUTO = frozenset({"device", "device.name", "precision", "precision.dtype"})
+# Where a swept key's value shows in the derived name (``run_name``): the part it moves to the front.
+SHOWN_AS = {
+    "model": "model",
+    "model.name": "model",
+    "data": "data",
+    "data.name": "data",
+    "device": "device",  # unless auto, which the name shows resolved (device=auto and device=cpu both say cpu)
+    "device.name": "device",
+    "amp": "precision",
+    "precision": "precision",
+    "precision.dtype": "precision",
+    "loader.batch_size": "batch",
+    "loader.num_workers": "loader",
+    "loader.resident": "loader",
+}
+REPEAT_KEYS = frozenset({"trainer.seed", "repeat"})  # named last among the swept values: they tell repeats apart
 NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+DERIVED = re.compile(
+    r"^(?P<model>[^-]+)-(?P<data>[^-]+)-(?P<device>[^-]+)(?:-(?P<precision>amp-[^-]+))?-(?P<batch>bs\d+)"
+    r"-(?P<loader>w\d+|resident)$"
+)
 
 
 def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
@@ -101,25 +116,34 @@ def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
 
 
 def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
-    """``name`` plus the swept values it does not show, so that every job of a sweep has its own name.
+    """``name`` with what the sweep varies first, so that jobs differ in the first characters the UI shows.
 
-    ``mlp-digits-cpu-bs32-w0`` with ``trainer.lr=0.01`` swept becomes ``mlp-digits-cpu-bs32-w0-lr0.01``; a swept
-    ``loader.batch_size`` adds nothing (``bs32`` shows it); ``trainer.optimizer=adamw`` adds ``optimizer=adamw``;
-    a long number is cut to 6 significant digits (``lr0.00298138``).
+    ``mlp-digits-cpu-bs32-w0`` with ``trainer.lr=0.01`` and ``loader.batch_size=32`` swept becomes
+    ``bs32-lr0.01-mlp-digits-cpu-w0``: each swept value in the order typed (the seed and other repeat keys last),
+    as the derived name shows it (``bs32``, ``amp-bf16`` or ``fp32``) or as ``lr0.01`` / ``optimizer=adamw``, then
+    the rest of the name; a long number is cut to 6 significant digits (``lr0.00298138``).
 
     Args:
         name: the derived name (``run_name``).
         swept: the swept keys (dotted, or a group's name) and this job's value of each, as typed.
     """
+    shown = DERIVED.match(name)
+    parts = shown.groupdict() if shown else {}
+    parts["precision"] = parts.get("precision") or ("fp32" if shown else None)
     leaves = [key.rsplit(".", 1)[-1] for key in swept]
-    parts = [name]
-    for key, value in swept.items():
-        if key in NAMED_KEYS or (key in NAMED_UNLESS_AUTO and value != "auto"):
+    front, moved = [], set()
+    for key in sorted(swept, key=lambda k: k.lstrip("+~") in REPEAT_KEYS):  # stable: the order typed otherwise
+        value, where = swept[key], SHOWN_AS.get(key.lstrip("+~"))
+        if where and parts.get(where) and not (where == "device" and value == "auto"):
+            if where not in moved:
+                front.append(parts[where])
+                moved.add(where)
             continue
         leaf = key.rsplit(".", 1)[-1]
         label = leaf if leaves.count(leaf) == 1 else key  # trainer.lr and other.lr both swept: the full keys
-        parts.append(f"{label}{_short(value)}" if NUMBER.fullmatch(value) else f"{label}={value}")
-    return "-".join(parts)
+        front.append(f"{label}{_short(value)}" if NUMBER.fullmatch(value) else f"{label}={value}")
+    rest = [parts[p] for p in DERIVED.groupindex if p not in moved and parts.get(p) and parts[p] != "fp32"]
+    return "-".join([*front, *(rest if shown else [name])])
 
 
 def _short(number: str) -> str:
@@ -141,14 +165,17 @@ def _cudnn() -> str:
 
 
 def git_tags(cwd: str | None = None) -> dict[str, str]:
-    """The commit of the checkout the run was launched from, and whether it had local changes."""
+    """The commit of the checkout the run was launched from, whether it had local changes, and which: ``git.diff``
+    is a hash of them (the diff against the commit and the untracked files' names), so that runs of one commit
+    with different edits are never taken for repeats of each other (``pipeline.compare``)."""
     commit = _git(["rev-parse", "HEAD"], cwd)
     if commit is None:
         return {}
-    tags = {
-        "mlflow.source.git.commit": commit,
-        "git.dirty": str(bool(_git(["status", "--porcelain"], cwd))).lower(),
-    }
+    status = _git(["status", "--porcelain"], cwd)
+    tags = {"mlflow.source.git.commit": commit, "git.dirty": str(bool(status)).lower()}
+    if status:
+        diff = _git(["diff", "HEAD", "--binary"], cwd) or ""
+        tags["git.diff"] = hashlib.sha256(f"{diff}\n{status}".encode()).hexdigest()[:12]
     branch = _git(["rev-parse", "--abbrev-ref", "HEAD"], cwd)
     if branch and branch != "HEAD":
         tags["mlflow.source.git.branch"] = branch

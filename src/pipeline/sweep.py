@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 Metric = Literal["val/acc", "throughput/samples_per_s"]  # what a job can return to the sweeper
 SWEEP_FILE = "sweep.json"  # in hydra.sweep.dir
+DESIGN_FILE = "design.json"  # in hydra.sweep.dir: each job's round, from the interleaved sweeper (pipeline.design)
 JOBS_DIR = "jobs"  # in hydra.sweep.dir: <job number>.json, one per job that ended
 MAX_CHILDREN = 50_000  # MLflow's most runs per search
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
@@ -95,6 +96,7 @@ class SweepJob:
     number: int  # Hydra's job number (hydra.job.num), from 0
     overrides: tuple[str, ...]  # the job's overrides, as Hydra passed them
     folder: Path  # the sweep's folder (hydra.sweep.dir)
+    round: int | None = None  # the round of an interleaved sweep (pipeline.design), None without repeats
 
     @property
     def values(self) -> dict[str, str]:
@@ -108,6 +110,8 @@ class SweepJob:
     def tags(self) -> dict[str, str]:
         """The job's run's sweep tags; ``mlflow.parentRunId`` nests it under the parent in MLflow's UI."""
         tags = {"sweep.id": self.sweep.id, "sweep.job": str(self.number), "sweep.keys": ",".join(self.sweep.keys)}
+        if self.round is not None:  # runs of one round ran side by side: pipeline.compare pairs them
+            tags["sweep.round"] = str(self.round)
         if self.sweep.parent_run_id:
             tags["mlflow.parentRunId"] = self.sweep.parent_run_id
         return tags
@@ -256,7 +260,22 @@ def current_job() -> SweepJob:
     if sweep is None:  # the callback did not run (hydra.callbacks replaced): no parent, failures still listed
         log.warning("%s is missing: this job is recorded without its sweep's parent run", folder / SWEEP_FILE)
         sweep = Sweep(id="unknown", keys=(), metric="val/acc")
-    return SweepJob(sweep, int(hydra.job.num), tuple(str(o) for o in hydra.overrides.task), folder)
+    number = int(hydra.job.num)
+    return SweepJob(sweep, number, tuple(str(o) for o in hydra.overrides.task), folder, load_round(folder, number))
+
+
+def save_design(folder: Path, rounds: Sequence[int | None]) -> None:
+    """Write each job's round (``pipeline.design.Plan.rounds``, by job number) to ``design.json``."""
+    _write_json(folder / DESIGN_FILE, {"rounds": list(rounds)})
+
+
+def load_round(folder: Path, job: int) -> int | None:
+    """The round job ``job`` runs in, from ``design.json``; None when there is none (another sweeper)."""
+    path = folder / DESIGN_FILE
+    if not path.is_file():
+        return None
+    rounds = json.loads(path.read_text())["rounds"]
+    return rounds[job] if 0 <= job < len(rounds) else None
 
 
 def use_platform_start_method() -> None:
@@ -402,7 +421,7 @@ def close_parent(sweep: Sweep, failures: Sequence[JobOutcome], status: str, *, c
             lambda: client.search_runs([sweep.experiment_id], where, max_results=MAX_CHILDREN), what="reading runs"
         )
         children = sorted(children, key=lambda run: int(run.data.tags.get("sweep.job", "-1")))
-        table = summarize_sweep(client, sweep.parent_run_id, children)
+        table = summarize_sweep(client, sweep.parent_run_id, children, sweep=sweep)
     except Exception as err:  # a summary that cannot be made must not leave the parent RUNNING
         log.warning("the sweep's summary could not be logged (%s: %s)", type(err).__name__, mask_text(str(err))[:300])
     tags = {"sweep.failed": str(len(failures))}
@@ -414,14 +433,18 @@ def close_parent(sweep: Sweep, failures: Sequence[JobOutcome], status: str, *, c
     return table
 
 
-def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any]) -> str:
+def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], *, sweep: Sweep | None = None) -> str:
     """Log the sweep's comparison (``pipeline.compare``: Markdown, CSV, a chart) on its parent run, and the
-    Markdown as the run's description. Returns the Markdown (printed at the end of the sweep)."""
+    table as the run's description (with links relative to the UI's page). Returns the Markdown (printed at the
+    end of the sweep). A search's rows are ranked by what it searched for."""
     from pipeline import compare
 
-    result = compare.report(client, list(child_runs))
+    parent = client.get_run(parent_run_id)
+    note = f"sweep {sweep.short_id}" if sweep else ""
+    rank_by = compare.search_objective(parent.data.tags)
+    result = compare.report(client, list(child_runs), note=note, rank_by=rank_by)
     compare.attach(client, parent_run_id, result)
-    client.set_tag(parent_run_id, "mlflow.note.content", result.markdown.rstrip("\n"))
+    client.set_tag(parent_run_id, "mlflow.note.content", result.note.rstrip("\n"))
     return result.markdown
 
 

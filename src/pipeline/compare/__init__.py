@@ -1,90 +1,81 @@
 """Compare runs in one table: ``python -m pipeline.compare [--sweep latest|ID | --runs ID,ID | --last N]``.
 
     python -m pipeline.compare                                 # the latest sweep of experiment `pipeline`
-    python -m pipeline.compare --last 6 --baseline <run id or name>
-    python -m pipeline.compare --sweep <sweep.id> --ladder --log
+    python -m pipeline.compare --last 6 --baseline <row name or run id>
+    python -m pipeline.compare --sweep 1a2b3c4d --ladder --log # a sweep by the short id every output prints
 
-One row per configuration: runs whose params differ only in ``trainer.seed`` (or a ``repeat`` key), on the
-same hardware, are repeats and share a row, with n, the median and min–max of each metric. A run's sample of a
-metric is its last value (``time/epoch_s`` of its last epoch). The speed-up is the median steady-state
-samples/s over the baseline row's (the first row, or ``--baseline``); it counts as real only when a
-Mann–Whitney U test (two-sided, p < 0.05) finds the samples differ *and* the change is at least
-``--min-effect`` (3%); otherwise it reads ``~``. A row with fewer than 4 repeats cannot show a difference
-(with 3 against 3 the smallest two-sided p a rank test can reach is 0.10). Config keys that differ between
-the runs become columns; keys that are the same everywhere are printed once, above the table.
+One row per configuration on the same code and software: runs whose params differ only in ``trainer.seed`` (or
+a ``repeat`` key) and in bookkeeping keys (``tracking.*``, ``monitor.*``, ``checkpoint.dir``, ...), from the same
+git commit and local changes, pipeline, torch and CUDA versions and device, are repeats and share a row, with
+n, the median and min–max of each metric (``rows``). A run's sample of a metric is its last value; its speed is
+its steady-state samples/s, a DDP job's over all its ranks. Each row's speed-up against the baseline (the first
+row, or ``--baseline``) is the Hodges–Lehmann ratio with its 95% interval and an exact test (``pipeline.stats``):
+paired round by round when both rows ran in the same rounds of an interleaved sweep and enough rounds can reach
+the level, else a rank test; real only when the p-value, adjusted by Holm over the table's comparisons, is below
+0.05 *and* the change is at least ``--min-effect`` (3%). Each row's steady step is split into data wait, copy,
+compute and the pipeline's own work, and what moved against the baseline is named; above the table, whether the
+machine drifted over the runs (``pipeline.stats.drift``).
 
 Everything comes from one ``MlflowClient.search_runs`` call (``--sweep latest`` costs one more, with
 ``max_results=1``, to find the sweep); no per-run history is read, so 1,000 runs take one query. Sweep parents
 (tag ``sweep.role=parent``) are never rows. It writes ``compare.md``, ``compare.csv`` and ``compare.png``
-(samples/s, min–max whiskers) to ``--out`` and prints the table with the link to MLflow's own compare page for
-exactly these runs; ``--log`` attaches the three files to the sweep's parent run under ``compare/``.
-Exit status: 0 written, 2 nothing to compare (no store, experiment or runs) or the store cannot be read.
+(samples/s, and the step time stacked by part) to ``--out`` and prints the table with the link to MLflow's own
+compare page for exactly these runs; ``--log`` attaches the three files to the sweep's parent run under
+``compare/``. Exit status: 0 written, 2 nothing to compare (no store, experiment or runs) or the store cannot be
+read.
 
 The sweep callback calls the same pieces: ``select(client, experiment, sweep=...)``, ``report(client,
 selection.runs, note=selection.note)`` and ``attach(client, selection.parent.id, result)``.
 
 The modules, in the order the data flows: ``selection`` (reading MLflow into ``RunRecord``s, ``records``),
-``table`` (repeats into rows, the speed-ups from ``stats``), ``formats`` (Markdown, CSV), ``charts`` (the bar
-chart), ``reporting`` (all of it with the links, written or attached) and ``cli`` (``main``).
+``rows`` (repeats into rows), ``table`` (the comparisons, from ``pipeline.stats``), ``formats`` (Markdown, CSV),
+``charts`` (the chart), ``reporting`` (all of it with the links, written or attached) and ``cli`` (``main``).
 """
 
 from pipeline.compare.charts import chart
 from pipeline.compare.cli import main
-from pipeline.compare.formats import table_csv, table_markdown
+from pipeline.compare.formats import markdown_table, table_csv, table_markdown
 from pipeline.compare.records import (
     CORE,
     DEVICE_PEAK_MB,
     EPOCH_S,
+    GLOBAL_THROUGHPUT,
     GPU_UTIL,
     OOM_EVENTS,
     PARENT,
     PEAK_MB,
     ROLE,
+    STEP_PARTS,
     THROUGHPUT,
     VAL_ACC,
     CompareError,
     RunRecord,
 )
 from pipeline.compare.reporting import ARTIFACTS, FILES, Report, attach, compare_link, report, write
-from pipeline.compare.selection import MAX_RUNS, Selection, open_store, select
-from pipeline.compare.stats import ALPHA, MIN_EFFECT, MIN_REPEATS, NOISY, Speedup, Stat, geomean, speedup, stat
-from pipeline.compare.table import (
-    BASELINE,
-    HARDWARE_TAGS,
-    NOT_CONFIG,
-    REPEAT_KEYS,
-    SHOWN,
-    Line,
-    Row,
-    Table,
-    build,
-    config_key,
-    differences,
-    group,
-)
+from pipeline.compare.rows import BOOKKEEPING, PROVENANCE, REPEAT_KEYS, SHOWN, Row, config_key, differences, group
+from pipeline.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
+from pipeline.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
 from pipeline.store import UI_URL, ui_base
 
 __all__ = [
-    "ALPHA",
     "ARTIFACTS",
     "BASELINE",
+    "BOOKKEEPING",
     "CORE",
     "DEVICE_PEAK_MB",
     "EPOCH_S",
     "FILES",
+    "GLOBAL_THROUGHPUT",
     "GPU_UTIL",
-    "HARDWARE_TAGS",
     "MAX_RUNS",
-    "MIN_EFFECT",
-    "MIN_REPEATS",
-    "NOISY",
-    "NOT_CONFIG",
     "OOM_EVENTS",
     "PARENT",
     "PEAK_MB",
+    "PROVENANCE",
     "REPEAT_KEYS",
     "ROLE",
     "SHOWN",
+    "STEP_PARTS",
     "THROUGHPUT",
     "UI_URL",
     "VAL_ACC",
@@ -95,7 +86,6 @@ __all__ = [
     "RunRecord",
     "Selection",
     "Speedup",
-    "Stat",
     "Table",
     "attach",
     "build",
@@ -103,14 +93,15 @@ __all__ = [
     "compare_link",
     "config_key",
     "differences",
-    "geomean",
     "group",
     "main",
+    "markdown_table",
     "open_store",
     "report",
+    "search_objective",
     "select",
-    "speedup",
-    "stat",
+    "step_change",
+    "sweep_drift",
     "table_csv",
     "table_markdown",
     "ui_base",

@@ -1,15 +1,20 @@
-"""A ``Table`` as a bar chart of samples/s; matplotlib is imported only when one is drawn."""
+"""A ``Table`` as a chart: samples/s per row beside where each row's step time goes; matplotlib is imported only
+when one is drawn."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.compare.records import THROUGHPUT
+from pipeline.compare.records import STEP_PARTS
 from pipeline.compare.table import Table
+
+COLOURS = {"data wait": "tab:orange", "copy": "tab:purple", "compute": "tab:blue", "own work": "0.6"}
 
 
 def chart(table: Table) -> Any:
-    """Median samples/s per row as horizontal bars, min–max whiskers, the speed-up written beside each bar.
+    """Left: median samples/s per row as horizontal bars, min–max whiskers, the speed-up written beside each bar.
+    Right: a steady step's time in ms, stacked by part (data wait, copy, compute, the pipeline's own work), so
+    that a faster row shows which part it saved.
 
     Returns:
         A ``matplotlib.figure.Figure`` made without pyplot: headless, owned by nobody, nothing to close.
@@ -17,21 +22,29 @@ def chart(table: Table) -> Any:
     from matplotlib.figure import Figure
 
     lines = table.lines[::-1]  # barh draws bottom-up: the first row goes on top
-    fig = Figure(figsize=(9, 1.2 + 0.45 * len(lines)), layout="constrained")
-    ax = fig.subplots()
-    stats = [line.row.stat(THROUGHPUT) for line in lines]
+    fig = Figure(figsize=(13, 1.4 + 0.45 * len(lines)), layout="constrained")
+    speed_ax, step_ax = fig.subplots(1, 2, sharey=True, width_ratios=[3, 2])
+    stats = [line.row.speed() for line in lines]
     medians = [s.median if s else 0.0 for s in stats]
     whiskers = [[s.median - s.low if s else 0.0 for s in stats], [s.high - s.median if s else 0.0 for s in stats]]
     # grey: the baseline; dark: a real speed-up; light: "~"
     colours = ["0.6" if ln.row is table.baseline else "tab:blue" if ln.vs_baseline.real else "#9ecae1" for ln in lines]
-    y = range(len(lines))
-    ax.barh(y, medians, xerr=whiskers, color=colours, capsize=3, error_kw={"elinewidth": 1})
-    ax.set_yticks(list(y), [f"{_short(line.row.name)} (n={line.row.n})" for line in lines])
+    y = list(range(len(lines)))
+    speed_ax.barh(y, medians, xerr=whiskers, color=colours, capsize=3, error_kw={"elinewidth": 1})
+    speed_ax.set_yticks(y, [f"{_short(line.row.name)} (n={line.row.n})" for line in lines])
     for i, (line, s) in enumerate(zip(lines, stats, strict=True)):
         text = "baseline" if line.row is table.baseline else line.vs_baseline.cell()
-        ax.text(s.high if s else 0.0, i, f"  {text if s else 'no samples/s'}", va="center", fontsize=8)
-    ax.set_xlabel("steady-state samples/s (median; whiskers: min–max over the repeats)")
-    ax.margins(x=0.15)
+        speed_ax.text(s.high if s else 0.0, i, f"  {text if s else 'no samples/s'}", va="center", fontsize=8)
+    speed_ax.set_xlabel("steady-state samples/s (median; whiskers: min–max over the repeats)")
+    speed_ax.margins(x=0.35)
+
+    left = [0.0] * len(lines)
+    for part in STEP_PARTS:
+        widths = [(parts or {}).get(part, 0.0) for parts in (line.row.step_parts_ms() for line in lines)]
+        step_ax.barh(y, widths, left=left, color=COLOURS[part], label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    step_ax.set_xlabel("a steady step, ms (medians over the repeats)")
+    step_ax.legend(fontsize=8, loc="lower right")
     return fig
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from pipeline.compare.records import PARENT, ROLE
 from pipeline.compare.reporting import ARTIFACTS, attach, report, write
 from pipeline.compare.selection import open_store, select
-from pipeline.compare.stats import MIN_EFFECT
 from pipeline.errors import PipelineError
 from pipeline.secrets import mask_text
+from pipeline.stats import MIN_EFFECT
 from pipeline.store import UI_URL, absolute
 
 
@@ -25,10 +25,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     parser.add_argument("--experiment", default="pipeline", help="experiment name (default: pipeline)")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--sweep", default="latest", help="latest (default) or a sweep.id")
+    which.add_argument("--sweep", default="latest", help="latest (default), or a sweep's id or its first characters")
     which.add_argument("--runs", help="run ids, comma-separated, in the order of the rows")
     which.add_argument("--last", type=int, metavar="N", help="the newest N runs of the experiment")
-    parser.add_argument("--baseline", metavar="RUN_ID|NAME", help="the row to measure against (default: the first)")
+    parser.add_argument(
+        "--baseline", metavar="ROW|RUN", help="the row to measure against: its name, or a run's id (default: the first)"
+    )
     parser.add_argument("--ladder", action="store_true", help="also compare each row with the previous one")
     parser.add_argument("--min-effect", type=float, default=MIN_EFFECT, help="smallest real speed-up (default 0.03)")
     parser.add_argument("--out", type=Path, default=Path("compare"), help="folder for the files (default: compare/)")
@@ -58,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             note=selection.note,
             ui=args.ui,
             min_effect=args.min_effect,
+            rank_by=selection.objective,
         )
     except PipelineError as err:
         print(f"error: {mask_text(str(err))}", file=sys.stderr)

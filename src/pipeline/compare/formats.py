@@ -1,14 +1,22 @@
-"""A ``Table`` as text: Markdown (padded to read as plain text, with its footnotes) and CSV (numbers unrounded)."""
+"""A ``Table`` as text: Markdown (padded to read as plain text, with its footnotes) and CSV (numbers unrounded).
+
+The Markdown is also the sweep parent's description in MLflow's UI, so no line of prose runs long and nothing
+unbreakable (a URL, a long list of keys without spaces) is wider than the page.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+import textwrap
 
-from pipeline.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, THROUGHPUT, VAL_ACC
-from pipeline.compare.stats import MIN_REPEATS, NOISY, Stat
-from pipeline.compare.table import SHOWN, Line, Table
+from pipeline.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS, VAL_ACC
+from pipeline.compare.rows import PROVENANCE, SHOWN, Row
+from pipeline.compare.table import Line, Speedup, Table
+from pipeline.stats import NOISY, Summary
+
+WIDTH = 100  # prose lines are wrapped to this many characters
 
 
 def _num(x: float | None) -> str:
@@ -21,16 +29,30 @@ def _num(x: float | None) -> str:
     return f"{rounded:.{2 - math.floor(math.log10(abs(rounded)))}f}"
 
 
-def _range(s: Stat | None, mark: str = "") -> str:
+def _range(s: Summary | None, mark: str = "") -> str:
     if s is None:
         return "–"
     return f"{_num(s.median)}{mark}" + (f" ({_num(s.low)}–{_num(s.high)})" if s.n > 1 else "")
 
 
-def _spread(s: Stat | None) -> str:
+def _spread(s: Summary | None) -> str:
     if s is None or s.n < 2 or s.spread is None:
         return "–"
     return f"{s.spread:.0%}" + (" noisy" if s.noisy else "")
+
+
+def _step(row: Row) -> str:
+    parts = row.step_parts_ms()
+    if parts is None:
+        return "–"
+    return f"{_num(sum(parts.values()))} = " + "+".join(_num(parts[p]) for p in STEP_PARTS)
+
+
+def _provenance(row: Row, tag: str) -> str:
+    value = row.runs[0].tags.get(tag)
+    if value is None:
+        return "–"
+    return value[:8] if tag == "mlflow.source.git.commit" else value
 
 
 def _headers(table: Table) -> list[str]:
@@ -44,12 +66,15 @@ def _headers(table: Table) -> list[str]:
         "workers",
         "resident",
         *table.diff_keys,
+        *(PROVENANCE[t] for t in table.provenance),
         "epoch s",
         "samples/s",
         "spread",
-        "speed-up",
+        "speed-up [95% CI]",
         "significance",
         *(["vs previous"] if table.ladder else []),
+        "step ms = " + "+".join(STEP_PARTS),
+        "step vs baseline",
         "val/acc",
         "GPU util %",
         "peak MB",
@@ -71,12 +96,15 @@ def _cells(table: Table, line: Line) -> list[str]:
         row.tag("precision"),
         *(row.param(k) for k in SHOWN if k != "model.name"),
         *(row.param(k) for k in table.diff_keys),
+        *(_provenance(row, t) for t in table.provenance),
         _range(row.stat(EPOCH_S), "¹" if row.single_epoch else ""),
-        _range(row.stat(THROUGHPUT)),
-        _spread(row.stat(THROUGHPUT)),
-        "1.00×" if is_base else line.vs_baseline.cell(),
-        line.vs_baseline.reason,
+        _range(row.speed()),
+        _spread(row.speed()),
+        "1.00× (baseline)" if is_base else line.vs_baseline.cell(),
+        "baseline" if is_base else line.vs_baseline.reason,
         *([line.vs_previous.cell() if line.vs_previous else "–"] if table.ladder else []),
+        _step(row),
+        "baseline" if is_base else line.step_change or "–",
         _range(row.stat(VAL_ACC)),
         _num(s.median) if (s := row.stat(GPU_UTIL)) else "–",
         (_num(peak.median) + ("²" if device_peak else "")) if peak else "–",
@@ -86,78 +114,101 @@ def _cells(table: Table, line: Line) -> list[str]:
     ]
 
 
-def _geomean_cells(table: Table) -> list[str]:
-    cells = ["" for _ in _headers(table)]
-    cells[0] = "geometric mean"
-    at = _headers(table).index("speed-up")
-    cells[at] = f"{_num(table.geomean_vs_baseline)}×" if table.geomean_vs_baseline else "–"
-    cells[at + 1] = "of the rows after the baseline"
-    cells[at + 2] = f"{_num(table.geomean_per_step)}× per step" if table.geomean_per_step else "–"
-    return cells
-
-
 def _any_unfinished(table: Table) -> bool:
     return any(r.status != "FINISHED" for line in table.lines for r in line.row.runs)
 
 
-def table_markdown(table: Table) -> str:
-    """The table as Markdown, columns padded so it also reads as plain text, with the keys that are the same
-    everywhere above it and its footnotes below."""
-    headers = _headers(table)
-    body = [_cells(table, line) for line in table.lines]
-    if table.ladder:
-        body.append(_geomean_cells(table))
-    rows = [[_md(c) for c in row] for row in [headers, *body]]
+def markdown_table(headers: list[str], body: list[list[str]]) -> list[str]:
+    """A Markdown table whose columns are padded so that it also reads as plain text."""
+    rows = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in [headers, *body]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return lines
+
+
+def table_markdown(table: Table) -> str:
+    """The table as Markdown, with the keys that are the same everywhere and the drift above it and its footnotes
+    below."""
+    lines = markdown_table(_headers(table), [_cells(table, line) for line in table.lines])
     same = ", ".join(f"`{k}={v}`" for k, v in table.same.items())
-    out = [f"Same in every run: {same}" if same else "No config key is the same in every run.", "", *lines, ""]
-    out += _footnotes(table)
-    return "\n".join(out) + "\n"
+    head = _wrap(f"Same in every run: {same}" if same else "No config key is the same in every run.")
+    head += _wrap(_drift(table))
+    if table.ranked_by:
+        head += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
+    if table.ladder and table.total is not None:
+        steps = len(table.lines) - 1
+        head += _wrap(
+            f"Ladder: {_num(table.total)}× in all (the last row over the baseline), {_num(table.per_step)}× per "
+            f"step over {steps} step(s) (the geometric mean: the total's {steps}th root)."
+        )
+    return "\n".join([*head, "", *lines, "", *_footnotes(table)]) + "\n"
+
+
+def _drift(table: Table) -> str:
+    d = table.drift
+    if d is None:
+        return "Drift: not measurable (no configuration ran more than once)."
+    if d.real:
+        way = "slower" if d.change < 0 else "faster"
+        return (
+            f"Drift: this machine ran {abs(d.change):.0%} {way} by the last of these {d.runs} runs than by the first "
+            f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
+            "each round still hold; for the rest, rerun on a quieter machine."
+        )
+    return f"Drift: none found over {d.runs} runs (change {d.change:+.1%}, p={d.p:.2g})."
 
 
 def _footnotes(table: Table) -> list[str]:
+    tests = max((ln.vs_baseline.tests for ln in table.lines), default=0)
+    holm = f", adjusted by Holm over the table's {tests} comparisons," if tests > 1 else ""
     notes = [
-        f"samples/s: steady-state throughput, median (min–max) over a row's n repeats; spread = IQR/median, "
-        f"'noisy' from {NOISY:.0%}. speed-up = median samples/s over the baseline's ({table.baseline.name}); "
-        f"real only when a Mann–Whitney U test gives p < {table.alpha:g} and the change is ≥ {table.min_effect:.0%}, "
-        f"else '~'; a row needs ≥ {MIN_REPEATS} repeats to show a difference."
+        f"samples/s: steady-state throughput (a DDP job's over all its ranks), median (min–max) over a row's n "
+        f"repeats; spread = IQR/median, 'noisy' from {NOISY:.0%}.",
+        f"speed-up: the Hodges–Lehmann ratio to the baseline ({table.baseline.name}) with its 95% interval (* where "
+        f"so few runs allow only a lower coverage). real when the exact test's p{holm} is < {table.alpha:g} and the "
+        f"change is ≥ {table.min_effect:.0%}, else '~'; the test is paired round by round where both rows ran in the "
+        "same rounds of an interleaved sweep and enough rounds can reach the level, else a rank test on all runs.",
+        "step ms: a steady step's mean, split into waiting for data, copying to the device, computing and the "
+        "pipeline's own work between steps (medians over the repeats); 'step vs baseline' names the parts that moved.",
     ]
     if any(line.row.single_epoch for line in table.lines):
         notes.append(
             "¹ a single epoch: its time includes warm-up (first allocations, cuDNN autotuning, compilation); "
-            "train with trainer.epochs ≥ 2 for a steady epoch time (samples/s leaves the first step out already)."
+            "train with trainer.epochs ≥ 2 for a steady epoch time (samples/s leaves the warm-up out already)."
         )
     if any(line.row.peak_mb()[1] for line in table.lines):
         notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
+    for a, b, what in table.twins:
+        notes.append(f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(what)}.")
     for record, missing in table.lacking:
         error = f"; error: {record.tags['error'][:120]}" if "error" in record.tags else ""
         notes.append(f"- run {record.name} ({record.id[:8]}, {record.status}) has no {', '.join(missing)}{error}")
-    return notes
+    return [wrapped for note in notes for wrapped in _wrap(note)]
 
 
-def _md(cell: str) -> str:
-    return cell.replace("|", "\\|").replace("\n", " ")
+def _wrap(text: str) -> list[str]:
+    """Prose in lines of at most ``WIDTH`` characters (Markdown joins them back into one paragraph)."""
+    return textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False) or [""]
 
 
 def table_csv(table: Table) -> str:
-    """One line per row: every number unrounded, min and max included; the geometric means last (ladders)."""
-    metrics = {"epoch_s": EPOCH_S, "samples_per_s": THROUGHPUT, "val_acc": VAL_ACC}
+    """One line per row: every number unrounded, min and max included; the ladder's total and mean step last."""
+    metrics = {"epoch_s": lambda r: r.stat(EPOCH_S), "samples_per_s": Row.speed, "val_acc": lambda r: r.stat(VAL_ACC)}
     header = ["run", "n", "run_ids", "status", "device", "device_name", "model", "precision"]
-    header += ["batch_size", "workers", "resident", *table.diff_keys]
+    header += ["batch_size", "workers", "resident", *table.diff_keys, *table.provenance]
     header += [f"{name}_{part}" for name in metrics for part in ("median", "min", "max")]
-    header += ["spread_iqr_over_median", "speedup", "speedup_real", "speedup_p", "speedup_note"]
-    header += ["speedup_vs_previous", "vs_previous_real", "vs_previous_p", "gpu_util_mean_pct", "peak_mb"]
-    header += ["peak_mb_source", "bottleneck", "oom_events", "single_epoch"]
+    header += ["spread_iqr_over_median", *_speedup_header(""), *_speedup_header("vs_previous_")]
+    header += [f"step_{p.replace(' ', '_')}_ms" for p in STEP_PARTS] + ["step_vs_baseline"]
+    header += ["gpu_util_mean_pct", "peak_mb", "peak_mb_source", "bottleneck", "oom_events", "single_epoch"]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(header)
     for line in table.lines:
         row = line.row
         peak, device_peak = row.peak_mb()
-        stats = [row.stat(m) for m in metrics.values()]
-        prev = line.vs_previous
+        stats = [get(row) for get in metrics.values()]
+        parts = row.step_parts_ms() or {}
         writer.writerow(
             [
                 row.name,
@@ -170,15 +221,13 @@ def table_csv(table: Table) -> str:
                 row.tag("precision"),
                 *(row.param(k) for k in SHOWN if k != "model.name"),
                 *(row.param(k) for k in table.diff_keys),
+                *(row.runs[0].tags.get(t, "") for t in table.provenance),
                 *(_g(getattr(s, part, None)) for s in stats for part in ("median", "low", "high")),
-                _g(s.spread if (s := row.stat(THROUGHPUT)) else None),
-                _g(line.vs_baseline.median_ratio),
-                _flag(line.vs_baseline.real),
-                _g(line.vs_baseline.p),
-                line.vs_baseline.reason,
-                _g(prev.median_ratio if prev else None),
-                _flag(prev.real if prev else None),
-                _g(prev.p if prev else None),
+                _g(s.spread if (s := row.speed()) else None),
+                *_speedup_cells(line.vs_baseline if row is not table.baseline else None),
+                *_speedup_cells(line.vs_previous),
+                *(_g(parts.get(p)) for p in STEP_PARTS),
+                line.step_change,
                 _g(s.median if (s := row.stat(GPU_UTIL)) else None),
                 _g(peak.median if peak else None),
                 (DEVICE_PEAK_MB if device_peak else PEAK_MB) if peak else "",
@@ -187,11 +236,24 @@ def table_csv(table: Table) -> str:
                 _flag(row.single_epoch),
             ]
         )
-    if table.ladder:
-        geo = {"run": "geometric mean", "speedup": table.geomean_vs_baseline}
-        geo["speedup_vs_previous"] = table.geomean_per_step
-        writer.writerow([_g(geo[h]) if h in geo and h != "run" else geo.get(h, "") for h in header])
+    if table.ladder and table.total is not None:
+        writer.writerow([{"run": "ladder total", "speedup": _g(table.total)}.get(h, "") for h in header])
+        writer.writerow([{"run": "ladder per step", "speedup": _g(table.per_step)}.get(h, "") for h in header])
     return out.getvalue()
+
+
+def _speedup_header(prefix: str) -> list[str]:
+    names = ["speedup", "speedup_low", "speedup_high", "confidence", "real", "p", "p_adjusted", "test", "note"]
+    return [f"{prefix}{n}" for n in names]
+
+
+def _speedup_cells(s: Speedup | None) -> list[str]:
+    if s is None:
+        return [""] * 9
+    c = s.comparison
+    numbers = [c.ratio, c.low, c.high, c.confidence] if c else [None] * 4
+    test = c.sizes if c else ""
+    return [*(_g(x) for x in numbers), _flag(s.real), _g(c.p if c else None), _g(s.p_adjusted), test, s.reason]
 
 
 def _g(x: float | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,15 @@ from typing import Any
 from pipeline.errors import PipelineError
 
 EPOCH_S = "time/epoch_s"
-THROUGHPUT = "throughput/samples_per_s"  # steady state: each epoch's first step left out
+THROUGHPUT = "throughput/samples_per_s"  # steady state: each epoch's first step left out (one rank's under DDP)
+GLOBAL_THROUGHPUT = "throughput/global_samples_per_s"  # DDP: every rank's together, what a job is compared by
+STEP_MS = "time/step_ms"  # a steady step's mean time; the four shares below split it
+STEP_PARTS = {  # a step's parts, as the table and the chart name them, from their shares of the step
+    "data wait": "time/data_wait_pct",
+    "copy": "time/h2d_pct",
+    "compute": "time/compute_pct",
+    "own work": "time/overhead_pct",
+}
 VAL_ACC = "val/acc"
 GPU_UTIL = "gpu/util_mean_pct"
 PEAK_MB = "memory/max_allocated_mb"  # the allocator's peak (CUDA)
@@ -53,6 +62,30 @@ class RunRecord:
             experiment_id=info.experiment_id,
             start_time=info.start_time or 0,
         )
+
+    @property
+    def speed(self) -> float | None:
+        """Steady-state samples/s of the whole job: every rank's under DDP, else the run's; None if not recorded."""
+        value = self.metrics.get(GLOBAL_THROUGHPUT, self.metrics.get(THROUGHPUT))
+        return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def job(self) -> float:
+        """The sweep job number (``sweep.job``: the launch order), inf outside a sweep."""
+        job = self.tags.get("sweep.job", "")
+        return int(job) if job.isdigit() else math.inf
+
+    @property
+    def round(self) -> str | None:
+        """The round of an interleaved sweep this run ran in (``sweep.round``): runs of one round ran together."""
+        return self.tags.get("sweep.round")
+
+    def step_parts_ms(self) -> dict[str, float] | None:
+        """A steady step's parts in ms (``STEP_PARTS``), from ``time/step_ms`` and the shares; None without them."""
+        step = self.metrics.get(STEP_MS)
+        if step is None or not all(m in self.metrics for m in STEP_PARTS.values()):
+            return None
+        return {name: step * self.metrics[metric] / 100 for name, metric in STEP_PARTS.items()}
 
     @property
     def is_parent(self) -> bool:

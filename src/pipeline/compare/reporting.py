@@ -1,21 +1,20 @@
-"""The comparison as the user gets it: ``report`` (Markdown, CSV and MLflow's compare link), ``write`` (files in a
-folder) and ``attach`` (the same files on the sweep's parent run)."""
+"""The comparison as the user gets it: ``report`` (Markdown, CSV, the links, and the note MLflow's UI shows),
+``write`` (files in a folder) and ``attach`` (the same files on the sweep's parent run)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
 from pipeline.compare.charts import chart
 from pipeline.compare.formats import table_csv, table_markdown
 from pipeline.compare.records import RunRecord
-from pipeline.compare.stats import MIN_EFFECT
 from pipeline.compare.table import Table, build
 from pipeline.secrets import mask_text
+from pipeline.stats import MIN_EFFECT
 from pipeline.store import ui_base
 
 ARTIFACTS = "compare"  # the folder under the parent run that --log writes to
@@ -25,9 +24,10 @@ FILES = ("compare.md", "compare.csv", "compare.png")
 @dataclass(frozen=True)
 class Report:
     table: Table
-    markdown: str  # the heading, the table with its notes, and the links
+    markdown: str  # the heading, the table with its notes, and the links (absolute: a terminal, a file)
     csv: str
     link: str  # MLflow's compare page for exactly these runs
+    note: str  # the same for MLflow's UI (a sweep parent's description): links relative to the page it is on
 
     def figure(self) -> Any:
         """A new chart (``matplotlib.figure.Figure``) of the table."""
@@ -43,45 +43,65 @@ def report(
     note: str = "",
     ui: str | None = None,
     min_effect: float = MIN_EFFECT,
+    rank_by: str | None = None,
 ) -> Report:
     """The comparison of ``runs`` (MLflow runs from ``search_runs``, or ``RunRecord``s) in table order.
 
     Args:
         client: the ``MlflowClient`` they came from; its tracking URI gives the links' base.
-        baseline, ladder, min_effect: as in ``build``.
-        note: how the runs were chosen (``Selection.note``), printed above the table.
+        baseline, ladder, min_effect, rank_by: as in ``build``.
+        note: how the runs were chosen (``Selection.note``), in the heading.
         ui: the MLflow UI's address; default the tracking server's, or ``mlflow ui``'s for a local store.
 
     Raises:
         CompareError: no runs, or an unknown baseline.
     """
     records = [r if isinstance(r, RunRecord) else RunRecord.from_run(r) for r in runs]
-    table = build(records, baseline=baseline, ladder=ladder, min_effect=min_effect)
+    table = build(records, baseline=baseline, ladder=ladder, min_effect=min_effect, rank_by=rank_by)
     uri = client.tracking_uri
     base = (ui or ui_base(uri)).rstrip("/")
     shown = [r for line in table.lines for r in line.row.runs]
     experiments = list(dict.fromkeys(r.experiment_id for r in shown))
-    link = compare_link(base, [r.id for r in shown], experiments)
+    page = compare_link("", [r.id for r in shown], experiments)
     rows, n = len(table.lines), len(shown)
-    text = [f"## {n} runs in {rows} rows" + (f" — {note}" if note else ""), "", table_markdown(table)]
-    text.append(f"MLflow's compare page for these {n} runs: {link}")
-    for e in experiments:
-        text.append(f"All runs (model-training view): {base}/#/experiments/{e}/runs?workflowType=machine_learning")
+    heading = f"## {note + ': ' if note else ''}{n} runs in {rows} rows"
+    body = table_markdown(table)
+    text = [heading, "", body, f"MLflow's compare page for these {n} runs: {base}/{page}"]
+    text += [f"All runs (model-training view): {base}/{_runs_page(e)}" for e in experiments]
     if urlparse(uri).scheme not in ("http", "https", "databricks"):
-        text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri})")
-    return Report(table, mask_text("\n".join(text) + "\n"), mask_text(table_csv(table)), link)
+        text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri} --port {_port(base)})")
+    # In the UI, links relative to the page open on the UI's own address, whatever host and port serve it.
+    ui_note = [heading, "", body, f"[MLflow's compare page for these {n} runs]({page})"]
+    ui_note += [f"[All runs of experiment {e} (model-training view)]({_runs_page(e)})" for e in experiments]
+    return Report(
+        table,
+        mask_text("\n".join(text) + "\n"),
+        mask_text(table_csv(table)),
+        f"{base}/{page}",
+        mask_text("\n".join(ui_note) + "\n"),
+    )
+
+
+def _runs_page(experiment_id: str) -> str:
+    return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def _port(base: str) -> int:
+    return urlparse(base).port or 5000
 
 
 def compare_link(ui: str, run_ids: Sequence[str], experiment_ids: Sequence[str]) -> str:
     """MLflow's compare page as its UI builds it (``?runs=<JSON list>&experiments=<JSON list>``, percent-encoded:
-    the page decodes it, and a terminal keeps the link whole), in the model-training view."""
+    the page decodes it, and a terminal keeps the link whole), in the model-training view; ``ui`` '' gives the
+    link relative to the UI's own page."""
     runs = quote(json.dumps(list(run_ids), separators=(",", ":")), safe="")
     experiments = quote(json.dumps(list(experiment_ids), separators=(",", ":")), safe="")
-    return f"{ui}/#/compare-runs?runs={runs}&experiments={experiments}&workflowType=machine_learning"
+    prefix = f"{ui}/" if ui else ""
+    return f"{prefix}#/compare-runs?runs={runs}&experiments={experiments}&workflowType=machine_learning"
 
 
-def write(result: Report, folder: Path) -> list[Path]:
-    """``compare.md``, ``compare.csv`` and ``compare.png`` in ``folder`` (made if missing)."""
+def write(result: Report, folder: Any) -> list[Any]:
+    """``compare.md``, ``compare.csv`` and ``compare.png`` in ``folder`` (a ``Path``, made if missing)."""
     folder.mkdir(parents=True, exist_ok=True)
     md, table, png = (folder / name for name in FILES)
     md.write_text(result.markdown, encoding="utf-8")

@@ -3,7 +3,6 @@ mlflow itself is imported only by ``open_store``; ``select`` works on any client
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,19 @@ class Selection:
     runs: list[RunRecord]  # in table order, sweep parents left out
     parent: RunRecord | None  # the sweep's parent run (where --log attaches the files), when a sweep was selected
     note: str  # how the runs were chosen, in words
+
+    @property
+    def objective(self) -> str | None:
+        """What the sweep searched for, when it was a search (Optuna): its rows are ranked by it."""
+        return search_objective(self.parent.tags if self.parent else {})
+
+
+def search_objective(parent_tags: Any) -> str | None:
+    """The metric a search maximised (a sweep's ``sweep.optimized_metric``), None for a grid sweep: a grid's
+    jobs all return a metric too, but its rows keep their order."""
+    if parent_tags.get("sweep.sweeper") in (None, "basic", "interleaved"):
+        return None
+    return parent_tags.get("sweep.optimized_metric")
 
 
 def select(
@@ -64,14 +76,23 @@ def select(
         parent = parents[0]
         sweep = parent.tags.get("sweep.id", "")
     _check_literal("--sweep", sweep)
-    where = f"tags.`sweep.id` = '{sweep}'" if sweep else f"tags.`mlflow.parentRunId` = '{parent.id if parent else ''}'"
-    runs = _search(client, ids, where)
+    if not sweep:  # a parent without an id (made by hand): its children
+        runs = _search(client, ids, f"tags.`mlflow.parentRunId` = '{parent.id if parent else ''}'")
+    else:  # the id as printed (its first 8 characters) or whole: one query finds every run of the sweep
+        runs = _search(client, ids, f"tags.`sweep.id` LIKE '{sweep}%'")
+        found = sorted({r.tags.get("sweep.id", "") for r in runs})
+        if len(found) > 1:
+            if sweep in found:
+                runs = [r for r in runs if r.tags.get("sweep.id") == sweep]
+            else:
+                shown = ", ".join(f[:12] for f in found[:5])
+                raise CompareError(f"--sweep {sweep}: {len(found)} sweeps start so ({shown}); give more characters")
+        sweep = found[0] if len(found) == 1 else sweep
     parent = next((r for r in runs if r.is_parent), parent)
     if not runs:
-        raise CompareError(f"no sweep {sweep!r} in experiment {experiment!r} (runs tagged sweep.id={sweep})")
-    runs.sort(key=lambda r: (_job(r), r.start_time))
-    name = f", parent run {parent.name}" if parent else ""
-    return _selection(runs, parent, f"sweep {sweep}{name}", experiment)
+        raise CompareError(f"no sweep {sweep!r} in experiment {experiment!r} (no run tagged sweep.id={sweep}...)")
+    runs.sort(key=lambda r: (r.job, r.start_time))
+    return _selection(runs, parent, f"sweep {sweep[:8]}", experiment)
 
 
 def _by_ids(client: Any, run_ids: Sequence[str]) -> Selection:
@@ -97,7 +118,7 @@ def _selection(runs: list[RunRecord], parent: RunRecord | None, note: str, exper
         raise CompareError(f"no runs to compare{where} ({note}); train some, or choose with --runs or --last N")
     if len(runs) >= MAX_RUNS:
         note += f"; only the first {MAX_RUNS:,} (MLflow's limit for one query)"
-    return Selection(kept, parent, f"{note}: {len(kept)} runs")
+    return Selection(kept, parent, note)
 
 
 def _search(
@@ -116,14 +137,9 @@ def _search(
     return [RunRecord.from_run(run) for run in page]
 
 
-def _job(record: RunRecord) -> float:
-    job = record.tags.get("sweep.job", "")
-    return int(job) if job.isdigit() else math.inf
-
-
 def _check_literal(option: str, value: str) -> None:
-    if "'" in value or "\\" in value:  # it goes into a filter string between single quotes
-        raise CompareError(f"{option} {value!r}: quotes and backslashes are not allowed")
+    if any(c in value for c in "'\\%_"):  # it goes into a filter string between single quotes, or a LIKE
+        raise CompareError(f"{option} {value!r}: quotes, backslashes, % and _ are not allowed")
 
 
 def open_store(uri: str) -> Any:

@@ -1,109 +1,63 @@
-"""Repeats grouped into rows, and every number the outputs show computed once: ``group``, ``build``, ``Table``."""
+"""Every number the outputs show, computed once: rows compared with the baseline (and, in a ladder, with the row
+before), each comparison's test corrected for the others (Holm), the step-time change, the drift.
+
+A row's speed-up is ``pipeline.stats.compare`` of its runs' samples/s against the baseline's: the Hodges–Lehmann
+ratio with its interval, and an exact test: paired round by round where the runs ran in the same rounds of an
+interleaved sweep and the pairs can reach the level, else the rank test. It is *real* when the p-value, adjusted
+by Holm over the table's comparisons, is below ``alpha`` and the change is at least ``min_effect``.
+"""
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from pipeline.compare.records import CORE, DEVICE_PEAK_MB, OOM_EVENTS, PEAK_MB, THROUGHPUT, CompareError, RunRecord
-from pipeline.compare.stats import ALPHA, MIN_EFFECT, Speedup, Stat, geomean, speedup, stat
+from pipeline.compare.records import STEP_PARTS, VAL_ACC, CompareError, RunRecord
+from pipeline.compare.rows import (
+    COVERED,
+    PROVENANCE,
+    REPEAT_KEYS,
+    SHOWN,
+    Row,
+    config_key,
+    differences,
+    group,
+    only_provenance,
+    provenance_columns,
+)
+from pipeline.stats import ALPHA, MIN_EFFECT, Comparison, Drift, compare, drift, holm
 
-REPEAT_KEYS = frozenset({"trainer.seed", "repeat"})  # runs differing only here are repeats of one configuration
-NOT_CONFIG = frozenset({"tracking.run_name"})  # names the run, changes nothing it measures
-# params with a column of their own (model, batch, workers, resident), never repeated as a diff column
-SHOWN = ("model.name", "loader.batch_size", "loader.num_workers", "loader.resident")
-HARDWARE_TAGS = ("device.type", "device.name")  # the same params on other hardware are not repeats
+__all__ = ["COVERED", "PROVENANCE", "REPEAT_KEYS", "SHOWN", "Line", "Speedup", "Table", "build", "config_key"]
 
 
 @dataclass(frozen=True)
-class Row:
-    """One configuration: its repeats, in selection order."""
+class Speedup:
+    """One row's samples/s against another's: the comparison, its adjusted p, and whether the change is real
+    (None: the design cannot show a difference, or there is nothing to compare)."""
 
-    runs: tuple[RunRecord, ...]
-
-    @property
-    def n(self) -> int:
-        return len(self.runs)
-
-    @property
-    def name(self) -> str:
-        """The runs' name; where repeats are named apart (a sweep names ``...-w0-seed1``), the parts they share."""
-        names = list(dict.fromkeys(r.name for r in self.runs))
-        parts = [name.split("-") for name in names]
-        columns = list(zip(*parts, strict=False))  # the i-th part of every name, as far as the shortest goes
-        if len({len(p) for p in parts}) == 1:
-            shared = [c[0] for c in columns if len(set(c)) == 1]
-        else:
-            shared = [c[0] for c in itertools.takewhile(lambda c: len(set(c)) == 1, columns)]
-        return "-".join(shared) or f"{names[0]} (+{len(names) - 1} names)"
-
-    def samples(self, metric: str) -> list[float]:
-        return [r.metrics[metric] for r in self.runs if metric in r.metrics and math.isfinite(r.metrics[metric])]
-
-    def stat(self, metric: str) -> Stat | None:
-        return stat(self.samples(metric))
-
-    def param(self, key: str) -> str:
-        return self.runs[0].params.get(key, "–")  # equal across repeats, by construction
-
-    def tag(self, key: str) -> str:
-        values = Counter(r.tags[key] for r in self.runs if key in r.tags)
-        if len(values) <= 1:
-            return next(iter(values), "–")
-        return " ".join(f"{value}×{count}" for value, count in values.most_common())
-
-    def peak_mb(self) -> tuple[Stat | None, bool]:
-        """The allocator's peak, else the device's (NVML) peak; True when it is the device's."""
-        own = self.stat(PEAK_MB)
-        if own is not None:
-            return own, False
-        device = self.stat(DEVICE_PEAK_MB)
-        return device, device is not None
+    comparison: Comparison | None
+    p_adjusted: float | None
+    tests: int  # comparisons in the family Holm corrects over
+    real: bool | None
+    reason: str
 
     @property
-    def oom_events(self) -> int:
-        return sum(int(r.metrics.get(OOM_EVENTS, 0)) for r in self.runs)
+    def ratio(self) -> float | None:
+        return self.comparison.ratio if self.comparison else None
 
-    @property
-    def status(self) -> str:
-        counts = Counter(r.status for r in self.runs)
-        return "FINISHED" if set(counts) == {"FINISHED"} else ", ".join(f"{c} {s}" for s, c in counts.items())
-
-    @property
-    def single_epoch(self) -> bool:
-        return any(r.single_epoch for r in self.runs)
-
-
-def config_key(record: RunRecord) -> tuple[Any, ...]:
-    """What makes runs repeats of each other: every param but the seed and repeat keys, and the hardware."""
-    params = tuple(sorted((k, v) for k, v in record.params.items() if k not in REPEAT_KEYS | NOT_CONFIG))
-    return (params, *(record.tags.get(t) for t in HARDWARE_TAGS))
+    def cell(self) -> str:
+        """``1.18× [1.12–1.24]``, ``~1.02× [0.97–1.08]``, ``0.77× slower [0.75–0.79]``; a ``*`` on an interval
+        below the nominal coverage."""
+        c = self.comparison
+        if c is None:
+            return "–"
+        slower = " slower" if self.real and c.ratio < 1 else ""  # a step that cost speed is said in words
+        star = "*" if c.confidence < 0.95 - 1e-9 else ""
+        return f"{'' if self.real else '~'}{c.ratio:.2f}×{slower} [{c.low:.2f}–{c.high:.2f}]{star}"
 
 
-def group(records: Iterable[RunRecord]) -> list[Row]:
-    """Repeats into rows, in the order each configuration first appears."""
-    groups: dict[tuple[Any, ...], list[RunRecord]] = {}
-    for record in records:
-        groups.setdefault(config_key(record), []).append(record)
-    return [Row(tuple(runs)) for runs in groups.values()]
-
-
-def differences(records: Sequence[RunRecord]) -> tuple[list[str], dict[str, str]]:
-    """The config keys whose values differ between ``records`` (a missing key counts as a value), and the keys
-    equal in all of them with their value; seed, repeat and keys with a column of their own are in neither."""
-    keys = sorted({k for r in records for k in r.params} - REPEAT_KEYS - NOT_CONFIG - set(SHOWN))
-    diff, same = [], {}
-    for key in keys:
-        values = {r.params.get(key) for r in records}
-        if len(values) > 1:
-            diff.append(key)
-        else:
-            same[key] = next(iter(values))
-    return diff, same
+BASELINE = Speedup(None, None, 0, None, "baseline")
 
 
 @dataclass(frozen=True)
@@ -111,6 +65,7 @@ class Line:
     row: Row
     vs_baseline: Speedup
     vs_previous: Speedup | None  # ladders only
+    step_change: str  # what changed in a steady step against the baseline, in ms ("" for the baseline)
 
 
 @dataclass(frozen=True)
@@ -121,15 +76,16 @@ class Table:
     baseline: Row
     diff_keys: list[str]
     same: dict[str, str]
+    provenance: list[str]  # provenance tags that differ between rows (each a column)
+    twins: list[tuple[Row, Row, list[str]]]  # rows of one config that differ only in code or software
     ladder: bool
-    geomean_vs_baseline: float | None  # ladders: over the rows after the baseline
-    geomean_per_step: float | None  # ladders: over the speed-ups against the previous row
+    total: float | None  # ladders: the last row over the baseline
+    per_step: float | None  # ladders: the geometric mean step, total ** (1 / steps)
+    drift: Drift | None
     lacking: list[tuple[RunRecord, list[str]]]  # runs without some CORE metrics, and which
+    ranked_by: str | None = None  # an objective the rows are sorted by (a search), best first
     min_effect: float = MIN_EFFECT
     alpha: float = ALPHA
-
-
-BASELINE = Speedup(1.0, None, None, "baseline")
 
 
 def build(
@@ -139,58 +95,127 @@ def build(
     ladder: bool = False,
     min_effect: float = MIN_EFFECT,
     alpha: float = ALPHA,
+    rank_by: str | None = None,
 ) -> Table:
-    """The table of ``records`` (sweep parents left out), rows in the order given.
+    """The table of ``records`` (sweep parents left out), rows in the order given (or by ``rank_by``).
 
     Args:
         records: the runs, in table order (sweep job, start time or as listed).
-        baseline: a run id (or its first 8 characters) or run name whose row the others are measured against;
-            default the first row.
-        ladder: also compare each row with the one before, and add the geometric means.
+        baseline: a row's name, or a run's id (or its first 8 characters) or name, whose row the others are
+            measured against; default the first row.
+        ladder: also compare each row with the one before, and give the total and the mean step.
+        rank_by: sort the rows by this metric's median, best first (a search's objective: ``val/acc``, or
+            ``throughput/samples_per_s`` for the job's whole throughput).
 
     Raises:
-        CompareError: no runs, or ``baseline`` names none of them (or runs in several rows).
+        CompareError: no runs, or ``baseline`` names none of the rows (or several).
     """
+    from pipeline.compare.records import CORE
+
     records = [r for r in records if not r.is_parent]
     if not records:
         raise CompareError("no runs to compare (sweep parent runs are never rows)")
     rows = group(records)
+    if rank_by:
+        rows = _ranked(rows, rank_by)
     base = rows[_baseline_index(rows, baseline)] if baseline else rows[0]
-    lines, previous = [], None
-    for row in rows:
-        vs_base = BASELINE if row is base else speedup(_speed(base), _speed(row), min_effect=min_effect, alpha=alpha)
-        vs_prev = None
-        if ladder and previous is not None:
-            vs_prev = speedup(_speed(previous), _speed(row), min_effect=min_effect, alpha=alpha)
-        lines.append(Line(row, vs_base, vs_prev))
-        previous = row
+    others = [row for row in rows if row is not base]
+    vs_base = _family([(base, row) for row in others], min_effect=min_effect, alpha=alpha)
+    vs_prev = _family(list(itertools.pairwise(rows)), min_effect=min_effect, alpha=alpha) if ladder else []
+    lines = []
+    for i, row in enumerate(rows):
+        previous = (vs_prev[i - 1] if i else None) if ladder else None
+        versus = BASELINE if row is base else vs_base[others.index(row)]
+        lines.append(Line(row, versus, previous, "" if row is base else step_change(base, row)))
     diff, same = differences(records)
     lacking = [(r, missing) for r in records if (missing := [m for m in CORE if m not in r.metrics])]
-    after_baseline = [ln.vs_baseline.median_ratio for ln in lines if ln.row is not base]
-    per_step = [ln.vs_previous.median_ratio for ln in lines if ln.vs_previous]
+    total = lines[-1].vs_baseline.ratio if ladder and len(lines) > 1 and lines[-1].row is not base else None
     return Table(
         lines=lines,
         baseline=base,
         diff_keys=diff,
         same=same,
+        provenance=provenance_columns(rows),
+        twins=only_provenance(rows),
         ladder=ladder,
-        geomean_vs_baseline=geomean(after_baseline) if ladder else None,
-        geomean_per_step=geomean(per_step) if ladder else None,
+        total=total,
+        per_step=total ** (1 / (len(lines) - 1)) if total else None,
+        drift=sweep_drift(rows),
         lacking=lacking,
+        ranked_by=rank_by,
         min_effect=min_effect,
         alpha=alpha,
     )
 
 
-def _speed(row: Row) -> list[float]:
-    return row.samples(THROUGHPUT)
+def _family(pairs: Sequence[tuple[Row, Row]], *, min_effect: float, alpha: float) -> list[Speedup]:
+    """Each ``(reference, row)`` compared, the p-values adjusted together (Holm): one family of comparisons."""
+    tests = sum(1 for ref, row in pairs if ref.speeds() and row.speeds())
+    level = alpha / max(tests, 1)  # Holm's strictest step: what a paired test must be able to reach to be chosen
+    found = []
+    for ref, row in pairs:
+        shared = ref.by_round().keys() & row.by_round().keys()
+        together = [(ref.by_round()[r], row.by_round()[r]) for r in sorted(shared)]
+        found.append(compare(ref.speeds(), row.speeds(), pairs=together, level=level))
+    adjusted = holm([c.p if c is not None and c.min_p <= alpha else None for c in found])
+    return [_verdict(c, p, tests, min_effect=min_effect, alpha=alpha) for c, p in zip(found, adjusted, strict=True)]
+
+
+def _verdict(c: Comparison | None, p: float | None, tests: int, *, min_effect: float, alpha: float) -> Speedup:
+    if c is None:
+        return Speedup(None, None, tests, None, "no samples/s to compare")
+    sizes = c.sizes
+    if p is None:
+        return Speedup(c, None, tests, None, f"{sizes} cannot show a difference (p ≥ {c.min_p:.2g}): add repeats")
+    said = f"p={p:.2g}" + (f" (Holm, {tests} tests)" if tests > 1 else "")
+    if p >= alpha:
+        return Speedup(c, p, tests, False, f"~ {said} ≥ {alpha:g}, {sizes}")
+    effect = abs(c.ratio - 1)
+    if effect < min_effect:
+        return Speedup(c, p, tests, False, f"~ {said}, but {effect:.1%} < {min_effect:.0%}")
+    return Speedup(c, p, tests, True, f"real: {said}, {sizes}")
+
+
+def step_change(base: Row, row: Row) -> str:
+    """What changed in a steady step against the baseline, biggest first: ``data wait −42 ms, compute +1.0 ms``.
+    Parts that moved by less than 1% of the baseline's step, or 0.05 ms, are left out; '' without the figures."""
+    mine, theirs = row.step_parts_ms(), base.step_parts_ms()
+    if mine is None or theirs is None:
+        return ""
+    floor = max(0.05, 0.01 * sum(theirs.values()))
+    moved = sorted(((mine[p] - theirs[p], p) for p in STEP_PARTS), key=lambda d: -abs(d[0]))
+    said = [f"{part} {_ms(delta)}" for delta, part in moved if abs(delta) >= floor][:2]
+    return ", ".join(said) or "same split"
+
+
+def _ms(delta: float) -> str:
+    sign = "+" if delta > 0 else "−"
+    size = abs(delta)
+    return f"{sign}{size:.0f} ms" if size >= 10 else f"{sign}{size:.1f} ms" if size >= 1 else f"{sign}{size:.2f} ms"
+
+
+def sweep_drift(rows: Sequence[Row]) -> Drift | None:
+    """The machine's drift over the runs' order (sweep job, else start time), each row's level taken out."""
+    runs = sorted((r for row in rows for r in row.runs), key=lambda r: (r.job, r.start_time))
+    order = {r.id: i for i, r in enumerate(runs)}
+    return drift([(i, order[r.id], r.speed) for i, row in enumerate(rows) for r in row.runs if r.speed])
+
+
+def _ranked(rows: list[Row], metric: str) -> list[Row]:
+    def key(row: Row) -> float:
+        s = row.speed() if metric != VAL_ACC else row.stat(VAL_ACC)
+        return -s.median if s is not None else float("inf")
+
+    return sorted(rows, key=key)
 
 
 def _baseline_index(rows: Sequence[Row], wanted: str) -> int:
-    hits = {i for i, row in enumerate(rows) for r in row.runs if wanted in (r.id, r.id[:8], r.name)}
+    hits = {i for i, row in enumerate(rows) if wanted in (row.name, row.base_name)}
+    if not hits:
+        hits = {i for i, row in enumerate(rows) for r in row.runs if wanted in (r.id, r.id[:8], r.name)}
     if len(hits) == 1:
         return hits.pop()
     names = ", ".join(row.name for row in rows)
     if not hits:
-        raise CompareError(f"--baseline {wanted}: no selected run has that id or name (rows: {names})")
-    raise CompareError(f"--baseline {wanted}: runs of several rows have that name; give a run id (rows: {names})")
+        raise CompareError(f"--baseline {wanted}: no row or selected run has that name or id (rows: {names})")
+    raise CompareError(f"--baseline {wanted}: several rows have that name; give a run id (rows: {names})")

@@ -1,0 +1,45 @@
+"""``hydra/sweeper=interleaved``: Hydra's basic sweeper with a sweep's repeats interleaved (``pipeline.design``).
+
+It lists the same jobs as the basic sweeper (comma lists, ``range()``, ``glob()``, ``hydra.sweeper.params``) and
+hands them to whatever launcher is configured; only their order differs, and it writes which round each job is
+in to ``<hydra.sweep.dir>/design.json`` for the jobs to tag their runs with (``sweep.round``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.types import Override
+
+
+class InterleavedSweeper(BasicSweeper):
+    """The basic sweeper, repeats interleaved round by round; see ``pipeline.design``."""
+
+    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:  # type: ignore[override]
+        from pipeline.design import interleave
+        from pipeline.sweep import save_design
+
+        plan = interleave(axes(overrides))
+        if self.config is not None:
+            save_design(Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir)), plan.rounds)
+        size = len(plan.jobs) if max_batch_size in (None, -1) else max_batch_size
+        return [plan.jobs[i : i + size] for i in range(0, len(plan.jobs), size)] or [[]]
+
+
+def axes(overrides: list[Override]) -> list[tuple[str, list[str]]]:
+    """Each key with its overrides, as the basic sweeper expands them (its errors for sweeps it cannot list)."""
+    listed: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            if not override.is_discrete_sweep():
+                from hydra.errors import HydraException
+
+                kind: Any = override.value_type
+                raise HydraException(f"{BasicSweeper.__name__} does not support sweep type : {kind.name}")
+            listed[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            listed[key] = [f"{key}={override.get_value_element_as_str()}"]
+    return list(listed.items())

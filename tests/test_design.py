@@ -1,0 +1,111 @@
+"""Sweeps whose repeats run round by round: the order, the rounds recorded, and a drifting machine that no longer
+turns an A/A comparison into a "real" speed-up while a real 20% difference still shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+import pipeline.timing as timing_module
+import pipeline.train
+from pipeline.compare import RunRecord, build
+from pipeline.config import sweep_jobs
+from pipeline.design import interleave
+from test_cli import run_main
+
+TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32", "monitor.enabled=false", "device=cpu"]
+
+
+def test_repeats_run_round_by_round_whatever_order_the_keys_were_typed_in() -> None:
+    seed_last = interleave([("amp", ["amp=false", "amp=true"]), ("trainer.seed", ["trainer.seed=1", "trainer.seed=2"])])
+    seed_first = interleave(
+        [("trainer.seed", ["trainer.seed=1", "trainer.seed=2"]), ("amp", ["amp=false", "amp=true"])]
+    )
+    assert seed_last.jobs == [
+        ["amp=false", "trainer.seed=1"],
+        ["amp=true", "trainer.seed=1"],
+        ["amp=true", "trainer.seed=2"],  # every other round in reverse: a steady drift cancels over two rounds
+        ["amp=false", "trainer.seed=2"],
+    ]
+    assert seed_last.rounds == [0, 0, 1, 1]
+    assert [sorted(job) for job in seed_first.jobs] == [sorted(job) for job in seed_last.jobs]
+    assert seed_first.jobs[0] == ["trainer.seed=1", "amp=false"]  # each job's overrides keep the typed order
+
+
+def test_a_sweep_without_repeats_keeps_hydras_order_and_a_plain_override_rides_along() -> None:
+    plan = interleave([("a", ["a=1", "a=2"]), ("b", ["b=x", "b=y"]), ("c", ["c=0"])])
+    assert plan.jobs == [["a=1", "b=x", "c=0"], ["a=1", "b=y", "c=0"], ["a=2", "b=x", "c=0"], ["a=2", "b=y", "c=0"]]
+    assert plan.rounds == [None] * 4
+    plus = interleave([("+repeat", ["+repeat=1", "+repeat=2"]), ("a", ["a=1", "a=2"])])
+    assert plus.rounds == [0, 0, 1, 1] and plus.jobs[2] == ["+repeat=2", "a=2"]
+
+
+def test_the_checked_jobs_are_listed_in_the_order_they_run() -> None:
+    assert sweep_jobs(["loader.batch_size=32,64", "trainer.seed=1,2,3"]) == [
+        ["loader.batch_size=32", "trainer.seed=1"],
+        ["loader.batch_size=64", "trainer.seed=1"],
+        ["loader.batch_size=64", "trainer.seed=2"],
+        ["loader.batch_size=32", "trainer.seed=2"],
+        ["loader.batch_size=32", "trainer.seed=3"],
+        ["loader.batch_size=64", "trainer.seed=3"],
+    ]
+
+
+class DriftingMachine:
+    """The step timer's clock (``time.perf_counter``) on a machine that slows 1% with every job: each reading
+    advances ``tick`` seconds, ``tick`` grows by 1% a job, and a job with ``trainer.log_every_n_steps=101`` is slower by
+    ``penalty`` (1.0: an A/A comparison). Deterministic: no real sleeping, no noise."""
+
+    def __init__(self, penalty: float) -> None:
+        self.penalty, self.jobs, self.now, self.tick = penalty, 0, 0.0, 0.001
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def train(self, real: Any) -> Any:
+        def drifting(cfg: Any, **kwargs: Any) -> Any:
+            self.tick = 0.001 * 1.01**self.jobs * (self.penalty if cfg.trainer.log_every_n_steps == 101 else 1.0)
+            self.jobs += 1
+            return real(cfg, **kwargs)
+
+        return drifting
+
+
+def drifting_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, penalty: float, sweeper: str) -> Any:
+    """``-m trainer.log_every_n_steps=100,101 trainer.seed=1,2,3,4`` (the seed typed last, as the README writes
+    sweeps): in 3 steps neither logs, so the two rows differ only by what the clock says."""
+    machine = DriftingMachine(penalty)
+    monkeypatch.setattr(timing_module, "time", machine)
+    monkeypatch.setattr(pipeline.train, "train", machine.train(pipeline.train.train))
+    store = tmp_path / f"{sweeper}-{penalty}.db"
+    args = ["-m", "trainer.log_every_n_steps=100,101", "trainer.seed=1,2,3,4", f"hydra/sweeper={sweeper}", *TINY]
+    assert run_main(monkeypatch, *args, f"tracking.uri=sqlite:///{store}") == 0
+    runs = MlflowClient(f"sqlite:///{store}").search_runs(["1"])
+    records = sorted((RunRecord.from_run(r) for r in runs if "sweep.job" in r.data.tags), key=lambda r: r.job)
+    return build(records)
+
+
+@pytest.mark.slow
+def test_a_drifting_machine_makes_no_real_difference_of_an_a_a_sweep_and_hides_no_real_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    a_a = drifting_sweep(monkeypatch, tmp_path, penalty=1.0, sweeper="interleaved")
+    versus = a_a.lines[1].vs_baseline
+    assert [r.round for r in a_a.lines[0].row.runs] == ["0", "1", "2", "3"]  # recorded: sweep.round
+    assert [int(r.job) for r in a_a.lines[0].row.runs] == [0, 3, 4, 7]  # A1 B1 | B2 A2 | A3 B3 | B4 A4
+    assert versus.real is False and versus.comparison.p == pytest.approx(1.0)
+    assert a_a.drift.real and a_a.drift.change == pytest.approx(1.01**-7 - 1, rel=1e-3)  # said, not hidden
+
+    b_slower = drifting_sweep(monkeypatch, tmp_path, penalty=1.25, sweeper="interleaved")
+    versus = b_slower.lines[1].vs_baseline
+    assert versus.real is True and versus.comparison.ratio == pytest.approx(0.8, rel=0.02)
+    assert versus.cell().startswith("0.80× slower")
+
+    # Hydra's own order (each configuration's four seeds back to back): the same drift reads as a real difference
+    blocked = drifting_sweep(monkeypatch, tmp_path, penalty=1.0, sweeper="basic")
+    assert [int(r.job) for r in blocked.lines[0].row.runs] == [0, 1, 2, 3]
+    assert blocked.lines[1].vs_baseline.comparison.p == pytest.approx(2 / 70)  # what the design above prevents
