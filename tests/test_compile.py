@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 import pipeline.build as build_module
 import pipeline.timing as timing_module
+from pipeline import compilation
 from pipeline.config import ConfigError, RunConfig, load
 from pipeline.record import compile_seconds
 from pipeline.timing import Breakdown
@@ -82,6 +84,11 @@ def test_compile_seconds_is_the_first_step_less_the_mean_steady_step_of_every_ep
     assert compile_seconds([breakdown(0.1, 4, 2.0)]) == 0.0  # a first step faster than the mean: nothing compiled
 
 
+def test_compile_seconds_counts_the_later_steps_that_recompiled() -> None:
+    last_batch = Breakdown(0.0, 0.0, 2.0, 4, 32, 12.0, 6, 48, compile_steps=1, compile_steps_s=1.84)
+    assert compile_seconds([last_batch]) == pytest.approx(12.0 + 1.84 - 2 * 0.5)
+
+
 def test_compile_seconds_is_unknown_without_a_step_after_an_epochs_first() -> None:
     one_step = Breakdown(0.0, 0.0, 5.0, steady_steps=1, steady_samples=8, first_step_s=5.0, steps=1, samples=8)
     assert compile_seconds([one_step, one_step]) is None
@@ -137,7 +144,7 @@ def test_the_mode_reaches_torch_compile_and_the_compile_time_is_recorded_out_of_
     assert run.data.metrics["time/compile_s"] == pytest.approx(b.first_step_s - b.step_s / 2)
     assert run.data.metrics["time/compile_s"] > 9.9
     assert run.data.params["trainer.compile"] == "true" and run.data.params["trainer.compile_mode"] == mode
-    note = f"torch.compile (mode {mode}) took about 10.0 s: the first step's 10.0 s less a steady step's"
+    note = f"torch.compile (mode {mode}) took about 10.0 s: the first step's 10.0 s, less steady steps' time"
     assert any(n.startswith(note) for n in result.notes)
     assert note in run.data.tags["mlflow.note.content"]  # the printed summary, as the run's description
 
@@ -193,3 +200,34 @@ def test_a_compiled_model_survives_an_out_of_memory_error_and_recompiles_for_the
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
     metrics = MlflowClient(store_uri).get_run(result.run_id).data.metrics
     assert metrics["oom/micro_batch_size"] == 16 and metrics["time/compile_s"] >= 0
+
+
+@pytest.mark.slow
+def test_a_sweep_over_five_models_compiles_every_job_in_one_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Five hidden sizes, two epochs of digits at batch 64 (its 30-sample last batch recompiles once): 10 graphs
+    for one forward's code, past dynamo's limit of 8 if the jobs shared its state. Each job starts fresh, so each
+    compiles and none runs eagerly; without the reset, the fourth job's recompile limit ends it with one line."""
+    from test_cli import run_main
+
+    sizes = "[32],[48],[64],[80],[96]"
+    args = ["-m", f"model.hidden_sizes={sizes}", "trainer.compile=true", "trainer.epochs=2", "device=cpu"]
+    args += ["monitor.enabled=false", "loader.batch_size=64", "trainer.progress=false"]
+    assert run_main(monkeypatch, *args) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    jobs = [r for r in client.search_runs(["1"]) if "sweep.job" in r.data.tags]
+    assert len(jobs) == 5 and {r.info.status for r in jobs} == {"FINISHED"}
+    for run in jobs:
+        metrics = run.data.metrics
+        assert metrics["compile/graphs"] >= 2 and metrics["compile/recompiles"] >= 1  # the last batch, evaluation
+        assert metrics["time/compile_s"] > 0 and run.data.params["trainer.compile"] == "true"
+
+    monkeypatch.setattr(compilation, "fresh", lambda: None)  # the jobs now share dynamo's state, as they did
+    monkeypatch.chdir(tmp_path / "multirun")
+    assert run_main(monkeypatch, *args) == 2
+    runs = MlflowClient(f"sqlite:///{tmp_path / 'multirun' / 'mlflow.db'}").search_runs(["1"])
+    failed = [r for r in runs if r.info.status == "FAILED" and "sweep.job" in r.data.tags]
+    assert failed and failed[0].data.tags["error"].startswith(
+        "RecompileLimit: torch.compile reached its recompile limit"
+    )

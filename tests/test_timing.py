@@ -23,7 +23,7 @@ from pipeline.verdict import judge
 def test_breakdown_splits_bookkeeping_wait_copy_and_compute_and_leaves_the_first_step_out() -> None:
     # (fetch, ready, copied, done) per step; the epoch starts at 0
     marks = [(0.0, 0.5, 0.6, 2.0), (2.1, 2.3, 2.4, 3.4), (3.5, 3.6, 3.7, 4.7)]
-    b = _breakdown(0.0, marks, [10, 10, 5])
+    b = _breakdown(0.0, marks, [10, 10, 5], [False] * 3)
     assert b.first_step_s == pytest.approx(2.0)
     assert (b.overhead_s, b.data_wait_s, b.h2d_s, b.compute_s) == pytest.approx((0.2, 0.3, 0.2, 2.0))
     assert b.overhead_pct + b.data_wait_pct + b.h2d_pct + b.compute_pct == pytest.approx(100.0)
@@ -32,8 +32,18 @@ def test_breakdown_splits_bookkeeping_wait_copy_and_compute_and_leaves_the_first
 
 
 def test_one_step_epochs_still_report_their_shares() -> None:
-    b = _breakdown(0.0, [(0.0, 0.2, 0.2, 1.0)], [4])
+    b = _breakdown(0.0, [(0.0, 0.2, 0.2, 1.0)], [4], [True])
     assert b.data_wait_pct == pytest.approx(20.0) and b.samples_per_s == pytest.approx(4.0)
+
+
+def test_a_step_that_compiled_is_left_out_of_the_steady_state_like_the_first() -> None:
+    """The last, smaller batch recompiles (1.84 s against 0.03 s seen on digits): it is counted apart."""
+    marks = [(0.0, 0.0, 0.0, 5.0), (5.0, 5.0, 5.0, 5.1), (5.1, 5.1, 5.1, 5.2), (5.2, 5.2, 5.2, 7.0)]
+    b = _breakdown(0.0, marks, [64, 64, 64, 30], [True, False, False, True])
+    assert (b.steady_steps, b.steady_samples) == (2, 128) and b.step_s == pytest.approx(0.2)
+    assert b.samples_per_s == pytest.approx(640.0)  # not 158 / 2.0 s with the recompile in it
+    assert (b.compile_steps, b.compile_steps_s) == (1, pytest.approx(1.8))
+    assert combine([b, b]).compile_steps == 2
 
 
 def test_combine_adds_epochs_and_keeps_the_runs_first_step() -> None:

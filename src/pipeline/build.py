@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import doctor
+from pipeline.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.config import RunConfig
 from pipeline.data import (
     CropFlip,
@@ -31,7 +32,7 @@ from pipeline.devices import DeviceChoice, activate, resolve_device
 from pipeline.distributed import Group, Solo
 from pipeline.loop import TrainState
 from pipeline.memory import MicroBatcher
-from pipeline.models import build_model, build_optimizer, compile_model, count_parameters
+from pipeline.models import build_model, build_optimizer, count_parameters
 from pipeline.precision import AmpProbe, PrecisionPolicy, check_cpu_amp, configure_backends, resolve_precision
 from pipeline.provenance import run_name
 
@@ -111,7 +112,13 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
         policy=policy,
         backends=backends,
         spec=spec,
-        state=TrainState(model, optimizer, policy.make_scaler(), MicroBatcher.from_config(cfg.oom, batch_size=batch)),
+        state=TrainState(
+            model,
+            optimizer,
+            policy.make_scaler(),
+            MicroBatcher.from_config(cfg.oom, batch_size=batch),
+            compiles=CompileWatch.start() if t.compile else NO_COMPILE,
+        ),
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
         parameters=parameters,
         train_batches=with_prefetch(

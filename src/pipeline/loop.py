@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
 from pipeline.distributed import Group, Solo
 from pipeline.errors import PipelineError
 from pipeline.memory import MicroBatcher, OomFailure, memory_at_failure_mb
@@ -33,13 +34,15 @@ LogFn = Callable[[dict[str, float], int], None]
 
 @dataclass
 class TrainState:
-    """What an epoch advances: the model, its optimizer and scaler, the micro-batch, the global step."""
+    """What an epoch advances: the model, its optimizer and scaler, the micro-batch, the global step, and what
+    torch.compile has compiled (an eager run's watch never changes)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     micro: MicroBatcher
     step: int = 0
+    compiles: CompileWatch | NoCompile = NO_COMPILE
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ def train_epoch(
     and before the out-of-memory replay, so a replay trains the same augmented pixels; then ``prepare``
     (uint8 -> normalised float) per micro-batch, inside the replay.
 
-    ``timer`` is marked four times a step (batch asked for, in hand, on the device, step done);
+    ``timer`` is marked four times a step (batch asked for, in hand, on the device, step done), and told when a
+    step compiled (torch.compile met a new input shape): that step is kept out of the steady state;
     ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
     ``stop_signal`` (the signal of a stop request, 0 = none) is asked every step; a request ends the
     epoch after that step. Every ``checkpoint_every`` steps (0 = never) the losses since the last check
@@ -109,6 +113,7 @@ def train_epoch(
     timer.start()
     stopped = 0
     for images, labels in timer.batches(batches):
+        compiled_before = state.compiles.count  # a Python int: reading it costs nothing
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         timer.copied()
@@ -123,6 +128,8 @@ def train_epoch(
             except Exception as err:
                 failure = state.micro.diagnose(err, device)  # here, while the failed step's memory is held
                 if failure is None:
+                    if hit_recompile_limit(err):
+                        raise recompile_limit_error(state.step + 1) from err
                     raise
             # outside the except block: the traceback, and the failed step's tensors with it, are gone
             failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
@@ -144,7 +151,7 @@ def train_epoch(
         state.step += 1
         window.add(loss, n, state.step)  # one small device copy per step, no sync
         samples, steps = samples + n, steps + 1
-        timer.done(n)
+        timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
         if state.step % log_every == 0:
             log({"train/loss": window.close()}, state.step)  # host sync point; raises on NaN/inf
@@ -308,6 +315,8 @@ def evaluate(
             except Exception as err:
                 failure = micro.diagnose(err, device) if micro else None  # while the failed pass's memory is held
                 if failure is None:
+                    if hit_recompile_limit(err):  # evaluation's own shapes and mode count towards the limit too
+                        raise recompile_limit_error(None) from err
                     raise
             micro.recover(failure, step=-1, optimizer=None, scaler=None, device=device)
         total_loss += batch_loss

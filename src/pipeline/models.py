@@ -60,28 +60,6 @@ def resnet(name: str, *, in_channels: int, image_px: int, num_classes: int, stem
     return net
 
 
-def compile_model(model: nn.Module, *, mode: str) -> nn.Module:
-    """``torch.compile(model, mode=mode)``: compiled lazily, at the first forward of each new input shape.
-
-    ``dynamic`` stays at torch's default (None): the first batch shape compiles a static graph, and a second
-    shape (the last, smaller batch of an epoch, or the out-of-memory fallback's halved micro-batch) recompiles
-    once with that dimension marked dynamic, which then serves every later size (but 1, which torch specialises
-    again). So halving 256 -> 128 -> 64
-    costs one recompile, not one per size, and stays far below dynamo's recompile limit
-    (``torch._dynamo.config.recompile_limit``, 8 graphs per frame). Hitting that limit would not raise either:
-    unless ``fail_on_recompile_limit_hit`` is set, dynamo falls back to running the frame eagerly, with a
-    warning. A recompile's time falls in the step that needs it; the first step's, which holds the compilation
-    proper, is kept out of the steady-state throughput and recorded as ``time/compile_s``
-    (``pipeline.record.compile_seconds``).
-
-    Args:
-        model: the model, on its device, already in its memory format and wrapped for DDP if any.
-        mode: ``trainer.compile_mode``: default, reduce-overhead (adds CUDA graphs), max-autotune or
-            max-autotune-no-cudagraphs.
-    """
-    return torch.compile(model, mode=mode)
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

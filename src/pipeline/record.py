@@ -78,11 +78,18 @@ def conclude(
     notes = [note] if note else []
     once = {"time/total_s": total_s}
     compile_s = compile_seconds([e.breakdown for e in epochs]) if setup.cfg.trainer.compile else None
+    once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
     if compile_s is not None:
         once["time/compile_s"] = compile_s
+        later = (
+            f" and {breakdown.compile_steps} later step(s) that recompiled for a new batch shape"
+            if breakdown.compile_steps
+            else ""
+        )
         notes.append(
             f"torch.compile (mode {setup.cfg.trainer.compile_mode}) took about {compile_s:.1f} s: the first step's "
-            f"{breakdown.first_step_s:.1f} s less a steady step's; samples/s leaves that step out"
+            f"{breakdown.first_step_s:.1f} s{later}, less steady steps' time; samples/s leaves those steps out "
+            f"({setup.state.compiles.graphs} graph(s), {setup.state.compiles.recompiles} recompile(s))"
         )
     tracker.log_metrics(
         {
@@ -121,27 +128,30 @@ def conclude(
 
 
 def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
-    """What ``torch.compile`` cost a run: its first step's time beyond a steady step's, in seconds.
+    """What ``torch.compile`` cost a run: its first step's time, and that of the later steps that recompiled for a
+    new batch shape, beyond what as many steady steps take, in seconds.
 
-    torch.compile compiles at the model's first forward, inside the run's first training step. That step is
-    already kept out of the step-time shares and of ``throughput/samples_per_s`` (``timing``: each epoch's
-    first step is reported on its own), so the compilation never counts as training time; this only names
-    its size: the first step's duration less the mean of the steady steps (every epoch's steps after its
-    first). It was chosen over timing an explicit warm-up step before training, which would run a real
-    forward and backward whose side effects must then be undone (BatchNorm's running statistics, gradients,
-    DDP's gradient hooks), need its own out-of-memory path, and cost a step; this costs nothing. What it also
-    holds is the first step's other warm-up (cuDNN's autotuning, the allocator's first blocks, loader workers
-    starting): milliseconds, against compilation's seconds to minutes. A later recompile (a smaller last batch,
-    an out-of-memory fallback) falls in a steady step and raises the mean a little.
+    torch.compile compiles at the model's first forward, inside the run's first training step, and again in a
+    step whose batch has a shape it has not seen (an epoch's last, smaller batch; the out-of-memory fallback's
+    half). Those steps are already kept out of the step-time shares and of ``throughput/samples_per_s``
+    (``timing``: each epoch's first step and every compiling step are reported on their own), so compilation never
+    counts as training time; this only names its size: their duration less the mean of the steady steps. It was
+    chosen over timing an explicit warm-up step before training, which would run a real forward and backward whose
+    side effects must then be undone (BatchNorm's running statistics, gradients, DDP's gradient hooks), need its
+    own out-of-memory path, and cost a step; this costs nothing. What it also holds is the first step's other
+    warm-up (cuDNN's autotuning, the allocator's first blocks, loader workers starting): milliseconds, against
+    compilation's seconds to minutes.
 
     Args:
         breakdowns: the run's epochs' breakdowns, in order.
 
     Returns:
-        Seconds (>= 0), or None when no epoch had a step after its first, so nothing says what a step costs.
+        Seconds (>= 0), or None when no epoch had a steady step, so nothing says what a step costs.
     """
     steady = [b for b in breakdowns if b.steps >= 2]  # a one-step epoch's only step is its first
     steps = sum(b.steady_steps for b in steady)
     if not breakdowns or not steps:
         return None
-    return max(breakdowns[0].first_step_s - sum(b.step_s for b in steady) / steps, 0.0)
+    mean = sum(b.step_s for b in steady) / steps
+    compiling = breakdowns[0].first_step_s + sum(b.compile_steps_s for b in breakdowns)
+    return max(compiling - (1 + sum(b.compile_steps for b in breakdowns)) * mean, 0.0)

@@ -50,6 +50,8 @@ class Breakdown:
     samples: int
     overhead_s: float = 0.0  # the pipeline's own work between steps: logging, checkpoints, progress
     copy_s: float = 0.0  # copying on a prefetcher's side stream, overlapped with the above: not in step_s
+    compile_steps: int = 0  # steps after the first that compiled (torch.compile met a new shape): left out, too
+    compile_steps_s: float = 0.0  # their time
 
     @property
     def step_s(self) -> float:
@@ -99,6 +101,7 @@ class _Marks:
     def __init__(self) -> None:
         self._marks: list[tuple[Any, Any, Any, Any]] = []
         self._sizes: list[int] = []
+        self._compiled: list[bool] = []
         self._start: Any = None
         self._fetch: Any = None
         self._ready: Any = None
@@ -111,6 +114,7 @@ class _Marks:
     def start(self) -> None:
         self._marks.clear()
         self._sizes.clear()
+        self._compiled.clear()
         self._copies.clear()
         self._start = self._mark()
 
@@ -123,9 +127,11 @@ class _Marks:
     def copied(self) -> None:
         self._copied = self._mark()
 
-    def done(self, samples: int) -> None:
+    def done(self, samples: int, *, compiled: bool = False) -> None:
+        """The step ended; ``compiled``: torch.compile compiled during it, so it is no steady step."""
         self._marks.append((self._fetch, self._ready, self._copied, self._mark()))
         self._sizes.append(samples)
+        self._compiled.append(compiled)
 
     def copy_took(self, seconds: Callable[[], float]) -> None:
         """This step's batch was copied on a side stream; ``seconds()`` says how long that took. Called by a
@@ -150,9 +156,11 @@ class _Marks:
             yield item
 
     def _copy_seconds(self) -> float:
-        """The steady steps' side-stream copy time (the first step left out, as ``_breakdown`` leaves it out)."""
+        """The steady steps' side-stream copy time (the first step and compiling ones left out, as ``_breakdown``
+        leaves them out)."""
         first = 1 if len(self._marks) > 1 else 0
-        return sum(seconds() for index, seconds in self._copies if first <= index < len(self._marks))
+        steady = [first <= i and not (i and self._compiled[i]) for i in range(len(self._marks))]
+        return sum(seconds() for index, seconds in self._copies if index < len(self._marks) and steady[index])
 
 
 class WallTimer(_Marks):
@@ -162,7 +170,7 @@ class WallTimer(_Marks):
         return time.perf_counter()
 
     def finish(self) -> Breakdown:
-        return _breakdown(self._start, self._marks, self._sizes, copy_s=self._copy_seconds())
+        return _breakdown(self._start, self._marks, self._sizes, self._compiled, copy_s=self._copy_seconds())
 
 
 class EventTimer(_Marks):
@@ -193,11 +201,11 @@ class EventTimer(_Marks):
 
     def finish(self) -> Breakdown:
         if not self._marks:
-            return _breakdown(0.0, [], [])
+            return _breakdown(0.0, [], [], [])
         self._marks[-1][3].synchronize()  # the epoch's only wait for the device
         start = self._start
         marks = [tuple(start.elapsed_time(event) / 1e3 for event in step) for step in self._marks]
-        return _breakdown(0.0, marks, self._sizes, copy_s=self._copy_seconds())  # copy events: done by the sync
+        return _breakdown(0.0, marks, self._sizes, self._compiled, copy_s=self._copy_seconds())  # copies synced too
 
 
 def make_timer(device: torch.device) -> WallTimer | EventTimer:
@@ -210,40 +218,52 @@ def make_timer(device: torch.device) -> WallTimer | EventTimer:
     return WallTimer()
 
 
-def _breakdown(start: float, marks: list[tuple[float, ...]], sizes: list[int], *, copy_s: float = 0.0) -> Breakdown:
-    """Sum the parts of steps 2..N from (fetch, ready, copied, done) times; step 1 is reported alone.
-    ``copy_s`` is steps 2..N's side-stream copy time, already summed."""
+def _breakdown(
+    start: float, marks: list[tuple[float, ...]], sizes: list[int], compiled: list[bool], *, copy_s: float = 0.0
+) -> Breakdown:
+    """Sum the parts of steps 2..N from (fetch, ready, copied, done) times; step 1 is reported alone, and so are
+    the later steps that compiled (``compiled``). ``copy_s`` is the steady steps' side-stream copy time."""
     if not marks:
         return Breakdown(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0)
     first_step_s = marks[0][3] - start
-    steady = marks[1:] if len(marks) > 1 else marks
     previous_done = marks[0][3] if len(marks) > 1 else start
-    overhead = wait = h2d = compute = 0.0
-    for fetch, ready, copied, done in steady:
-        overhead += max(fetch - previous_done, 0.0)
-        wait += max(ready - fetch, 0.0)
-        h2d += max(copied - ready, 0.0)
-        compute += max(done - copied, 0.0)
+    overhead = wait = h2d = compute = compile_s = 0.0
+    steady_steps = steady_samples = compile_steps = 0
+    for index, (fetch, ready, copied, done) in enumerate(marks):
+        if index == 0 and len(marks) > 1:
+            continue
+        step = (
+            max(fetch - previous_done, 0.0),
+            max(ready - fetch, 0.0),
+            max(copied - ready, 0.0),
+            max(done - copied, 0.0),
+        )
         previous_done = done
-    steady_samples = sum(sizes[1:]) if len(marks) > 1 else sum(sizes)
+        if index and compiled[index] and len(marks) > 1:
+            compile_steps, compile_s = compile_steps + 1, compile_s + sum(step)
+            continue
+        overhead, wait, h2d, compute = overhead + step[0], wait + step[1], h2d + step[2], compute + step[3]
+        steady_steps, steady_samples = steady_steps + 1, steady_samples + sizes[index]
     return Breakdown(
         wait,
         h2d,
         compute,
-        len(steady),
+        steady_steps,
         steady_samples,
         first_step_s,
         len(marks),
         sum(sizes),
         overhead_s=overhead,
         copy_s=copy_s,
+        compile_steps=compile_steps,
+        compile_steps_s=compile_s,
     )
 
 
 def combine(breakdowns: list[Breakdown]) -> Breakdown:
     """Several epochs as one: parts and counts add up; the first step is the run's first."""
     if not breakdowns:
-        return _breakdown(0.0, [], [])
+        return _breakdown(0.0, [], [], [])
     return Breakdown(
         data_wait_s=sum(b.data_wait_s for b in breakdowns),
         h2d_s=sum(b.h2d_s for b in breakdowns),
@@ -255,6 +275,8 @@ def combine(breakdowns: list[Breakdown]) -> Breakdown:
         samples=sum(b.samples for b in breakdowns),
         overhead_s=sum(b.overhead_s for b in breakdowns),
         copy_s=sum(b.copy_s for b in breakdowns),
+        compile_steps=sum(b.compile_steps for b in breakdowns),
+        compile_steps_s=sum(b.compile_steps_s for b in breakdowns),
     )
 
 

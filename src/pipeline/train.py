@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline import checkpoint, distributed, record, resume
+from pipeline import checkpoint, compilation, distributed, record, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig
 from pipeline.loop import evaluate, train_epoch
@@ -74,6 +74,8 @@ def _train(
     if cfg.tracking.enabled and main:
         check_reachable(cfg.tracking.uri)  # before any data is loaded: a dead server fails in seconds
     checkpoint.check_dir(cfg.checkpoint)
+    if cfg.trainer.compile:
+        compilation.fresh()  # a sweep's earlier jobs' graphs must not count towards this run's recompile limit
     recorded = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
     hidden = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
     resumed = resume.shared_point(cfg, recorded, group) if cfg.resume else None
