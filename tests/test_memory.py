@@ -222,21 +222,54 @@ def test_cudnn_not_supported_is_out_of_memory_only_on_a_nearly_full_device(monke
     assert micro.diagnose(err, gpu) == OomFailure(CUDNN_NOT_SUPPORTED, 78_000.0)
 
 
-def test_an_out_of_memory_event_records_the_allocators_peak_at_the_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read inside the except block; by the time ``recover`` runs, the failed step's memory is freed."""
+class FakeAllocator:
+    """CUDA's caching allocator as far as the figures go: ``empty_cache`` frees cached blocks but leaves the peak
+    (as the real one does); only ``reset_peak_memory_stats`` starts it again from what is allocated; the retry
+    counter grows until ``reset_accumulated_memory_stats``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.allocated, self.peak, self.retries = 100e6, 100e6, 0
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: self.peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: self.peak)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: self.allocated)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1e9, 8e9))
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device: setattr(self, "retries", 0))
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": self.retries})
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    def fail_at(self, used: float) -> torch.OutOfMemoryError:
+        """A step that reached ``used`` bytes and failed: the peak holds it, then its tensors are freed."""
+        self.peak, self.retries = max(self.peak, used), self.retries + 1
+        return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_each_out_of_memory_event_records_its_own_peak_not_an_earlier_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cuda", 0)
-    peak = {"mb": 7_900e6}
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak["mb"])
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100e6)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1e9, 8e9))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: peak.update(mb=0.0))
+    allocator = FakeAllocator(monkeypatch)
     micro = MicroBatcher(batch_size=64, micro_batch=64)
-    try:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-    except torch.OutOfMemoryError as err:
-        failure = micro.diagnose(err, gpu)
-    event = micro.recover(failure, step=3, optimizer=None, scaler=None, device=gpu)
-    assert event == OomEvent(3, 64, 7_900.0, "CUDA out of memory. Tried to allocate 1.00 GiB")
+    events = []
+    for used in (7_900e6, 5_200e6):  # micro-batch 64 failed at 7.9 GB, then 32 at 5.2 GB
+        try:
+            raise allocator.fail_at(used)
+        except torch.OutOfMemoryError as err:
+            failure = micro.diagnose(err, gpu)
+        events.append(micro.recover(failure, step=3, optimizer=None, scaler=None, device=gpu))
+    assert [(e.micro_batch, e.memory_mb) for e in events] == [(64, 7_900.0), (32, 5_200.0)]
+
+
+def test_allocator_retries_are_counted_per_run_not_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.devices import activate
+    from pipeline.monitor import allocator_metrics
+
+    gpu = torch.device("cuda", 0)
+    allocator = FakeAllocator(monkeypatch)
+    activate(gpu)  # job 1 of an in-process sweep
+    allocator.fail_at(1e9), allocator.fail_at(1e9)
+    assert allocator_metrics(gpu)["memory/alloc_retries"] == 2
+    activate(gpu)  # job 2: its own figures
+    assert allocator_metrics(gpu)["memory/alloc_retries"] == 0
 
 
 def test_micro_batched_batchnorm_runs_are_tagged_and_others_are_not(make_cfg: MakeCfg, store_uri: str) -> None:

@@ -217,8 +217,10 @@ def test_activate_makes_the_training_gpu_current_and_resets_its_peak_memory(monk
     calls: list[tuple[str, torch.device]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset_peak", d)))
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda d: calls.append(("reset_counts", d)))
     activate(torch.device("cuda", 1))
-    assert calls == [("set_device", torch.device("cuda", 1)), ("reset_peak", torch.device("cuda", 1))]
+    gpu = torch.device("cuda", 1)
+    assert calls == [("set_device", gpu), ("reset_peak", gpu), ("reset_counts", gpu)]
     calls.clear()
     activate(torch.device("cpu"))
     assert calls == []

@@ -123,12 +123,14 @@ def activate(device: torch.device) -> None:
     """Make ``device`` the target of every implicit CUDA call, and start its memory figures afresh.
 
     Without ``set_device``, calls that take the *current* device (streams, events, ``empty_cache``,
-    new contexts) would go to GPU 0 while the run trains on another. The allocator's peaks are
-    per process: reset here, each run (and each in-process sweep job) reports its own.
+    new contexts) would go to GPU 0 while the run trains on another. The allocator's peaks and its
+    counters (``num_alloc_retries``: cudaMalloc retried after freeing the cache) are per process:
+    reset here, each run (and each in-process sweep job) reports its own, not the jobs' before it.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
 
 
 def cudnn_version() -> tuple[int | None, str | None]:

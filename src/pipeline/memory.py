@@ -68,8 +68,9 @@ def nearly_full(device: torch.device) -> bool:
 def memory_at_failure_mb(device: torch.device) -> float:
     """The memory figure an out-of-memory event records, read while the failed step's tensors still exist.
 
-    CUDA: the allocator's peak since the run started (``reset_peak_memory_stats`` at start-up), which
-    includes the failed step's allocations; MPS: memory allocated now; elsewhere the process's RSS.
+    CUDA: the allocator's peak since the run started or its last out-of-memory event (``reset_peak_memory_stats``
+    at start-up and after each event), which includes the failed step's allocations; MPS: memory allocated now;
+    elsewhere the process's RSS.
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e6
@@ -148,6 +149,7 @@ class MicroBatcher:
         if scaler is not None:
             reset_scaler_step(scaler)
         release_memory(device)
+        reset_peak(device)  # the next event's figure is its own, not this one's peak again
         memory_mb = failure.memory_mb
         event = OomEvent(step, self.micro_batch, memory_mb, failure.message)
         self.events.append(event)
@@ -187,6 +189,12 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     elif device.type == "mps":
         torch.mps.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start the allocator's peak afresh from what is allocated now (CUDA; elsewhere nothing to reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def batchnorm_note(model: torch.nn.Module, micro: MicroBatcher) -> str | None:
