@@ -13,7 +13,7 @@ from torch import nn
 
 import pipeline.build as build_module
 from pipeline.config import ConfigError, RunConfig
-from pipeline.memory import MicroBatcher, OomEvent, OomFailure, OutOfMemoryAtMinimum, is_oom
+from pipeline.memory import MicroBatcher, OomFailure, OutOfMemoryAtMinimum, is_oom
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

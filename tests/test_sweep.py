@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import warnings
@@ -349,3 +350,17 @@ def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatc
     monkeypatch.setenv("RANK", "0")
     stopped(job, RuntimeError("stop"), 143)
     assert json.loads((tmp_path / JOBS_DIR / "3.json").read_text())["status"] == "KILLED"
+
+
+def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() -> None:
+    from pipeline import sweep
+    from pipeline.summary import EpochRecord, RunResult, format_summary
+    from pipeline.timing import Breakdown
+
+    steps = Breakdown(0.0, 0.0, 1.0, 9, 900, 0.1, 10, 1000)
+    epoch = EpochRecord(1, 0.5, 0.4, 0.9, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})
+    result = RunResult("r", "id", "cpu", "CPU", "fp32", "x", 10, 10, 1.0, epochs=[epoch], breakdown=steps)
+    assert sweep.objective(result, "throughput/samples_per_s") == 1800.0  # what Optuna maximises: the job's
+    assert "1,800 samples/s in the last epoch (steady state, all ranks; rank 0 900;" in format_summary(result)
+    alone = dataclasses.replace(result, epochs=[dataclasses.replace(epoch, ranks={})])
+    assert sweep.objective(alone, "throughput/samples_per_s") == 900.0

@@ -21,6 +21,12 @@ class EpochRecord:
     ranks: dict[str, float] = field(default_factory=dict)  # DDP: every rank's shares (pipeline.distributed)
 
     @property
+    def job_samples_per_s(self) -> float:
+        """The whole job's steady-state samples/s: every rank's together under DDP, else this run's. What runs are
+        compared and searched by (``pipeline.compare``, the sweep's objective), so a 2-rank job is not read as 1×."""
+        return self.ranks.get("throughput/global_samples_per_s", self.samples_per_s)
+
+    @property
     def slowest_rank_wait_pct(self) -> float:
         """Under DDP, the data-wait share of the rank that waited most (a straggler holds every rank back)."""
         return self.ranks.get("time/data_wait_pct_slowest_rank", 0.0)
@@ -79,8 +85,9 @@ def format_summary(result: RunResult) -> str:
         lines += [
             f"  accuracy    val/acc {last.val_acc:.4f} · val/loss {last.val_loss:.4f} · "
             f"train/epoch_loss {last.train_loss:.4f}",
-            f"  speed       {last.samples_per_s:,.0f} samples/s in the last epoch (steady state; "
-            f"epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
+            f"  speed       {last.job_samples_per_s:,.0f} samples/s in the last epoch (steady state"
+            + (f", all ranks; rank 0 {last.samples_per_s:,.0f}" if last.ranks else "")
+            + f"; epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
             f"  step time   {b.data_wait_pct:.0f}% waiting for data · {b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]

@@ -302,9 +302,10 @@ def finished(job: SweepJob, result: RunResult) -> float | None:
 
 
 def objective(result: RunResult, metric: str) -> float | None:
-    """``val/acc`` or ``throughput/samples_per_s`` of the last epoch (steady state), None when not finite."""
+    """``val/acc`` or the steady-state samples/s of the last epoch (a DDP job's over all its ranks), None when not
+    finite."""
     if metric == "throughput/samples_per_s":
-        value = result.epochs[-1].samples_per_s if result.epochs else math.nan
+        value = result.epochs[-1].job_samples_per_s if result.epochs else math.nan
     else:
         value = result.val_acc
     return value if math.isfinite(value) else None

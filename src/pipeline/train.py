@@ -300,7 +300,7 @@ def run_epoch(
         record.val_loss,
         record.val_acc,
         record.seconds,
-        record.samples_per_s,
+        record.job_samples_per_s,
     )
     return record, done
 
