@@ -206,31 +206,38 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 ) -> None:
     from mlflow import MlflowClient
 
-    import pipeline.precision as precision
+    import pipeline.amp_check as amp_check
 
     timed: list[tuple[int, torch.dtype]] = []
 
-    def ten_times_slower(model, images, labels, *, dtype, budget_s=3.0):  # what the review measured on a CPU
+    def ten_times_slower(model, images, labels, *, dtype, **kwargs):  # what the review measured on a CPU
         timed.append((len(images), dtype))
-        return precision.AmpProbe(fp32_s=1.7, amp_s=17.0, batch=4, dtype="bf16", partial=False)
+        return amp_check.AmpProbe(1.7, 17.0, 0.1, batch=4, pairs=5, dtype="bf16", amx=False)
 
-    monkeypatch.setattr(precision, "probe_cpu_amp", ten_times_slower)
+    import pipeline.record as record
+
+    judged: list[object] = []
+    real_judge = record.judge
+    monkeypatch.setattr(record, "judge", lambda *a, **kw: judged.append(kw["amp_check"]) or real_judge(*a, **kw))
+    monkeypatch.setattr(amp_check, "probe_cpu_amp", ten_times_slower)
     result = train(make_cfg("amp=true"), echo=False)
+    assert judged == [result.amp_probe]  # the bottleneck hint is told what was measured
     assert timed == [(32, torch.bfloat16)] and result.precision == "amp-bf16" and result.steps == 3
-    assert "runs 0.10x the speed of float32 on this CPU" in caplog.text and "amp=false is faster here" in caplog.text
+    assert "bf16 autocast ran at 0.10x float32's speed" in caplog.text and "amp=false is faster here" in caplog.text
     run = MlflowClient(store_uri).get_run(result.run_id)
     assert run.data.metrics["amp/cpu_speed_vs_fp32"] == pytest.approx(0.1)
-    assert run.data.tags["amp.cpu_speed_vs_fp32"] == "0.10 (batch 4, measured at start)"
+    assert run.data.tags["amp.cpu_check"].startswith("bf16 autocast ran at 0.10x float32's speed on this CPU (median")
     assert "amp check   bf16 autocast ran at 0.10x float32's speed" in run.data.tags["mlflow.note.content"]
 
 
 def test_float32_runs_and_gpu_runs_are_not_checked(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.precision as precision
+    import pipeline.amp_check as amp_check
+    from pipeline.precision import PrecisionPolicy
 
     def never(*args, **kwargs):
         raise AssertionError("the amp check ran")
 
-    monkeypatch.setattr(precision, "probe_cpu_amp", never)
+    monkeypatch.setattr(amp_check, "probe_cpu_amp", never)
     assert train(make_cfg("tracking=none"), echo=False).amp_probe is None
-    policy = precision.PrecisionPolicy("cuda", torch.bfloat16)
-    assert precision.check_cpu_amp(policy, nn.Linear(2, 2), lambda: never()) is None
+    policy = PrecisionPolicy("cuda", torch.bfloat16)
+    assert amp_check.check_cpu_amp(policy, nn.Linear(2, 2), lambda: never()) is None

@@ -419,9 +419,9 @@ def bench_amp(sizes: Sizes, work: Path) -> list[Row]:
 
 def bench_amp_resnet(sizes: Sizes) -> list[Row]:
     """One ResNet-50 training step (small stem, 28 px, batch 16) in float32 and under autocast, interleaved,
-    against ``precision.probe_cpu_amp``'s few-second estimate at its own batch."""
+    against the run's start-up check (``amp_check.probe_cpu_amp``) at its own batch."""
+    from pipeline.amp_check import probe_cpu_amp
     from pipeline.models import resnet
-    from pipeline.precision import probe_cpu_amp
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
@@ -449,7 +449,7 @@ def bench_amp_resnet(sizes: Sizes) -> list[Row]:
             "(info)",
             None,
             f"median step {median(t['bf16']):.2f} s with amp, {median(t['fp32']):.2f} s without; the run's start-up "
-            f"check estimated {probe.speed:.2f} at batch {probe.batch} ({probe.amp_s:.2f} s vs {probe.fp32_s:.2f} s)",
+            f"check: {probe.describe()}",
         )
     ]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline import doctor
+from pipeline.amp_check import AmpProbe, check_cpu_amp
 from pipeline.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.config import RunConfig
 from pipeline.data import (
@@ -33,7 +34,7 @@ from pipeline.distributed import Group, Solo
 from pipeline.loop import TrainState
 from pipeline.memory import MicroBatcher
 from pipeline.models import build_model, build_optimizer, count_parameters
-from pipeline.precision import AmpProbe, PrecisionPolicy, check_cpu_amp, configure_backends, resolve_precision
+from pipeline.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.provenance import run_name
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Setup:
     prepare: Normalize  # per micro-batch: evaluation's whole path, training's last step
     augment: CropFlip | None  # training only, once per batch before the OOM replay; None = data.augment=none
     run_name: str
-    amp_probe: AmpProbe | None  # amp=true on the CPU: one step timed in both formats before training
+    amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
 
     @property

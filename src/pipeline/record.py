@@ -28,8 +28,9 @@ def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[
     """What a run records before training: its config, data and environment; or, resumed, what changed."""
     probe = setup.amp_probe
     if probe is not None:
-        tracker.set_tags({"amp.cpu_speed_vs_fp32": f"{probe.speed:.2f} (batch {probe.batch}, measured at start)"})
-        tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
+        tracker.set_tags({"amp.cpu_check": probe.describe()})
+        if probe.measured:
+            tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
     if resumed is not None:
         tracker.set_tags(resumed.tags(typed, logged_step=tracker.last_step("train/loss")))
         if not resumed.fork:
@@ -63,6 +64,7 @@ def conclude(
         overhead_pct=breakdown.overhead_pct,
         gpu_util_pct=utilisation.gpu_util_mean_pct,
         precision=setup.policy.label,
+        amp_check=setup.amp_probe,
     )
     tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message}
     note = batchnorm_note(setup.state.model, setup.state.micro)

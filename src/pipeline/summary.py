@@ -109,13 +109,7 @@ def format_summary(result: RunResult) -> str:
             f"  OOM fallback evaluation ran out of memory and continued in micro-batches of {result.eval_micro_batch}"
         )
     if result.amp_probe is not None:
-        p = result.amp_probe
-        verdict = "amp=false is faster here" if p.speed < 1 else "amp pays off here"
-        lines.append(
-            f"  amp check   {p.dtype} autocast ran at {p.speed:.2f}x float32's speed on this CPU "
-            f"(one training step each at batch {p.batch}, {p.amp_s:.2f} s vs {p.fp32_s:.2f} s, before training): "
-            f"{verdict}"
-        )
+        lines.append(f"  amp check   {result.amp_probe.describe()}")
     if result.verdict:
         lines.append(f"  bottleneck  {result.verdict}")
     lines += [f"  note        {note}" for note in result.notes]

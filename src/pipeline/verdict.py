@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeline.config import RunConfig
+
+if TYPE_CHECKING:
+    from pipeline.amp_check import AmpProbe
 
 INPUT_BOUND_PCT = 30.0
 INPUT_WITH_IDLE_GPU_PCT = 15.0
@@ -55,8 +59,10 @@ def judge(
     precision: str,
     overhead_pct: float = 0.0,
     cpus: int | None = None,
+    amp_check: AmpProbe | None = None,
 ) -> Verdict:
-    """The verdict with its evidence and a hint made of concrete overrides."""
+    """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
+    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.amp_check``)."""
     kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
     evidence = f"{data_wait_pct:.0f}% of step time waiting for data, {h2d_pct:.0f}% copying it"
     if gpu_util_pct is not None:
@@ -70,12 +76,12 @@ def judge(
     if kind == "input":
         hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
     elif kind == "compute":
-        hint = compute_hint(cfg, device_type=device_type, precision=precision)
+        hint = compute_hint(cfg, device_type=device_type, precision=precision, amp_check=amp_check)
     else:
         hint = (
             input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
             + "; then "
-            + compute_hint(cfg, device_type=device_type, precision=precision)
+            + compute_hint(cfg, device_type=device_type, precision=precision, amp_check=amp_check)
         )
     label = {"input": "input-bound", "compute": "compute-bound", "mixed": "mixed"}[kind]
     return Verdict(kind, f"{label}: {evidence} — {hint}{bookkeeping}")
@@ -98,11 +104,15 @@ def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -
     return f"all {cpus} CPUs already load data; try loader.resident=true{pin}"
 
 
-def compute_hint(cfg: RunConfig, *, device_type: str, precision: str) -> str:
+def compute_hint(cfg: RunConfig, *, device_type: str, precision: str, amp_check: AmpProbe | None = None) -> str:
     if device_type == "cpu":
         hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
         if precision != "fp32":
-            hint += "; amp=false is usually faster on a CPU (amp/cpu_speed_vs_fp32 has this one's measure)"
+            return f"{hint}; {cpu_amp_hint(amp_check)}"
+        from pipeline.amp_check import has_amx
+
+        if has_amx():
+            hint += "; this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains"
         return hint
     steps = []
     if precision == "fp32":
@@ -113,3 +123,15 @@ def compute_hint(cfg: RunConfig, *, device_type: str, precision: str) -> str:
         steps.append("trainer.compile=true")
     steps.append(f"loader.batch_size={cfg.loader.batch_size * 2}")
     return "the device is busy computing; to go faster try " + " ".join(steps)
+
+
+def cpu_amp_hint(check: AmpProbe | None) -> str:
+    """What the amp check measured, as the hint's advice on amp (never a rule of thumb against a measurement)."""
+    if check is None or not check.measured:
+        return "amp's effect on this CPU was not measured (see the amp check above)"
+    speed = f"{check.speed:.2f}x float32 measured at start"
+    return {
+        "faster": f"amp pays off here ({speed}): keep amp=true",
+        "slower": f"amp=false is faster here ({speed})",
+        "same": f"amp makes little difference here ({speed})",
+    }[check.verdict]
