@@ -60,6 +60,12 @@ def compile_model(model: nn.Module, *, mode: str) -> nn.Module:
     return torch.compile(model, mode=mode)
 
 
+def allow_models(models: int) -> None:
+    """Raise dynamo's recompile limit for ``models`` live compiled models of one class (the autotuner's candidates):
+    the limit counts graphs per code object, and every instance compiles the same forward."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * models)
+
+
 def _listen() -> None:
     """Count dynamo's compilations for this process (``torch._dynamo.callback_handler``); again after a ``fresh()``,
     since ``torch._dynamo.reset`` forgets the callbacks too."""

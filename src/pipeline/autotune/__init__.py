@@ -12,15 +12,22 @@ worker count only) and ``resident`` (when the dataset fits in half the free memo
 current setting as it is. Each is built once (``build``: data, model on the device, loader,
 precision), then trained per round for ``--warmup`` untimed and ``--steps`` timed steps of the
 real loop (``train_epoch``) under the run's step timer. Persistent workers stay alive across
-rounds, as they do across epochs. Rounds alternate their order (A B C, C B A, ...) so a warming
-page cache or a busy neighbour favours none; the median over rounds ranks the candidates.
+rounds, as they do across epochs; what their queue made while other candidates were timed
+(``queue_depth``: workers × prefetch_factor batches) is drawn and dropped before a trial, so no
+timed batch was made before its trial began. Rounds alternate their order (A B C, C B A, ...) so
+a warming page cache or a busy neighbour favours none; the median over rounds ranks the candidates.
 
-It stops early: a doubling of the workers that gained under 3% ends the ladder, a candidate whose
-best round is under 80% of the leader's median (50% after the first round, where "best" is one
-round) is measured no more, and rounds end once the leader's slowest round beats the runner-up's
-fastest. No trial starts that would overrun ``--budget-s``. It prints a table and the fastest
-setting as a command to paste, and records the table and a plot of samples/s against
-``num_workers`` in an MLflow run (``autotune-...``, tag ``autotune=true``).
+The search stops early: a doubling of the workers that gained under 3% ends the ladder, a candidate
+whose best round is under 80% of the leader's median (50% after the first round) is measured no
+more, and rounds end once the leader's slowest round beats the runner-up's fastest. Those choices
+only *pick* the winner: the gain it prints comes from ``--confirm`` fresh rounds (3) of the winner,
+the current setting and the runner-up after the search, with a quarter of ``--budget-s`` kept for
+them, so neither the luck that made a candidate win nor the early stop inflates it; if the winner
+is not faster there, it says to keep the current setting. No trial starts that would overrun the
+budget. It prints a table and the setting to use as a command to paste, and records the table and
+a plot of samples/s against ``num_workers`` in an MLflow run (``autotune-...``, tag
+``autotune=true``) in the experiment ``<tracking.experiment>-autotune``, apart from the runs
+``python -m pipeline.compare`` reads.
 
 The package, by responsibility: ``candidates`` (which settings to try), ``search`` (the rounds, the budget, the
 batch size: ``tune``), ``trials`` (real training steps: ``Trials``), ``report`` (table, command, plot, MLflow run)
@@ -41,19 +48,10 @@ from pipeline.autotune.candidates import (
     worker_limit,
 )
 from pipeline.autotune.cli import main, parse_args
-from pipeline.autotune.report import (
-    NOISY,
-    Speedup,
-    format_report,
-    override_line,
-    record,
-    speedup,
-    table,
-    verdict,
-    workers_figure,
-)
+from pipeline.autotune.report import format_report, gain, override_line, record, table, verdict, workers_figure
 from pipeline.autotune.search import (
     BATCH_SEARCH_SHARE,
+    CONFIRM_SHARE,
     DROP_BELOW,
     DROP_BELOW_FIRST,
     PLATEAU_GAIN,
@@ -64,13 +62,13 @@ from pipeline.autotune.search import (
     Trial,
     tune,
 )
-from pipeline.autotune.trials import Trials
+from pipeline.autotune.trials import Trials, queue_depth
 
 __all__ = [
     "BATCH_SEARCH_SHARE",
+    "CONFIRM_SHARE",
     "DROP_BELOW",
     "DROP_BELOW_FIRST",
-    "NOISY",
     "PLATEAU_GAIN",
     "RESIDENT_SHARE",
     "Candidate",
@@ -78,20 +76,20 @@ __all__ = [
     "Measure",
     "Outcome",
     "Settings",
-    "Speedup",
     "Tally",
     "Trial",
     "Trials",
     "candidates",
     "describe",
     "format_report",
+    "gain",
     "main",
     "override_line",
     "parse_args",
     "prefetch_variant",
+    "queue_depth",
     "record",
     "resident_fits",
-    "speedup",
     "table",
     "tune",
     "verdict",

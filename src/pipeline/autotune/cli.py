@@ -24,7 +24,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=90.0, help="no trial starts that would end later (90)")
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per trial (20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them, at least 1 (3)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds at most (3)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the search at most (3)")
+    parser.add_argument(
+        "--confirm", type=int, default=3, help="fresh rounds of the winner, runner-up and current setting after (3)"
+    )
     parser.add_argument(
         "--batch-size",
         action="store_true",
@@ -36,6 +39,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for flag in ("budget_s", "steps", "rounds", "max_batch_size"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.confirm < 0:
+        parser.error("--confirm must be >= 0")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the step timer always leaves out a trial's first step")
     return args
@@ -45,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 with a winner, 1 when the budget allowed no trial, 2 for a problem the user can fix."""
     started = time.monotonic()  # the budget covers loading the config and building the first candidate too
     args = parse_args(argv)
-    settings = Settings(args.budget_s, args.steps, args.warmup, args.rounds, args.batch_size)
+    settings = Settings(args.budget_s, args.steps, args.warmup, args.rounds, args.batch_size, args.confirm)
     try:
         from pipeline.config import load
         from pipeline.provenance import run_name
@@ -54,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load(args.overrides)
         if args.no_track:
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=False))
+        # its runs live beside the experiment, never in it: compare --last N must not mix them in
+        cfg = dataclasses.replace(
+            cfg, tracking=dataclasses.replace(cfg.tracking, experiment=f"{cfg.tracking.experiment}-autotune")
+        )
         if cfg.tracking.enabled:
             check_reachable(cfg.tracking.uri)  # before the budget is spent
         max_workers = worker_limit()

@@ -5,38 +5,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pipeline.autotune.candidates import describe
 from pipeline.autotune.search import Outcome, Settings, Tally
 from pipeline.config import LoaderConfig, RunConfig
-
-NOISY = 1.25  # a candidate whose fastest round beat its slowest by more than this earns a warning
-
-
-@dataclass(frozen=True)
-class Speedup:
-    """How much faster one candidate is than another: the median and range of per-round ratios."""
-
-    ratio: float
-    low: float
-    high: float
-    rounds: int
-
-    def pct(self, value: float | None = None) -> str:
-        gain = 100 * ((self.ratio if value is None else value) - 1)
-        return f"{gain:+.1f}%" if abs(gain) < 10 else f"{gain:+.0f}%"
+from pipeline.stats import summarize
 
 
-def speedup(a: Tally, b: Tally) -> Speedup:
-    """``a`` over ``b`` paired by round (a round's trials ran back to back, so the machine's drifts cancel);
-    the ratio of medians when they share no round."""
-    shared = sorted(a.by_round.keys() & b.by_round.keys() - {0})
-    ratios = [a.by_round[r] / b.by_round[r] for r in shared] or [a.median / b.median]
-    return Speedup(statistics.median(ratios), min(ratios), max(ratios), len(shared))
+def gain(a: Tally, b: Tally) -> float:
+    """How much faster ``a`` is than ``b``: the ratio of the medians the table prints, less 1."""
+    return a.median / b.median - 1
+
+
+def pct(value: float) -> str:
+    gain_pct = 100 * value
+    return f"{gain_pct:+.1f}%" if abs(gain_pct) < 10 else f"{gain_pct:+.0f}%"
 
 
 def override_line(overrides: Sequence[str], current: LoaderConfig, winner: LoaderConfig) -> str:
@@ -65,52 +50,75 @@ def _rate(value: float) -> str:
 
 
 def table(outcome: Outcome) -> str:
-    """The timed candidates fastest first (samples/s: median and range over rounds; speed-ups paired by round
-    with the current setting and with the next row), then those not timed and why."""
+    """The timed candidates fastest first: samples/s (median and range over the search's rounds), and each row's
+    gain over the current setting and over the next row, as the ratios of those medians."""
     ranking, current = outcome.ranking(), outcome.tally(outcome.current)
     rows = [("candidate", "samples/s", "min–max", "rounds", "vs current", "vs next")]
     for i, tally in enumerate(ranking):
         name = describe(tally.candidate, outcome.current) + (" (current)" if tally is current else "")
-        versus = "—" if current is None or tally is current else speedup(tally, current).pct()
-        following = speedup(tally, ranking[i + 1]).pct() if i + 1 < len(ranking) else "—"
-        spread = f"{_rate(tally.low)}–{_rate(tally.high)}"
+        versus = "—" if current is None or tally is current else pct(gain(tally, current))
+        following = pct(gain(tally, ranking[i + 1])) if i + 1 < len(ranking) else "—"
+        noisy = " noisy" if (s := summarize(tally.by_round.values())) is not None and s.noisy else ""
+        spread = f"{_rate(tally.low)}–{_rate(tally.high)}{noisy}"
         rows.append((name, _rate(tally.median), spread, str(len(tally.by_round)), versus, following))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [
-            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
+    lines = _aligned(rows)
     lines += [f"{describe(t.candidate, outcome.current)}: {t.stopped}" for t in outcome.tallies if not t.measured]
     return "\n".join(lines)
 
 
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
 def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
-    """The winner, by how much it beats the next best and the current setting, and the command to paste."""
-    ranking, current = outcome.ranking(), outcome.tally(outcome.current)
+    """The suggestion and what it gains, from the confirmation rounds run after the search chose it (the search's
+    own rounds would overstate the margin), with the numbers the percentages are ratios of; the command to paste."""
+    ranking = outcome.ranking()
     if not ranking:
         return ["nothing was measured: the budget ran out before the first trial; raise --budget-s"]
-    winner = ranking[0]
-    name = describe(winner.candidate, outcome.current)
-    if len(ranking) == 1:
-        lines = [f"fastest: {name} (the only candidate timed)"]
+    chosen = ranking[0]
+    name = describe(chosen.candidate, outcome.current)
+    winner, current = outcome.confirmation(chosen.candidate), outcome.confirmation(outcome.current)
+    if winner is None:
+        lines = [f"fastest in the search: {name} (not confirmed: {outcome.unconfirmed})"]
+        if chosen.candidate != outcome.current and (mine := outcome.tally(outcome.current)):
+            lines[0] += (
+                f"; {_rate(chosen.median)} vs {_rate(mine.median)} samples/s for your current setting in the search's "
+                "own rounds, an optimistic margin"
+            )
+        suggested = chosen.candidate
     else:
-        gain = speedup(winner, ranking[1])
-        spread = f"spread {gain.pct(gain.low)} to {gain.pct(gain.high)}" if gain.rounds > 1 else "one round"
-        said = (
-            f"{gain.pct()[1:]} faster than the next best, {describe(ranking[1].candidate, outcome.current)} ({spread})"
-        )
-        if gain.low <= 1.0:
-            said += ": within the noise, either will do"
-        if winner is current:
-            lines = [f"fastest: your current setting ({name}), {said}"]
-        elif current is None:
-            lines = [f"fastest: {name}, {said}; your current setting was not timed"]
+        rounds = len(winner.by_round)
+        said = [f"{_rate(winner.median)} samples/s"]
+        if current is not None and chosen.candidate != outcome.current:
+            said.append(f"{pct(gain(winner, current))} on your current setting ({_rate(current.median)})")
+        runner = next((t for t in outcome.confirmed if t.candidate not in (chosen.candidate, outcome.current)), None)
+        if runner is not None:
+            said.append(
+                f"{pct(gain(winner, runner))} on {describe(runner.candidate, outcome.current)} ({_rate(runner.median)})"
+            )
+        where = f"medians of {rounds} confirmation round(s) run after the search chose it"
+        suggested = chosen.candidate
+        if chosen.candidate == outcome.current:
+            lines = [f"fastest: your current setting ({name}): {', '.join(said)}; {where}"]
+        elif current is not None and winner.median <= current.median:
+            lines = [
+                f"keep your current setting: the search's fastest, {name}, was not faster in the confirmation rounds "
+                f"({_rate(winner.median)} vs {_rate(current.median)} samples/s; {where})"
+            ]
+            suggested = outcome.current
         else:
-            lines = [f"fastest: {name}, {said}; {speedup(winner, current).pct()[1:]} faster than your current setting"]
-    lines.append("  " + override_line(overrides, outcome.current.loader, winner.candidate.loader))
-    if winner.candidate.loader.batch_size != outcome.current.loader.batch_size:
+            lines = [f"fastest: {name}: {', '.join(said)}; {where}"]
+        if any(s.noisy for t in outcome.confirmed if (s := summarize(t.by_round.values())) is not None):
+            lines.append("  (noisy: the confirmation rounds disagreed by 10% or more; rerun on a quieter machine)")
+    lines.append("  " + override_line(overrides, outcome.current.loader, suggested.loader))
+    if suggested.loader.batch_size != outcome.current.loader.batch_size:
         lines.append("  (a larger batch changes the optimisation: scale trainer.lr with it and check val/acc)")
     return lines
 
@@ -120,7 +128,7 @@ def format_report(outcome: Outcome, overrides: Sequence[str], *, title: str) -> 
     lines = [
         f"autotune: {title} · {timed} of {len(outcome.tallies)} candidates timed · {outcome.rounds} round(s) · "
         f"{outcome.elapsed_s:.1f} s of a {outcome.budget_s:g} s budget",
-        f"stopped: {outcome.stop_reason}",
+        f"search stopped: {outcome.stop_reason}",
     ]
     if outcome.batch_sizes:
         tried = ", ".join(f"{b}: {'out of memory' if v is None else _rate(v) + '/s'}" for b, v in outcome.batch_sizes)
@@ -128,10 +136,9 @@ def format_report(outcome: Outcome, overrides: Sequence[str], *, title: str) -> 
     lines += ["", table(outcome), "", *verdict(outcome, overrides)]
     if outcome.cut_short:
         lines.append("cut short by the time budget: the ranking uses what was measured (see rounds); raise --budget-s")
-    varied = max((t.high / t.low for t in outcome.tallies if len(t.by_round) > 1), default=1.0)
-    if varied > NOISY:
+    if any((s := summarize(t.by_round.values())) is not None and s.noisy for t in outcome.tallies if t.measured):
         lines.append(
-            f"noisy: one candidate's rounds differed {varied:.1f}x (other work on this machine?); the ranking may "
+            "noisy: some candidate's rounds differed by 10% or more (other work on this machine?); the ranking may "
             "not hold: rerun with more --rounds on a quiet machine"
         )
     return "\n".join(lines)
@@ -206,15 +213,19 @@ def record(
         tags["autotune.command"] = override_line(overrides, outcome.current.loader, winner.candidate.loader)
         metrics["autotune/best_samples_per_s"] = winner.median
         if len(ranking) > 1:
-            metrics["autotune/vs_next_pct"] = 100 * (speedup(winner, ranking[1]).ratio - 1)
+            metrics["autotune/vs_next_pct"] = 100 * gain(winner, ranking[1])
         if current is not None:
             metrics["autotune/current_samples_per_s"] = current.median
-            metrics["autotune/vs_current_pct"] = 100 * (speedup(winner, current).ratio - 1)
+            metrics["autotune/vs_current_pct"] = 100 * gain(winner, current)
+        confirmed, mine = outcome.confirmation(winner.candidate), outcome.confirmation(outcome.current)
+        if confirmed is not None and mine is not None:  # what the verdict claims, from the fresh rounds
+            metrics["autotune/confirmed_vs_current_pct"] = 100 * gain(confirmed, mine)
     trials = [
         {
             "candidate": describe(t.candidate, outcome.current),
             "loader": dataclasses.asdict(t.candidate.loader),
             "round": t.round,
+            "phase": "confirm" if t.confirm else "search",
             "samples_per_s": t.samples_per_s,
             "seconds": round(t.seconds, 3),
         }

@@ -1,7 +1,14 @@
-"""The search: interleaved rounds, dropping the clearly slow, the worker plateau, the budget, the batch size.
+"""The search: interleaved rounds, dropping the clearly slow, the worker plateau, the budget, the batch size;
+then fresh confirmation rounds for what the search chose.
 
 ``tune`` times the candidates (``candidates.candidates``) with whatever ``measure`` it is given (the real one is
 ``trials.Trials.measure``; tests pass a fake and a fake clock) and returns an ``Outcome`` for ``report``.
+
+Choosing the fastest of several noisy measurements and then quoting its margin from the same measurements
+overstates it (the winner is, in part, the luckiest), and so does stopping when the lead looks large. So the
+search only *chooses*: its early stops may favour whatever they like. The margin the tuner claims comes from
+``Settings.confirm`` rounds run afterwards, the winner, the current setting and the runner-up timed again side
+by side in alternating order, with ``CONFIRM_SHARE`` of the budget kept for them.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ PLATEAU_GAIN = 0.03  # a doubling of the workers that gains less than this ends 
 DROP_BELOW = 0.80  # a candidate whose best round is under this share of the leader's median is dropped ...
 DROP_BELOW_FIRST = 0.50  # ... or this share after round 1, where "best" is a single, possibly unlucky, round
 BATCH_SEARCH_SHARE = 0.5  # the batch-size search may use at most this share of the budget
+CONFIRM_SHARE = 0.25  # kept for the confirmation rounds: the search stops at the rest
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,7 @@ class Settings:
     warmup: int = 3  # untimed steps before them (worker start-up, allocator, cuDNN autotuning); >= 1
     rounds: int = 3  # interleaved rounds at most
     search_batch_size: bool = False  # first double loader.batch_size until out of memory or no faster
+    confirm: int = 3  # fresh rounds of the winner, the current setting and the runner-up, after the search
 
 
 class Measure(Protocol):
@@ -68,6 +77,7 @@ class Trial:
     round: int  # 0: the batch-size search
     samples_per_s: float | None  # None: out of memory
     seconds: float  # the trial's wall time, building the candidate included the first time
+    confirm: bool = False  # a confirmation round's trial (``round`` counts those from 1 too)
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,11 @@ class Outcome:
     trials: list[Trial]
     batch_sizes: list[tuple[int, float | None]]  # --batch-size: samples/s per size tried, None = out of memory
     batch_size: int  # what the candidates other than the current setting use
+    confirmed: list[Tally] = field(default_factory=list)  # the finalists' confirmation rounds, winner first
+    unconfirmed: str = ""  # why there are none ("" when there are)
+
+    def confirmation(self, candidate: Candidate) -> Tally | None:
+        return next((t for t in self.confirmed if t.candidate == candidate and t.measured), None)
 
     def ranking(self) -> list[Tally]:
         """The measured candidates, fastest median first."""
@@ -110,12 +125,16 @@ class _Session:
         self.trials: list[Trial] = []
         self.cut_short = False
         self.next_s = 0.0  # what the trial refused for lack of time was expected to take
+        self.limit_s = settings.budget_s  # where trials stop by default: the search's share, then the whole budget
 
     def elapsed(self) -> float:
         return self.clock() - self.started
 
-    def run(self, candidate: Candidate, round_: int, *, within_s: float | None = None) -> float | None:
-        """Samples/s of one trial, or None (nothing run) when it would end after ``within_s`` (default: the budget).
+    def run(
+        self, candidate: Candidate, round_: int, *, within_s: float | None = None, confirm: bool = False
+    ) -> float | None:
+        """Samples/s of one trial, or None (nothing run) when it would end after ``within_s`` (default:
+        ``limit_s``).
 
         The estimate is the longest trial of its kind so far (first trials pay for the build), so the budget is
         not overrun by more than one trial's variation.
@@ -123,7 +142,7 @@ class _Session:
         first = candidate not in self.built
         durations = (self.first_s if first else self.again_s) or self.first_s or self.again_s
         estimate = max(durations, default=0.0)
-        if self.elapsed() + estimate > (self.settings.budget_s if within_s is None else within_s):
+        if self.elapsed() + estimate > (self.limit_s if within_s is None else within_s):
             if within_s is None:
                 self.cut_short, self.next_s = True, estimate
             return None
@@ -135,7 +154,7 @@ class _Session:
         finally:
             seconds = self.clock() - begun
             (self.first_s if first else self.again_s).append(seconds)
-            self.trials.append(Trial(candidate, round_, value, seconds))
+            self.trials.append(Trial(candidate, round_, value, seconds, confirm))
         return value
 
 
@@ -161,6 +180,8 @@ def tune(
         started: the clock's value when the budget began (default: now).
     """
     session = _Session(measure, release, clock, settings, started)
+    if settings.confirm:
+        session.limit_s = settings.budget_s * (1 - CONFIRM_SHARE)
     batch_size, batch_sizes = current.batch_size, []
     if settings.search_batch_size:
         batch_size, batch_sizes = _search_batch_size(current, session, cap=machine.max_batch_size)
@@ -194,8 +215,8 @@ def tune(
         order = timed
         if session.cut_short:
             reason = (
-                f"cut short: the next trial (about {session.next_s:.1f} s) would have passed the "
-                f"{settings.budget_s:g} s budget"
+                f"cut short: the next trial (about {session.next_s:.1f} s) would have passed the search's "
+                f"{session.limit_s:g} s of the {settings.budget_s:g} s budget"
             )
             break
         for dropped in _drop_slow(tallies.values(), round_):
@@ -212,11 +233,17 @@ def tune(
     for tally in tallies.values():
         if not tally.measured and not tally.stopped:
             tally.stopped = "not measured: time budget"
-        session.release(tally.candidate)
+    finalists = _finalists(list(tallies.values()), now)
+    for tally in tallies.values():
+        if tally.candidate not in finalists:
+            session.release(tally.candidate)
+    confirmed, unconfirmed = _confirm(finalists, session, settings)
+    for candidate in finalists:
+        session.release(candidate)
     return Outcome(
         current=now,
         tallies=list(tallies.values()),
-        rounds=max((t.round for t in session.trials), default=0),  # rounds with a trial in them
+        rounds=max((t.round for t in session.trials if not t.confirm), default=0),  # the search's, with a trial
         stop_reason=reason,
         cut_short=session.cut_short,
         elapsed_s=session.elapsed(),
@@ -224,7 +251,44 @@ def tune(
         trials=session.trials,
         batch_sizes=batch_sizes,
         batch_size=batch_size,
+        confirmed=confirmed,
+        unconfirmed=unconfirmed,
     )
+
+
+def _finalists(tallies: list[Tally], current: Candidate) -> list[Candidate]:
+    """The search's winner, the current setting and the runner-up, as far as they were measured."""
+    ranking = sorted((t for t in tallies if t.measured), key=lambda t: t.median, reverse=True)
+    found = [t.candidate for t in ranking[:1]]
+    if any(t.candidate == current for t in ranking):
+        found.append(current)
+    found += [t.candidate for t in ranking[1:2]]
+    return list(dict.fromkeys(found))
+
+
+def _confirm(finalists: list[Candidate], session: _Session, settings: Settings) -> tuple[list[Tally], str]:
+    """``settings.confirm`` fresh rounds of the finalists in alternating order, within the whole budget; their
+    tallies (winner first), or [] and why not."""
+    if len(finalists) < 2:
+        return [], "only one candidate was measured"
+    if not settings.confirm:
+        return [], "no confirmation rounds were asked for (--confirm 0)"
+    session.limit_s = settings.budget_s
+    tallies = {c: Tally(c) for c in finalists}
+    for round_ in range(1, settings.confirm + 1):
+        for candidate in finalists if round_ % 2 else finalists[::-1]:
+            value = session.run(candidate, round_, confirm=True)
+            if value is None:
+                break
+            tallies[candidate].by_round[round_] = value
+    done = [t for t in tallies.values() if t.measured]
+    if len(done) < 2 or len({len(t.by_round) for t in done}) > 1:  # a round cut short: keep whole rounds only
+        whole = min((len(t.by_round) for t in done), default=0)
+        done = [Tally(t.candidate, {r: v for r, v in t.by_round.items() if r <= whole}) for t in done]
+        done = [t for t in done if t.measured]
+    if len(done) < 2:
+        return [], "the budget left no time for a confirmation round"
+    return done, ""
 
 
 def _search_batch_size(current: LoaderConfig, session: _Session, *, cap: int) -> tuple[int, list]:

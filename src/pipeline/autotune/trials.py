@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.autotune.candidates import Candidate
-from pipeline.config import RunConfig
+from pipeline.config import LoaderConfig, RunConfig
 
 
 @dataclass
@@ -24,6 +24,19 @@ class _Live:
             self.batches = None
 
 
+MIN_TIMED_S = 0.5  # a trial times at least this long (whole calls of --steps steps)
+
+
+def queue_depth(loader: LoaderConfig, *, prefetched: bool = False) -> int:
+    """How many batches a loader can have made ahead of the step that asks for them: each worker's
+    ``prefetch_factor`` (the DataLoader keeps that many requests per worker in flight), plus one held by a device
+    prefetcher (``prefetched``); 0 for resident data, which is cut when asked for."""
+    if loader.resident:
+        return 0
+    ahead = loader.num_workers * (loader.prefetch_factor or 2) if loader.num_workers else 0
+    return ahead + (1 if prefetched else 0)
+
+
 class Trials:
     """Trials in the real training step: each candidate built once with ``build`` (the run's seed, so every
     candidate starts from the same weights and sample order), trained with ``train_epoch``, freed by ``release``.
@@ -35,6 +48,13 @@ class Trials:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self._live: dict[Candidate, _Live] = {}
+        if cfg.trainer.compile:
+            from pipeline import compilation
+
+            compilation.fresh()
+            # Each live candidate is a model of its own, and each one's graphs count towards the same forward's
+            # recompile limit: room for a dozen candidates' shapes, beyond which it still raises, never runs eager.
+            compilation.allow_models(12)
 
     def probe(self) -> Any:
         """Build the current setting first (its ``Setup``): its device and data decide the other candidates."""
@@ -42,14 +62,29 @@ class Trials:
 
     def measure(self, candidate: Candidate, *, steps: int, warmup: int) -> float:
         """Samples/s of ``steps`` training steps after ``warmup`` untimed ones (the step timer leaves out a call's
-        first step, so the untimed call runs ``warmup - 1``)."""
+        first step, so the untimed call runs ``warmup - 1``), repeated until the timed steps add up to
+        ``MIN_TIMED_S``: 20 steps of a small model take 40 ms, which one hiccup of the machine can make ten times
+        longer.
+
+        A live candidate's workers kept working while the others were timed: its queue holds up to
+        ``queue_depth`` batches made before this trial began. Those are drawn and dropped first, so every batch
+        this trial times was asked for, and made, after it started: the trial times the loader, not its backlog.
+        """
         live = self._get(candidate)
         if live.batches is None:
             live.batches = _endless(live.setup.train_batches)
         try:
+            prefetched = hasattr(live.setup.train_batches, "timed_by")  # a DevicePrefetcher holds one more
+            for _ in range(queue_depth(candidate.loader, prefetched=prefetched)):
+                next(live.batches)
             if warmup > 1:
                 self._train(live, warmup - 1)
-            return self._train(live, steps + 1).samples_per_s
+            samples = seconds = 0.0
+            while True:  # whole calls of ``steps`` timed steps until they add up to MIN_TIMED_S
+                done = self._train(live, steps + 1).breakdown
+                samples, seconds = samples + done.steady_samples, seconds + done.step_s
+                if seconds >= MIN_TIMED_S or not done.steady_steps:
+                    return samples / seconds if seconds > 0 else 0.0
         finally:
             if not live.keep_batches:
                 live.close_batches()
