@@ -778,9 +778,12 @@ def step_overhead(ctx: Context) -> list[Row]:
     name = f"pipeline / bare loop, MLP, batch 64, {plan.overhead_samples:,} samples, {plan.device}"
 
     def make() -> Row:
-        from pipeline.bench import Sizes, bare_epoch, interleaved, median, paired_ratio, pipeline_epoch
+        from statistics import median
+
+        from pipeline.bench import Sizes, bare_epoch, interleaved, pipeline_epoch
         from pipeline.config import DataConfig
         from pipeline.data.sources import load_data
+        from pipeline.stats import paired_ratio
 
         sizes = Sizes(samples=plan.overhead_samples, repeats=plan.overhead_repeats, warmup=0 if plan.dry else 1)
         bundle = load_data(

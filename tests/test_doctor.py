@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline import doctor, precision
+from pipeline import amp_check, doctor
 from pipeline.config import DeviceConfig
 from pipeline.devices import DeviceError, resolve_device
 from pipeline.doctor import (
     Check,
     Facts,
     NvidiaGpu,
-    _cpu_bf16_flags,
+    _bf16_flags,
     checks,
     gather,
     gather_speed,
@@ -29,7 +29,6 @@ from pipeline.doctor import (
     report,
     wheel_for,
 )
-from pipeline.precision import Timing
 
 T4 = NvidiaGpu(0, "Tesla T4", "GPU-aaaa", 15360)
 
@@ -311,7 +310,7 @@ def test_the_cpu_bfloat16_check_comes_only_with_the_smoke_tests() -> None:
 def test_the_report_attached_to_runs_does_not_time_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[Facts] = []
     monkeypatch.setattr(doctor, "gather_speed", lambda facts: timed.append(facts) or facts)
-    monkeypatch.setattr(precision, "measure", lambda *a, **k: pytest.fail("the run's report timed something"))
+    monkeypatch.setattr(amp_check, "time_pairs", lambda *a, **k: pytest.fail("the run's report timed something"))
     document = report(smoke=False)
     assert timed == [] and document["facts"]["cpu_bf16_conv_speed"] is None
     assert "CPU bfloat16" not in [c["name"] for c in document["checks"]]
@@ -322,25 +321,30 @@ def test_the_report_attached_to_runs_does_not_time_the_cpu(monkeypatch: pytest.M
 def test_gather_speed_divides_float32_time_by_bfloat16_time_for_each_operation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    seconds = iter([0.01, 0.02, 0.03, 0.3])  # matmul fp32, bf16; conv fp32, bf16
-    dtypes: list[torch.dtype] = []
+    measured = iter([([0.01, 0.012], [0.02, 0.02]), ([0.03, 0.03, 0.03], [0.3, 0.3, 0.3])])  # matmul, then conv
+    dtypes: list[tuple[torch.dtype, torch.dtype]] = []
 
-    def fake_measure(fn, *, until: float, repeats: int = 3) -> Timing:
-        dtypes.append(fn().dtype)
-        return Timing(next(seconds), warm=True)
+    def fake_pairs(first, second, *, pairs: int, until: float):
+        dtypes.append((first().dtype, second().dtype))
+        fp32, bf16 = next(measured)
+        return [1.0, 1.0], (fp32, bf16)
 
-    monkeypatch.setattr(precision, "measure", fake_measure)
+    monkeypatch.setattr(amp_check, "time_pairs", fake_pairs)
     facts = gather_speed(Facts())
-    assert dtypes == [torch.float32, torch.bfloat16] * 2
-    assert facts.cpu_bf16_matmul_speed == pytest.approx(0.5) and facts.cpu_bf16_conv_speed == pytest.approx(0.1)
+    assert dtypes == [(torch.float32, torch.bfloat16)] * 2
+    assert facts.cpu_bf16_matmul_speed == pytest.approx(0.55) and facts.cpu_bf16_conv_speed == pytest.approx(0.1)
 
 
 def test_cpu_flags_are_read_from_cpuinfo_and_unknown_without_it(tmp_path: Path) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n")
-    assert _cpu_bf16_flags(cpuinfo) == (True, True)
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
-    assert _cpu_bf16_flags(cpuinfo) == (True, False)
-    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # Arm
-    assert _cpu_bf16_flags(cpuinfo) == (None, None)
-    assert _cpu_bf16_flags(tmp_path / "missing") == (None, None)
+    cpus = {
+        "amx": "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n",
+        "avx512": "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n",
+        "arm": "processor\t: 0\nFeatures\t: fp asimd bf16\n",
+    }
+    read = {}
+    for name, text in cpus.items():
+        (tmp_path / name).write_text(text)
+        flags = amp_check.cpu_flags(str(tmp_path / name))
+        read[name] = None if flags is None else _bf16_flags(flags)
+    assert read == {"amx": (True, True), "avx512": (True, False), "arm": None}  # Arm lists "Features" instead
+    assert amp_check.cpu_flags(str(tmp_path / "missing")) is None

@@ -161,22 +161,36 @@ def probe_cpu_amp(
         copied = _bare_copy(model)
         batch = probe_batch(copied, images, len(images))
         copied.train()
-        steps = (
-            _train_step(copied, images[:batch], labels[:batch], None),
-            _train_step(copied, images[:batch], labels[:batch], dtype),
-        )
-        last = [_timed(steps[0]), _timed(steps[1])]  # warm-ups: kernel creation, never counted
-        times: tuple[list[float], list[float]] = ([], [])
-        for pair in range(pairs):
-            if time.perf_counter() + last[0] + last[1] > deadline:
-                break
-            for i in (0, 1) if pair % 2 == 0 else (1, 0):
-                last[i] = _timed(steps[i])
-                times[i].append(last[i])
+        fp32_step = _train_step(copied, images[:batch], labels[:batch], None)
+        amp_step = _train_step(copied, images[:batch], labels[:batch], dtype)
+        first, times = time_pairs(fp32_step, amp_step, pairs=pairs, until=deadline)
     if not times[0]:
-        return AmpProbe(last[0], last[1], math.nan, batch, 0, name, has_amx())
+        return AmpProbe(first[0], first[1], math.nan, batch, 0, name, has_amx())
     fp32, amp = statistics.median(times[0]), statistics.median(times[1])
     return AmpProbe(fp32, amp, paired_ratio(times[0], times[1]), batch, len(times[0]), name, has_amx())
+
+
+def time_pairs(
+    first: Callable[[], object], second: Callable[[], object], *, pairs: int, until: float
+) -> tuple[list[float], tuple[list[float], list[float]]]:
+    """One untimed call of each (oneDNN builds its kernels on first use), then up to ``pairs`` timed pairs in
+    alternating order (A B, B A, ...), so a burst of load from elsewhere slows both sides of a pair alike. No
+    pair starts that would end after ``until`` (a ``time.perf_counter`` value), judged by the last calls' times.
+
+    Returns:
+        The two warm-up calls' seconds, and each function's timed seconds, pair by pair.
+    """
+    last = [_timed(first), _timed(second)]
+    warm = list(last)
+    times: tuple[list[float], list[float]] = ([], [])
+    fns = (first, second)
+    for pair in range(pairs):
+        if time.perf_counter() + last[0] + last[1] > until:
+            break
+        for i in (0, 1) if pair % 2 == 0 else (1, 0):
+            last[i] = _timed(fns[i])
+            times[i].append(last[i])
+    return warm, times
 
 
 def _timed(step: Callable[[], None]) -> float:

@@ -5,8 +5,8 @@
     python -m pipeline.bench --only overhead,resident --repeats 7
 
 Variants of one comparison are interleaved (A B, B A, ...), one warm-up round is discarded,
-ratios are medians of per-round ratios (a round's variants run back to back, so the machine's
-slow drifts cancel), and torch's thread count is fixed. The markdown table
+ratios are medians of per-round ratios (``pipeline.stats.paired_ratio``: a round's variants run
+back to back, so the machine's slow drifts cancel), and torch's thread count is fixed. The markdown table
 it prints is what BENCHMARKS.md records. Nothing here is asserted in tests: timing claims live
 here, not in the test suite.
 """
@@ -19,7 +19,6 @@ import datetime
 import io
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,10 +26,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.stats import paired_ratio
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,6 @@ def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[
             if round_ >= sizes.warmup:
                 times[name].append(seconds)
     return times
-
-
-def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-    """Median of per-round ratios. A round's two runs are back to back, so slow drifts in the
-    machine's speed (other tenants, clocks) cancel, which a ratio of medians would not do."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 # ---------------------------------------------------------------------------------------------

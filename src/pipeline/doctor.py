@@ -169,7 +169,10 @@ def gather_speed(facts: Facts) -> Facts:
     Only the doctor's own run (and ``report(smoke=True)``) pays for this, never the report
     attached to each training run. Fills ``facts.cpu_bf16_*`` and the CPU's bfloat16 flags.
     """
-    facts.cpu_avx512_bf16, facts.cpu_amx = _cpu_bf16_flags()
+    from pipeline.amp_check import cpu_flags
+
+    flags = cpu_flags()  # the amp check's reading of the CPU's flags: one reader of /proc/cpuinfo
+    facts.cpu_avx512_bf16, facts.cpu_amx = (None, None) if flags is None else _bf16_flags(flags)
     start = time.perf_counter()
     rng = torch.Generator().manual_seed(0)  # leaves the global stream alone when called in-process
     a, b = torch.randn(1024, 1024, generator=rng), torch.randn(1024, 1024, generator=rng)
@@ -181,26 +184,18 @@ def gather_speed(facts: Facts) -> Facts:
 
 
 def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> float:
-    """float32's time over bfloat16's for ``op(*args)``; inputs are cast beforehand, so only compute counts."""
-    from pipeline.precision import measure  # the amp probe's timer: warm-up, median, deadline
+    """float32's time over bfloat16's for ``op(*args)``: the median of interleaved pairs' ratios, as the amp check
+    measures (``pipeline.amp_check.time_pairs``); inputs are cast beforehand, so only compute counts."""
+    from pipeline.amp_check import time_pairs
+    from pipeline.stats import paired_ratio
 
     narrow = tuple(t.bfloat16() for t in args)
-    now = time.perf_counter()
-    fp32 = measure(lambda: op(*args), until=now + (until - now) / 4, repeats=5)  # bfloat16 may be 10x slower
-    bf16 = measure(lambda: op(*narrow), until=until, repeats=5)
-    return fp32.seconds / bf16.seconds
+    warm, (fp32, bf16) = time_pairs(lambda: op(*args), lambda: op(*narrow), pairs=5, until=until)
+    return paired_ratio(fp32, bf16) if fp32 else warm[0] / warm[1]
 
 
-def _cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[bool | None, bool | None]:
-    """(avx512_bf16, amx_bf16) from the CPU's flags; (None, None) without /proc/cpuinfo or its x86 flags."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:  # macOS, Windows
-        return None, None
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    if not match:  # Arm lists "Features" instead
-        return None, None
-    flags = set(match.group(1).split())
+def _bf16_flags(flags: frozenset[str]) -> tuple[bool, bool]:
+    """(avx512_bf16, amx_bf16) among the CPU's x86 flags."""
     return "avx512_bf16" in flags, "amx_bf16" in flags
 
 

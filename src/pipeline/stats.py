@@ -27,8 +27,10 @@ import random
 import statistics
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 NOISY = 0.10  # IQR/median of repeated timings from which they are called noisy
 ALPHA = 0.05  # a difference is real only below this (after the correction for several comparisons)
@@ -99,6 +101,8 @@ def midranks(values: Sequence[float]) -> list[float]:
 
 def _subset_sums(weights: Sequence[int], size: int) -> np.ndarray:
     """``counts[s]``: how many ``size``-element subsets of ``weights`` sum to ``s`` (floats: counts reach 1e29)."""
+    import numpy as np  # lazy, as everywhere here: the GPU check imports this module where only torch is sure
+
     total = sum(weights)
     ways = np.zeros((size + 1, total + 1))
     ways[0, 0] = 1.0
@@ -112,6 +116,8 @@ def _subset_sums(weights: Sequence[int], size: int) -> np.ndarray:
 
 def _signed_sums(weights: Sequence[int]) -> np.ndarray:
     """``counts[s]``: how many of the ``2**n`` sign choices give the positive weights the sum ``s``."""
+    import numpy as np
+
     total = sum(weights)
     ways = np.zeros(total + 1)
     ways[0] = 1.0
@@ -125,6 +131,8 @@ def rank_test(a: Sequence[float], b: Sequence[float]) -> float:
     groups of these sizes gives a rank sum at least as far from its mean as ``a``'s. Ties take midranks and the
     distribution is the one conditional on them (so 4 vs 4 with one tie gives 0.057, where the normal
     approximation says 0.042). 1.0 when either sample is empty or every value is equal."""
+    import numpy as np
+
     n, m = len(a), len(b)
     if not n or not m:
         return 1.0
@@ -142,6 +150,8 @@ def rank_test(a: Sequence[float], b: Sequence[float]) -> float:
 
 def _normal_rank_p(doubled: Sequence[int], n: int, observed: int) -> float:
     """The large-sample p (normal approximation with the tie correction), above ``EXACT_LIMIT``."""
+    import numpy as np
+
     ranks = np.asarray(doubled, dtype=float) / 2
     total = len(ranks)
     mean = n * (total + 1) / 2
@@ -155,6 +165,8 @@ def _normal_rank_p(doubled: Sequence[int], n: int, observed: int) -> float:
 def signed_rank_test(differences: Sequence[float]) -> float:
     """Exact two-sided p of the Wilcoxon signed-rank test on paired differences (zeros dropped, ties of the
     absolute values by midranks): how often random signs give a positive-rank sum at least as far from its mean."""
+    import numpy as np
+
     nonzero = [d for d in differences if d != 0]
     if not nonzero:
         return 1.0
@@ -222,6 +234,8 @@ def _quantile_rank(counts: np.ndarray, confidence: float) -> tuple[int, float]:
     """For a null distribution of a rank statistic (counts over 0..max), the largest k >= 1 with
     P(stat <= k-1) <= (1 - confidence) / 2, and the coverage 1 - 2 P(stat <= k-1); k = 1 when even that
     exceeds the tail (the widest interval, with its lower coverage)."""
+    import numpy as np
+
     cumulative = np.cumsum(counts) / counts.sum()
     tail = (1 - confidence) / 2
     k = int(np.searchsorted(cumulative, tail, side="right"))  # values 0..k-1 have P <= tail
