@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench import Row, Sizes, interleaved, main, paired_ratio, table
+from pipeline.bench import Row, Sizes, interleaved, main, table
+from pipeline.stats import paired_ratio
 
 
 def test_interleaving_alternates_order_drops_warmup_and_pairs_rounds() -> None:
@@ -63,5 +64,8 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "sampler reading, psutil",
         "loader.resident=true vs guides'",
         "launch to first training step",
+        "autotune's claimed gain, reproduced in real runs",
+        "CPU amp check, the same config",
+        "torch.compile, batch dimension static / dynamic up front",
     ):
         assert f"| {name}" in out, name

@@ -319,7 +319,7 @@ def test_every_row_splits_its_step_and_says_what_moved_against_the_baseline() ->
     table = build(runs)
     assert table.lines[1].step_change == "data wait −42 ms, compute +1.0 ms"
     text = table_markdown(table)
-    assert "| 61.0 = 50.0+0+10.0+1.00 " in text and "| 20.0 = 8.00+0+11.0+1.00 " in text
+    assert "| 61.0 = 50.0+0.0+10.0+1.0 " in text and "| 20.0 = 8.0+0.0+11.0+1.0 " in text
     assert "data wait −42 ms, compute +1.0 ms" in text
     row = list(csv.DictReader(io.StringIO(table_csv(table))))[1]
     assert float(row["step_data_wait_ms"]) == pytest.approx(8.0) and row["step_vs_baseline"].startswith("data wait")

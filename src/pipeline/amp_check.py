@@ -11,8 +11,9 @@ makes a ResNet-50 step about 4× faster in bfloat16, while an AMD EPYC without i
 - after one untimed step each (oneDNN builds its kernels on first use), float32 and amp steps run in
   interleaved pairs (A B, B A, ...) until ``PAIRS`` pairs or the budget; the speed is the median of the pairs'
   ratios (``pipeline.stats.paired_ratio``), so a burst of load from elsewhere slows both sides of a pair alike;
-- the verdict has a dead band (``SAME``): amp is *faster* above 1.15×, *slower* below 1/1.15, else *about
-  the same*, so identical configurations on a quiet machine get the same verdict;
+- the verdict has a dead band (``SAME``): amp is *faster* from 1.10×, *slower* from 1/1.10, else *about the
+  same*, so repeats on a quiet machine (within ±15% of each other) never contradict each other, and give one
+  verdict unless the true ratio sits right at 1.10 or 1/1.10 (the summary prints the ratio itself too);
 - the CPU's flags (``amx_bf16``, ``avx512_bf16``) are read, not assumed, and the advice says which it has.
 
 The summary, the warning at start-up and the bottleneck hint (``pipeline.verdict``) all follow the measurement.
@@ -39,11 +40,11 @@ from pipeline.stats import paired_ratio
 
 log = logging.getLogger(__name__)
 
-PROBE_FLOPS = 2e9  # arithmetic of one float32 step the probe's batch is sized to (tens of ms on a few cores)
+PROBE_FLOPS = 8e9  # arithmetic of one float32 step the probe's batch is sized to (~0.1 s on a few cores)
 PROBE_MIN_BATCH = 2  # BatchNorm in train mode needs more than one value per channel
 PAIRS = 5  # interleaved float32/amp pairs at most; the median of their ratios is the speed
 BUDGET_S = 10.0  # no pair starts that would end later (the warm-ups always run)
-SAME = 1.15  # amp within this factor of float32's speed either way is "about the same"
+SAME = 1.10  # amp within this factor of float32's speed either way is "about the same"
 _FORMATS = {"bf16": "bfloat16", "fp16": "float16"}
 
 

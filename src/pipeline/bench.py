@@ -474,7 +474,16 @@ BENCHES = {
     "resident": lambda sizes, work: bench_resident(sizes, work),
     "launch": lambda sizes, work: bench_launch(sizes, work),
     "amp": lambda sizes, work: bench_amp(sizes, work),
+    "amp_check": lambda sizes, work: _claims().bench_amp_check(sizes),
+    "compile": lambda sizes, work: _claims().bench_compile(sizes),
+    "autotune": lambda sizes, work: _claims().bench_autotune(sizes, work),
 }
+
+
+def _claims():
+    from pipeline import bench_claims
+
+    return bench_claims
 
 
 def table(rows: list[Row]) -> str:

@@ -42,10 +42,13 @@ def _spread(s: Summary | None) -> str:
 
 
 def _step(row: Row) -> str:
+    """``61.0 = 50.0+0.0+10.0+1.0``: the parts in the total's precision, so that they add up to the eye."""
     parts = row.step_parts_ms()
     if parts is None:
         return "–"
-    return f"{_num(sum(parts.values()))} = " + "+".join(_num(parts[p]) for p in STEP_PARTS)
+    total = sum(parts.values())
+    places = 0 if total >= 100 else 1 if total >= 10 else 2
+    return f"{total:.{places}f} = " + "+".join(f"{parts[p]:.{places}f}" for p in STEP_PARTS)
 
 
 def _provenance(row: Row, tag: str) -> str:
@@ -145,6 +148,39 @@ def table_markdown(table: Table) -> str:
     return "\n".join([*head, "", *lines, "", *_footnotes(table)]) + "\n"
 
 
+def compact_markdown(table: Table) -> str:
+    """The table for MLflow's run page (a sweep parent's description): the rows' speed and why, in a few narrow
+    columns, so that the page keeps room for its About panel and child runs; the whole table is an artifact."""
+    unfinished = _any_unfinished(table)
+    headers = ["run", "n", "samples/s", "speed-up [95% CI]", "significance", "step vs baseline"]
+    headers += ["status"] if unfinished else []
+    body = []
+    for line in table.lines:
+        base = line.row is table.baseline
+        speed = line.row.speed()
+        body.append(
+            [
+                line.row.name,
+                str(line.row.n),
+                _num(speed.median) if speed else "–",
+                "1.00× (baseline)" if base else line.vs_baseline.cell(),
+                "baseline" if base else line.vs_baseline.reason,
+                "baseline" if base else line.step_change or "–",
+                *([line.row.status] if unfinished else []),
+            ]
+        )
+    head = _wrap(_drift(table))
+    if table.ranked_by:
+        head += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
+    if table.ladder and table.total is not None:
+        head += _wrap(f"Ladder: {_num(table.total)}× in all, {_num(table.per_step)}× per step (geometric mean).")
+    whole = (
+        "The whole table (every key that differs, epoch time, accuracy, GPU use, memory, the footnotes) is in "
+        "this run's artifacts: compare/compare.md, compare.csv and compare.png."
+    )
+    return "\n".join([*head, "", *markdown_table(headers, body), "", *_wrap(whole)]) + "\n"
+
+
 def _drift(table: Table) -> str:
     d = table.drift
     if d is None:
@@ -156,7 +192,7 @@ def _drift(table: Table) -> str:
             f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
             "each round still hold; for the rest, rerun on a quieter machine."
         )
-    return f"Drift: none found over {d.runs} runs (change {d.change:+.1%}, p={d.p:.2g})."
+    return f"Drift: none shown over {d.runs} runs (estimated {d.change:+.1%} from first to last, p={d.p:.2g})."
 
 
 def _footnotes(table: Table) -> list[str]:

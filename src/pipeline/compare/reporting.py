@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import quote, urlparse
 
 from pipeline.compare.charts import chart
-from pipeline.compare.formats import table_csv, table_markdown
+from pipeline.compare.formats import compact_markdown, table_csv, table_markdown
 from pipeline.compare.records import RunRecord
 from pipeline.compare.table import Table, build
 from pipeline.secrets import mask_text
@@ -70,8 +70,9 @@ def report(
     text += [f"All runs (model-training view): {base}/{_runs_page(e)}" for e in experiments]
     if urlparse(uri).scheme not in ("http", "https", "databricks"):
         text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri} --port {_port(base)})")
-    # In the UI, links relative to the page open on the UI's own address, whatever host and port serve it.
-    ui_note = [heading, "", body, f"[MLflow's compare page for these {n} runs]({page})"]
+    # In the UI: narrow (the page keeps its About panel), and links relative to the page, so that they open on
+    # the UI's own address whatever host and port serve it.
+    ui_note = [heading, "", compact_markdown(table), f"[MLflow's compare page for these {n} runs]({page})"]
     ui_note += [f"[All runs of experiment {e} (model-training view)]({_runs_page(e)})" for e in experiments]
     return Report(
         table,

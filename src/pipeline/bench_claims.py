@@ -1,0 +1,163 @@
+"""Benchmarks of the pipeline's own claims: does what it tells a user hold up when measured again?
+
+    python -m pipeline.bench --only autotune,amp_check,compile
+
+- ``autotune``: the loader tuner's suggestion and the gain it claims, then real training runs of the suggested
+  command against the current one, interleaved: the claim should reproduce within 1.5× of its gain, never slower.
+- ``amp_check``: the CPU amp check run again and again on one model: one verdict, ratios within ±15%.
+- ``compile``: torch.compile with the batch dimension static (the last, smaller batch recompiles once and is
+  left out of the steady state) against ``dynamic=True`` up front (no recompile, a dynamic graph for every step).
+
+``bench`` registers them (``BENCHES``); the numbers go to BENCHMARKS.md, never into a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.bench import QUICK, Row, Sizes, interleaved
+from pipeline.stats import MIN_EFFECT, paired_ratio, summarize
+
+CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
+
+
+def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
+    """``python -m pipeline.autotune`` on MNIST-shaped synthetic data, then its suggestion against the current
+    setting in real ``python -m pipeline`` runs (two epochs each, the second's steady samples/s), interleaved."""
+    from pipeline.autotune import Machine, Settings, Trials, override_line, resident_fits, tune, worker_limit
+    from pipeline.config import load
+
+    samples = 2_000 if sizes == QUICK else 20_000
+    base = ["device=cpu", "data=synthetic", f"data.num_samples={samples}", "data.val_samples=500"]
+    base += ["tracking=none", "monitor.enabled=false", "trainer.progress=false"]
+    cfg = load(base)
+    trials = Trials(cfg)
+    try:
+        setup = trials.probe()
+        machine = Machine(setup.device.type, worker_limit(), resident_fits(setup.spec, setup.device))
+        settings = Settings(budget_s=20 if sizes == QUICK else 90)
+        outcome = tune(cfg.loader, measure=trials.measure, machine=machine, settings=settings, release=trials.release)
+    finally:
+        trials.close()
+    chosen = outcome.ranking()[0].candidate
+    winner, current = outcome.confirmation(chosen), outcome.confirmation(outcome.current)
+    if winner is None or current is None or winner.median <= current.median or chosen == outcome.current:
+        suggested, claim = outcome.current, 1.0  # it says: keep the current setting
+    else:
+        suggested, claim = chosen, winner.median / current.median
+    command = override_line(base, outcome.current.loader, suggested.loader)
+    extra = [w for w in command.split() if w.startswith("loader.")]
+    t = interleaved(
+        {
+            "current": lambda: _epoch_rate([*base, "trainer.epochs=2"], work),
+            "suggested": lambda: _epoch_rate([*base, "trainer.epochs=2", *extra], work),
+        },
+        sizes,
+    )
+    real = paired_ratio(t["suggested"], t["current"])
+    claimed, measured = claim - 1, real - 1
+    within = (abs(claimed) < MIN_EFFECT and abs(measured) < MIN_EFFECT) or (
+        claimed > 0 and claimed / CLAIM_FACTOR <= measured <= claimed * CLAIM_FACTOR
+    )
+    return [
+        Row(
+            f"autotune's claimed gain, reproduced in real runs (synthetic {samples:,}, cpu)",
+            f"{real:.2f}× real vs {claim:.2f}× claimed",
+            f"within {CLAIM_FACTOR}× of the claimed gain, never slower",
+            within and real >= 1 - MIN_EFFECT,
+            f"suggested `{' '.join(extra) or 'the current setting'}`; real: median of {len(t['current'])} interleaved "
+            f"pairs of 2-epoch runs ({statistics.median(t['suggested']):,.0f} vs "
+            f"{statistics.median(t['current']):,.0f} samples/s)",
+        )
+    ]
+
+
+def _epoch_rate(overrides: list[str], work: Path) -> float:
+    from pipeline.config import load
+    from pipeline.train import train
+
+    cfg = load([*overrides, f"checkpoint.dir={work / 'checkpoints'}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(cfg, echo=False, quiet=True).epochs[-1].samples_per_s
+
+
+def bench_amp_check(sizes: Sizes) -> list[Row]:
+    """The CPU amp check (``pipeline.amp_check.probe_cpu_amp``) run ``repeats + 2`` times on the same model and
+    batch: does it give one verdict, and ratios within ±15% of their median?"""
+    from pipeline.amp_check import probe_cpu_amp
+    from pipeline.models import mlp, resnet
+
+    torch.manual_seed(0)
+    images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    models = {"MLP 784-512-10": mlp(784, [512], 10)}
+    if sizes != QUICK:
+        models["ResNet-18, 28 px"] = resnet("resnet18", in_channels=1, image_px=28, num_classes=10, stem="small")
+    rows = []
+    for name, model in models.items():
+        probes = [probe_cpu_amp(model, images, labels, dtype=torch.bfloat16) for _ in range(sizes.repeats + 2)]
+        speeds = [p.speed for p in probes if p.measured]
+        middle = statistics.median(speeds) if speeds else math.nan
+        verdicts = sorted({p.verdict for p in probes})
+        spread = max(max(speeds) / middle, middle / min(speeds)) if speeds else math.inf
+        rows.append(
+            Row(
+                f"CPU amp check, the same config {len(probes)} times: {name}",
+                f"{min(speeds, default=math.nan):.2f}–{max(speeds, default=math.nan):.2f}×",
+                "one verdict, each ratio within ±15% of the median",
+                len(verdicts) == 1 and spread <= 1.15,
+                f"verdict(s): {', '.join(verdicts)}; batch {probes[0].batch}, "
+                f"{statistics.median(p.pairs for p in probes):.0f} pairs a check; median {middle:.2f}×",
+            )
+        )
+    return rows
+
+
+def bench_compile(sizes: Sizes) -> list[Row]:
+    """The MLP's steady step under torch.compile: batch dimension static (the pipeline's choice) or dynamic from
+    the start. Each variant compiles first (untimed, the 30-sample last batch included), then times full steps."""
+    steps = 20 if sizes == QUICK else 200
+
+    def run(dynamic: bool) -> float:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.compile(nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)),
+                              dynamic=dynamic)  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(n: int) -> None:
+            loss = F.cross_entropy(model(torch.randn(n, 1, 28, 28)), torch.randint(0, 10, (n,)))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        for n in (64, 64, 30, 64):  # compile both shapes before the clock starts
+            step(n)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(64)
+        return steps * 64 / (time.perf_counter() - start)
+
+    t = interleaved({"static": lambda: run(False), "dynamic": lambda: run(True)}, sizes)
+    ratio = paired_ratio(t["static"], t["dynamic"])
+    spread = summarize(t["static"])
+    return [
+        Row(
+            "torch.compile, batch dimension static / dynamic up front (MLP steady step, cpu)",
+            f"{ratio:.2f}",
+            "(info)",
+            None,
+            f"{statistics.median(t['static']):,.0f} vs {statistics.median(t['dynamic']):,.0f} samples/s, median of "
+            f"{len(t['static'])} interleaved rounds of {steps} steps at batch 64"
+            + (" (noisy)" if spread and spread.noisy else "")
+            + "; above 1: the pipeline's choice (static, the recompiling step left out) runs faster",
+        )
+    ]
