@@ -147,13 +147,13 @@ def test_no_pair_starts_past_the_budget_and_a_probe_without_one_says_so(monkeypa
     monkeypatch.setattr(amp_check, "time", machine)
     model = Costed(machine, fp32_s=0.5, amp_s=5.0)
     probe = probe_cpu_amp(model, *batch(16), dtype=torch.bfloat16, budget_s=1.0)
-    assert model.calls == {"fp32": 1, "amp": 1} and probe.pairs == 0  # the warm-ups alone used the budget
+    assert model.calls == {"fp32": 2, "amp": 2} and probe.pairs == 0  # warm-up and calibration used the budget
     assert not probe.measured and probe.verdict == "unknown" and math.isnan(probe.speed)
     assert amp_advice(probe) is None
     said = probe.describe()
     assert "was not measured" in said and "nan" not in said and "0.00 s" not in said
-    enough = probe_cpu_amp(Costed(machine, 0.5, 5.0), *batch(16), dtype=torch.bfloat16, budget_s=12.5)
-    assert enough.pairs == 1 and enough.speed == pytest.approx(0.1)  # 5.5 s of warm-ups + one 5.5 s pair fit
+    enough = probe_cpu_amp(Costed(machine, 0.5, 5.0), *batch(16), dtype=torch.bfloat16, budget_s=17.5)
+    assert enough.pairs == 1 and enough.speed == pytest.approx(0.1)  # 11 s of warm-up and calibration, one pair
 
 
 def test_the_advice_names_the_measured_ratio_and_what_the_cpu_has() -> None:
@@ -181,6 +181,16 @@ def test_every_later_hint_follows_the_measurement() -> None:
                  amp_check=slow).message  # fmt: skip
     assert "amp=false is faster here (0.50x float32 measured at start)" in hint
     assert fast.describe().endswith("before training): amp pays off here")
+
+
+def test_a_step_too_short_to_time_is_repeated_within_each_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    machine = Machine(0, noise=0.0)
+    monkeypatch.setattr(amp_check, "time", machine)
+    model = Costed(machine, fp32_s=0.002, amp_s=0.004)  # a small MLP's milliseconds
+    probe = probe_cpu_amp(model, *batch(16), dtype=torch.bfloat16)
+    assert probe.fp32_s == pytest.approx(0.002) and probe.speed == pytest.approx(0.5)  # seconds per step
+    per_pair = (model.calls["fp32"] - 2) / probe.pairs
+    assert per_pair == math.ceil(amp_check.MIN_CALL_S / 0.002)  # 25 steps a measurement: 50 ms of work
 
 
 def test_the_cpu_flags_are_read_not_assumed(tmp_path: Path) -> None:

@@ -546,3 +546,12 @@ def test_200_runs_are_read_in_one_query_without_per_run_calls(
     calls.clear()
     assert compare.main(["--uri", store_uri, "--last", "8"]) == 0
     assert len(calls) == 1 and "8 runs in 4 rows" in capsys.readouterr().out
+
+
+def test_a_row_of_another_batch_size_is_compared_per_sample_not_per_step() -> None:
+    split = {"step_ms": 2.0, "wait": 10.0, "h2d": 0.0, "compute": 90.0, "own": 0.0}  # 0.2 + 1.8 ms at batch 64
+    bigger = {"step_ms": 5.0, "wait": 4.0, "h2d": 0.0, "compute": 96.0, "own": 0.0}  # 0.2 + 4.8 ms at batch 256
+    runs = [record(f"a{i}", 32_000, seed=i, **split) for i in range(2)]
+    runs += [record(f"b{i}", 51_200, seed=i, params={"loader.batch_size": "256"}, **bigger) for i in range(2)]
+    change = build(runs).lines[1].step_change
+    assert change == "per sample: compute −9.4 µs, data wait −2.3 µs"  # 28.1 -> 18.75 µs and 3.1 -> 0.8 µs

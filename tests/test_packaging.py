@@ -48,15 +48,16 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
     probe = (
         "import pipeline.config as c; d = c.config_dir(); cfg = c.load(['model=resnet50']);"
         "print(c.__file__); print(d); print(cfg.model.name);"
-        "print(c.sweep_jobs(['amp=false,true', 'trainer.seed=1,2']))"
+        "print(c.sweep_jobs(['loader.batch_size=32,64', 'trainer.seed=1,2']))"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120
     ).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1] == str(site / "pipeline" / "conf") and out[2] == "resnet50"
-    interleaved = "[['amp=false', 'trainer.seed=1'], ['amp=true', 'trainer.seed=1'], ['amp=true', 'trainer.seed=2'], "
-    assert out[3] == interleaved + "['amp=false', 'trainer.seed=2']]"
+    jobs = [["loader.batch_size=32", "trainer.seed=1"], ["loader.batch_size=64", "trainer.seed=1"]]
+    jobs += [["loader.batch_size=64", "trainer.seed=2"], ["loader.batch_size=32", "trainer.seed=2"]]
+    assert out[3] == str(jobs)  # the interleaved order: round by round, every other round reversed
 
 
 def test_the_linter_sees_every_python_file_of_the_package_and_the_tests() -> None:

@@ -309,7 +309,7 @@ def test_sigterm_to_a_submitit_job_stops_it_with_a_checkpoint_and_resume_through
     parent, (killed, other) = sweep_runs(store)
     assert (parent.info.status, killed.info.status, other.info.status) == ("KILLED", "KILLED", "FINISHED")
     summary = parent.data.tags["mlflow.note.content"]
-    assert "## 2 runs in 2 rows" in summary and "| FINISHED |" in summary  # the launcher waited for the other job
+    assert ": 2 runs in 2 rows" in summary and "| FINISHED |" in summary  # the launcher waited for the other job
     state = json.loads((tmp_path / "checkpoints" / killed.info.run_id / "state.json").read_text())
     assert state["status"] == "stopped"
     step = state["position"]["step"]

@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 PROBE_FLOPS = 8e9  # arithmetic of one float32 step the probe's batch is sized to (~0.1 s on a few cores)
 PROBE_MIN_BATCH = 2  # BatchNorm in train mode needs more than one value per channel
-PAIRS = 5  # interleaved float32/amp pairs at most; the median of their ratios is the speed
+PAIRS = 7  # interleaved float32/amp pairs at most; the median of their ratios is the speed
+MIN_CALL_S = 0.05  # a timed measurement repeats a short step until it lasts this long (jitter is milliseconds)
+MAX_REPEATS = 100
 BUDGET_S = 10.0  # no pair starts that would end later (the warm-ups always run)
 SAME = 1.10  # amp within this factor of float32's speed either way is "about the same"
 _FORMATS = {"bf16": "bfloat16", "fp16": "float16"}
@@ -175,28 +177,33 @@ def time_pairs(
     first: Callable[[], object], second: Callable[[], object], *, pairs: int, until: float
 ) -> tuple[list[float], tuple[list[float], list[float]]]:
     """One untimed call of each (oneDNN builds its kernels on first use), then up to ``pairs`` timed pairs in
-    alternating order (A B, B A, ...), so a burst of load from elsewhere slows both sides of a pair alike. No
-    pair starts that would end after ``until`` (a ``time.perf_counter`` value), judged by the last calls' times.
+    alternating order (A B, B A, ...), so a burst of load from elsewhere slows both sides of a pair alike. A call
+    too short to time against the scheduler's jitter (a small MLP's step takes 3 ms) is repeated until a timed
+    measurement lasts ``MIN_CALL_S``; its seconds are per call. No pair starts that would end after ``until`` (a
+    ``time.perf_counter`` value), judged by the last measurements.
 
     Returns:
-        The two warm-up calls' seconds, and each function's timed seconds, pair by pair.
+        The two warm-up calls' seconds, and each function's timed seconds per call, pair by pair.
     """
-    last = [_timed(first), _timed(second)]
-    warm = list(last)
+    warm = [_timed(first), _timed(second)]
+    calibrated = [_timed(first), _timed(second)]  # warm now: what one call costs
+    repeats = [max(1, min(MAX_REPEATS, math.ceil(MIN_CALL_S / max(c, 1e-9)))) for c in calibrated]
+    last = [c * r for c, r in zip(calibrated, repeats, strict=True)]
     times: tuple[list[float], list[float]] = ([], [])
     fns = (first, second)
     for pair in range(pairs):
         if time.perf_counter() + last[0] + last[1] > until:
             break
         for i in (0, 1) if pair % 2 == 0 else (1, 0):
-            last[i] = _timed(fns[i])
-            times[i].append(last[i])
+            last[i] = _timed(fns[i], repeats[i])
+            times[i].append(last[i] / repeats[i])
     return warm, times
 
 
-def _timed(step: Callable[[], None]) -> float:
+def _timed(step: Callable[[], object], repeats: int = 1) -> float:
     start = time.perf_counter()
-    step()
+    for _ in range(repeats):
+        step()
     return time.perf_counter() - start
 
 

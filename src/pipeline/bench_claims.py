@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.bench import QUICK, Row, Sizes, interleaved
-from pipeline.stats import MIN_EFFECT, paired_ratio, summarize
+from pipeline.stats import ALPHA, MIN_EFFECT, compare, paired_ratio, summarize
 
 CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
 
@@ -63,20 +63,22 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
         },
         sizes,
     )
-    real = paired_ratio(t["suggested"], t["current"])
-    claimed, measured = claim - 1, real - 1
-    within = (abs(claimed) < MIN_EFFECT and abs(measured) < MIN_EFFECT) or (
-        claimed > 0 and claimed / CLAIM_FACTOR <= measured <= claimed * CLAIM_FACTOR
-    )
+    pairs = list(zip(t["current"], t["suggested"], strict=True))
+    real = compare(t["current"], t["suggested"], pairs=pairs)  # paired by round: 7 rounds can reach p < 0.05
+    gain = claim - 1
+    if gain <= 0:  # "keep your setting": the real runs must show no real difference
+        holds = real.p >= ALPHA or abs(real.ratio - 1) < MIN_EFFECT
+    else:  # the real gain's interval must reach the claim within CLAIM_FACTOR, and never be all below 1
+        holds = real.high - 1 >= gain / CLAIM_FACTOR and real.low - 1 <= gain * CLAIM_FACTOR
     return [
         Row(
             f"autotune's claimed gain, reproduced in real runs (synthetic {samples:,}, cpu)",
-            f"{real:.2f}× real vs {claim:.2f}× claimed",
+            f"{real.ratio:.2f}× [{real.low:.2f}–{real.high:.2f}] real vs {claim:.2f}× claimed",
             f"within {CLAIM_FACTOR}× of the claimed gain, never slower",
-            within and real >= 1 - MIN_EFFECT,
-            f"suggested `{' '.join(extra) or 'the current setting'}`; real: median of {len(t['current'])} interleaved "
-            f"pairs of 2-epoch runs ({statistics.median(t['suggested']):,.0f} vs "
-            f"{statistics.median(t['current']):,.0f} samples/s)",
+            holds and real.high >= 1,
+            f"suggested `{' '.join(extra) or 'the current setting'}`; real: {len(pairs)} interleaved pairs of "
+            f"2-epoch runs ({statistics.median(t['suggested']):,.0f} vs {statistics.median(t['current']):,.0f} "
+            f"samples/s; {real.sizes}, p={real.p:.2g})",
         )
     ]
 

@@ -44,7 +44,7 @@ def chart(table: Table) -> Any:
         step_ax.barh(y, widths, left=left, color=COLOURS[part], label=part)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     step_ax.set_xlabel("a steady step, ms (medians over the repeats)")
-    step_ax.legend(fontsize=8, loc="lower right")
+    step_ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1), ncol=4, frameon=False)  # above: no bar hidden
     return fig
 
 
