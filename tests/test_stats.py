@@ -135,3 +135,32 @@ def test_drift_finds_a_steady_slowdown_whatever_order_the_configurations_ran_in(
 
 def test_drift_needs_repeats_to_say_anything() -> None:
     assert drift([("A", 0, 1.0), ("B", 1, 2.0), ("C", 2, 3.0)]) is None
+
+
+def test_there_is_one_statistics_module() -> None:
+    """Tests, intervals and "noisy" are defined in pipeline.stats alone: bench, autotune, compare, the GPU check
+    and the doctor import it; none of them computes a p-value, a quantile or a noise threshold of its own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [*(root / "src").rglob("*.py"), *(root / "scripts").glob("*.py")]
+    forbidden = ("scipy", "mannwhitney", "wilcoxon(", "quantiles(", "NOISY =", "def paired_ratio", "\ndef median(")
+    found = [
+        f"{path.relative_to(root)}: {pattern}"
+        for path in sources
+        if path.name != "stats.py"
+        for pattern in forbidden
+        if pattern in path.read_text()
+    ]
+    assert found == []
+    users = ["bench.py", "bench_claims.py", "autotune/report.py", "compare/table.py", "amp_check.py"]
+    assert all("from pipeline.stats import" in (root / "src" / "pipeline" / u).read_text() for u in users)
+
+
+def test_drift_over_many_runs_uses_the_normal_approximation_and_agrees() -> None:
+    rng = random.Random(3)
+    steady = [(job % 50, job, 1000 * (1 + rng.uniform(-0.05, 0.05))) for job in range(400)]
+    slowing = [(c, j, v * 0.999**j) for c, j, v in steady]  # 33% slower by the 400th run
+    assert not drift(steady).real and drift(steady).p > 0.05
+    found = drift(slowing)
+    assert found.real and found.p < 1e-6 and found.change == pytest.approx(0.999**399 - 1, abs=0.03)

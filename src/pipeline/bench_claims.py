@@ -30,13 +30,18 @@ from pipeline.stats import ALPHA, MIN_EFFECT, compare, paired_ratio, summarize
 CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
 
 
+def _quick(sizes: Sizes) -> bool:
+    """``--quick`` (compared by value: run as ``python -m pipeline.bench``, bench's own ``Sizes`` is another class)."""
+    return (sizes.samples, sizes.warmup) == (QUICK.samples, QUICK.warmup)
+
+
 def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
     """``python -m pipeline.autotune`` on MNIST-shaped synthetic data, then its suggestion against the current
     setting in real ``python -m pipeline`` runs (two epochs each, the second's steady samples/s), interleaved."""
     from pipeline.autotune import Machine, Settings, Trials, override_line, resident_fits, tune, worker_limit
     from pipeline.config import load
 
-    samples = 2_000 if sizes == QUICK else 20_000
+    samples = 2_000 if _quick(sizes) else 20_000
     base = ["device=cpu", "data=synthetic", f"data.num_samples={samples}", "data.val_samples=500"]
     base += ["tracking=none", "monitor.enabled=false", "trainer.progress=false"]
     cfg = load(base)
@@ -44,7 +49,7 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
     try:
         setup = trials.probe()
         machine = Machine(setup.device.type, worker_limit(), resident_fits(setup.spec, setup.device))
-        settings = Settings(budget_s=20 if sizes == QUICK else 90)
+        settings = Settings(budget_s=6, rounds=1, confirm=1) if _quick(sizes) else Settings(budget_s=90)
         outcome = tune(cfg.loader, measure=trials.measure, machine=machine, settings=settings, release=trials.release)
     finally:
         trials.close()
@@ -101,7 +106,7 @@ def bench_amp_check(sizes: Sizes) -> list[Row]:
     torch.manual_seed(0)
     images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     models = {"MLP 784-512-10": mlp(784, [512], 10)}
-    if sizes != QUICK:
+    if not _quick(sizes):
         models["ResNet-18, 28 px"] = resnet("resnet18", in_channels=1, image_px=28, num_classes=10, stem="small")
     rows = []
     for name, model in models.items():
@@ -126,7 +131,7 @@ def bench_amp_check(sizes: Sizes) -> list[Row]:
 def bench_compile(sizes: Sizes) -> list[Row]:
     """The MLP's steady step under torch.compile: batch dimension static (the pipeline's choice) or dynamic from
     the start. Each variant compiles first (untimed, the 30-sample last batch included), then times full steps."""
-    steps = 20 if sizes == QUICK else 200
+    steps = 20 if _quick(sizes) else 200
 
     def run(dynamic: bool) -> float:
         torch._dynamo.reset()
