@@ -337,7 +337,7 @@ def test_autotune_times_the_real_step_and_records_its_run(
     experiment = client.get_experiment_by_name("pipeline-autotune").experiment_id
     (run,) = client.search_runs(experiment_ids=[experiment], filter_string="tags.autotune = 'true'")
     assert run.info.run_name == "autotune-mlp-digits-cpu-bs64-w0" and run.info.status == "FINISHED"
-    assert run.data.tags["autotune.command"] == command
+    assert run.data.tags["autotune.command"] == command  # what was printed, after the confirmation rounds
     assert run.data.metrics["autotune/best_samples_per_s"] > 0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "autotune")}
     assert artifacts == {"autotune/workers.png", "autotune/report.txt", "autotune/trials.json"}
@@ -375,6 +375,7 @@ def test_a_winner_no_faster_in_the_confirmation_rounds_leaves_the_current_settin
         report
     )
     assert report.rstrip().endswith("python -m pipeline loader.num_workers=0")
+    assert autotune.suggestion(outcome) == outcome.current  # what the record's autotune.command holds
 
 
 def test_vs_current_is_the_ratio_of_the_medians_the_table_prints() -> None:

@@ -38,7 +38,16 @@ def _quick(sizes: Sizes) -> bool:
 def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
     """``python -m pipeline.autotune`` on MNIST-shaped synthetic data, then its suggestion against the current
     setting in real ``python -m pipeline`` runs (two epochs each, the second's steady samples/s), interleaved."""
-    from pipeline.autotune import Machine, Settings, Trials, override_line, resident_fits, tune, worker_limit
+    from pipeline.autotune import (
+        Machine,
+        Settings,
+        Trials,
+        override_line,
+        resident_fits,
+        suggestion,
+        tune,
+        worker_limit,
+    )
     from pipeline.config import load
 
     samples = 2_000 if _quick(sizes) else 20_000
@@ -53,12 +62,11 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
         outcome = tune(cfg.loader, measure=trials.measure, machine=machine, settings=settings, release=trials.release)
     finally:
         trials.close()
-    chosen = outcome.ranking()[0].candidate
-    winner, current = outcome.confirmation(chosen), outcome.confirmation(outcome.current)
-    if winner is None or current is None or winner.median <= current.median or chosen == outcome.current:
-        suggested, claim = outcome.current, 1.0  # it says: keep the current setting
-    else:
-        suggested, claim = chosen, winner.median / current.median
+    suggested = suggestion(outcome) or outcome.current  # what the tuner prints to paste
+    winner, current = outcome.confirmation(suggested), outcome.confirmation(outcome.current)
+    claim = 1.0  # "keep your current setting", or a gain never confirmed: no gain claimed
+    if suggested != outcome.current and winner is not None and current is not None:
+        claim = winner.median / current.median
     command = override_line(base, outcome.current.loader, suggested.loader)
     extra = [w for w in command.split() if w.startswith("loader.")]
     t = interleaved(

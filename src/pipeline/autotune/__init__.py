@@ -48,7 +48,16 @@ from pipeline.autotune.candidates import (
     worker_limit,
 )
 from pipeline.autotune.cli import main, parse_args
-from pipeline.autotune.report import format_report, gain, override_line, record, table, verdict, workers_figure
+from pipeline.autotune.report import (
+    format_report,
+    gain,
+    override_line,
+    record,
+    suggestion,
+    table,
+    verdict,
+    workers_figure,
+)
 from pipeline.autotune.search import (
     BATCH_SEARCH_SHARE,
     CONFIRM_SHARE,
@@ -90,6 +99,7 @@ __all__ = [
     "queue_depth",
     "record",
     "resident_fits",
+    "suggestion",
     "table",
     "tune",
     "verdict",

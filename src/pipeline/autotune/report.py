@@ -8,7 +8,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.autotune.candidates import describe
+from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.search import Outcome, Settings, Tally
 from pipeline.config import LoaderConfig, RunConfig
 from pipeline.stats import summarize
@@ -76,13 +76,26 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
+def suggestion(outcome: Outcome) -> Candidate | None:
+    """The setting the tuner suggests: the search's fastest, unless the confirmation rounds found it no faster
+    than the current setting (then the current one); None when nothing was measured."""
+    ranking = outcome.ranking()
+    if not ranking:
+        return None
+    chosen = ranking[0].candidate
+    winner, current = outcome.confirmation(chosen), outcome.confirmation(outcome.current)
+    if winner is not None and current is not None and chosen != outcome.current and winner.median <= current.median:
+        return outcome.current
+    return chosen
+
+
 def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
     """The suggestion and what it gains, from the confirmation rounds run after the search chose it (the search's
     own rounds would overstate the margin), with the numbers the percentages are ratios of; the command to paste."""
-    ranking = outcome.ranking()
-    if not ranking:
+    suggested = suggestion(outcome)  # what the record's autotune.command holds too
+    if suggested is None:
         return ["nothing was measured: the budget ran out before the first trial; raise --budget-s"]
-    chosen = ranking[0]
+    chosen = outcome.ranking()[0]
     name = describe(chosen.candidate, outcome.current)
     winner, current = outcome.confirmation(chosen.candidate), outcome.confirmation(outcome.current)
     if winner is None:
@@ -92,7 +105,6 @@ def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
                 f"; {_rate(chosen.median)} vs {_rate(mine.median)} samples/s for your current setting in the search's "
                 "own rounds, an optimistic margin"
             )
-        suggested = chosen.candidate
     else:
         rounds = len(winner.by_round)
         said = [f"{_rate(winner.median)} samples/s"]
@@ -104,15 +116,13 @@ def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
                 f"{pct(gain(winner, runner))} on {describe(runner.candidate, outcome.current)} ({_rate(runner.median)})"
             )
         where = f"medians of {rounds} confirmation round(s) run after the search chose it"
-        suggested = chosen.candidate
         if chosen.candidate == outcome.current:
             lines = [f"fastest: your current setting ({name}): {', '.join(said)}; {where}"]
-        elif current is not None and winner.median <= current.median:
+        elif suggested == outcome.current and current is not None:
             lines = [
                 f"keep your current setting: the search's fastest, {name}, was not faster in the confirmation rounds "
                 f"({_rate(winner.median)} vs {_rate(current.median)} samples/s; {where})"
             ]
-            suggested = outcome.current
         else:
             lines = [f"fastest: {name}: {', '.join(said)}; {where}"]
         if any(s.noisy for t in outcome.confirmed if (s := summarize(t.by_round.values())) is not None):
@@ -209,8 +219,10 @@ def record(
     metrics = {"autotune/elapsed_s": outcome.elapsed_s, "autotune/trials": float(len(outcome.trials))}
     if ranking:
         winner = ranking[0]
-        tags["autotune.winner"] = describe(winner.candidate, outcome.current)
-        tags["autotune.command"] = override_line(overrides, outcome.current.loader, winner.candidate.loader)
+        suggested = suggestion(outcome) or winner.candidate
+        tags["autotune.winner"] = describe(winner.candidate, outcome.current)  # the search's fastest
+        tags["autotune.suggested"] = describe(suggested, outcome.current)  # after the confirmation rounds
+        tags["autotune.command"] = override_line(overrides, outcome.current.loader, suggested.loader)  # as printed
         metrics["autotune/best_samples_per_s"] = winner.median
         if len(ranking) > 1:
             metrics["autotune/vs_next_pct"] = 100 * gain(winner, ranking[1])
