@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.precision import PrecisionPolicy
 from pipeline.stats import paired_ratio
 
 log = logging.getLogger(__name__)
@@ -251,17 +252,16 @@ def amp_advice(probe: AmpProbe) -> str | None:
 
 
 def check_cpu_amp(
-    policy: object, model: nn.Module, batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    policy: PrecisionPolicy, model: nn.Module, batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
 ) -> AmpProbe | None:
     """With amp=true on the CPU, time the run's model in both formats before training and warn if amp is slower.
 
-    ``policy`` is the run's ``PrecisionPolicy``; ``batch()`` gives the normalised images and labels to time with,
-    called only when the check runs. The run still trains as asked. Returns None (and measures nothing) on other
-    devices and without amp.
+    ``batch()`` gives the normalised images and labels to time with, called only when the check runs. The run
+    still trains as asked. Returns None (and measures nothing) on other devices and without amp.
     """
-    if getattr(policy, "device_type", None) != "cpu" or getattr(policy, "dtype", None) is None:
+    if policy.device_type != "cpu" or policy.dtype is None:
         return None
-    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype)  # type: ignore[attr-defined]
+    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype)
     advice = amp_advice(probe)
     if advice:
         log.warning(advice)

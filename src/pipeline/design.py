@@ -20,7 +20,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-REPEAT_KEYS = frozenset({"trainer.seed", "repeat"})  # as pipeline.compare groups them: runs differing only here
+# Repeats of one configuration: the sweep runs them round by round, the run name lists them last, and
+# pipeline.compare groups runs that differ only here into one row.
+REPEAT_KEYS = frozenset({"trainer.seed", "repeat"})
 
 
 @dataclass(frozen=True)

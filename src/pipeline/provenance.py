@@ -22,6 +22,7 @@ import torch
 
 from pipeline import __version__
 from pipeline.config import RunConfig
+from pipeline.design import REPEAT_KEYS  # named last among the swept values
 from pipeline.devices import DeviceChoice, cudnn_version
 from pipeline.precision import PrecisionPolicy
 
@@ -97,7 +98,6 @@ SHOWN_AS = {
     "loader.num_workers": "loader",
     "loader.resident": "loader",
 }
-REPEAT_KEYS = frozenset({"trainer.seed", "repeat"})  # named last among the swept values: they tell repeats apart
 NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
 DERIVED = re.compile(
     r"^(?P<model>[^-]+)-(?P<data>[^-]+)-(?P<device>[^-]+)(?:-(?P<precision>amp-[^-]+))?-(?P<batch>bs\d+)"

@@ -136,16 +136,21 @@ def table_markdown(table: Table) -> str:
     lines = markdown_table(_headers(table), [_cells(table, line) for line in table.lines])
     same = ", ".join(f"`{k}={v}`" for k, v in table.same.items())
     head = _wrap(f"Same in every run: {same}" if same else "No config key is the same in every run.")
-    head += _wrap(_drift(table))
+    return "\n".join([*head, *_above(table), "", *lines, "", *_footnotes(table)]) + "\n"
+
+
+def _above(table: Table) -> list[str]:
+    """What both tables say above their rows: the drift, a search's ranking, a ladder's total and mean step."""
+    lines = _wrap(_drift(table))
     if table.ranked_by:
-        head += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
+        lines += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
     if table.ladder and table.total is not None:
         steps = len(table.lines) - 1
-        head += _wrap(
+        lines += _wrap(
             f"Ladder: {_num(table.total)}× in all (the last row over the baseline), {_num(table.per_step)}× per "
             f"step over {steps} step(s) (the geometric mean: the total's {steps}th root)."
         )
-    return "\n".join([*head, "", *lines, "", *_footnotes(table)]) + "\n"
+    return lines
 
 
 def compact_markdown(table: Table) -> str:
@@ -169,16 +174,11 @@ def compact_markdown(table: Table) -> str:
                 *([line.row.status] if unfinished else []),
             ]
         )
-    head = _wrap(_drift(table))
-    if table.ranked_by:
-        head += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
-    if table.ladder and table.total is not None:
-        head += _wrap(f"Ladder: {_num(table.total)}× in all, {_num(table.per_step)}× per step (geometric mean).")
     whole = (
         "The whole table (every key that differs, epoch time, accuracy, GPU use, memory, the footnotes) is in "
         "this run's artifacts: compare/compare.md, compare.csv and compare.png."
     )
-    return "\n".join([*head, "", *markdown_table(headers, body), "", *_wrap(whole)]) + "\n"
+    return "\n".join([*_above(table), "", *markdown_table(headers, body), "", *_wrap(whole)]) + "\n"
 
 
 def _drift(table: Table) -> str:

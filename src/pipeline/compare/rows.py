@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.compare.records import DEVICE_PEAK_MB, OOM_EVENTS, PEAK_MB, STEP_PARTS, RunRecord
+from pipeline.design import REPEAT_KEYS  # runs differing only here are repeats of one configuration
 from pipeline.stats import Summary, summarize
 
-REPEAT_KEYS = frozenset({"trainer.seed", "repeat"})  # runs differing only here are repeats of one configuration
 # Keys that name, place or watch a run and change nothing it measures: never a reason for two rows.
 BOOKKEEPING_PREFIXES = ("tracking.", "monitor.")
 BOOKKEEPING = frozenset({"checkpoint.dir", "trainer.progress", "resume", "fork"})

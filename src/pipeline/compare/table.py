@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.compare.records import STEP_PARTS, VAL_ACC, CompareError, RunRecord
+from pipeline.compare.records import CORE, STEP_PARTS, VAL_ACC, CompareError, RunRecord
 from pipeline.compare.rows import (
     COVERED,
     PROVENANCE,
@@ -110,8 +110,6 @@ def build(
     Raises:
         CompareError: no runs, or ``baseline`` names none of the rows (or several).
     """
-    from pipeline.compare.records import CORE
-
     records = [r for r in records if not r.is_parent]
     if not records:
         raise CompareError("no runs to compare (sweep parent runs are never rows)")
@@ -154,8 +152,8 @@ def _family(pairs: Sequence[tuple[Row, Row]], *, min_effect: float, alpha: float
     level = alpha / max(tests, 1)  # Holm's strictest step: what a paired test must be able to reach to be chosen
     found = []
     for ref, row in pairs:
-        shared = ref.by_round().keys() & row.by_round().keys()
-        together = [(ref.by_round()[r], row.by_round()[r]) for r in sorted(shared)]
+        before, after = ref.by_round(), row.by_round()
+        together = [(before[r], after[r]) for r in sorted(before.keys() & after.keys())]
         found.append(compare(ref.speeds(), row.speeds(), pairs=together, level=level))
     adjusted = holm([c.p if c is not None and c.min_p <= alpha else None for c in found])
     return [_verdict(c, p, tests, min_effect=min_effect, alpha=alpha) for c, p in zip(found, adjusted, strict=True)]
