@@ -23,7 +23,6 @@ start (a missing package, no GPU without ``--dry-run``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -45,6 +44,10 @@ from pathlib import Path
 from typing import Any
 
 CHECKOUT = Path(__file__).resolve().parents[1]
+if sys.path[:1] != [str(CHECKOUT / "src")]:  # this checkout's pipeline, ahead of any installed copy (use_checkout)
+    sys.path.insert(0, str(CHECKOUT / "src"))
+
+from pipeline.cli import Parser, command  # noqa: E402
 
 # module -> what to pip install. The pipeline's other dependencies are not imported by these runs.
 REQUIRED = {
@@ -917,8 +920,9 @@ def plain(value: Any) -> Any:
     return value
 
 
+@command("python scripts/gpu_check.py")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the same plan at tiny sizes on the CPU (no GPU needed)")
     parser.add_argument("--out", default="gpu_check.json", help="where to write the raw numbers (JSON)")
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of: {', '.join(STEPS)}")

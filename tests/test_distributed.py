@@ -173,6 +173,30 @@ def test_the_logged_loss_is_every_ranks_mean_so_all_ranks_meet_a_nan_at_the_same
         window.close()
 
 
+def test_the_run_hands_back_the_bare_model_and_leaves_the_job_after_every_rank_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's result once held DDP's wrapper, so it outlived the process group to the interpreter's exit, where a
+    rank that had trained correctly aborted (Gloo torn down mid-finalisation): the result holds the bare model."""
+    from pipeline.config import DeviceConfig
+    from servers import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    group = distributed.Group(Launch(0, 0, 1))
+    group.join(DeviceConfig("cpu"))
+    model = torch.nn.Linear(3, 2)
+    wrapped = group.wrap(model)
+    wrapped(torch.randn(4, 3)).sum().backward()
+    assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+    assert group.unwrap(wrapped) is model and group.unwrap(torch.compile(wrapped)) is model
+    assert Solo().unwrap(wrapped) is wrapped
+    group.close(clean=True)  # the barrier before leaving: every rank past its last collective
+    assert not torch.distributed.is_initialized()
+
+
 # --- real torchrun jobs (Gloo on the CPU) ---------------------------------------------------------------------
 
 STEPS, PER_RANK = 12, 16

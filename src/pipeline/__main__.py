@@ -7,7 +7,8 @@
 
 Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or
 dataset, a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after
-SIGTERM / Ctrl-C (checkpoint written, run KILLED), 1 for anything else (with a traceback).
+SIGTERM / Ctrl-C (checkpoint written, run KILLED), 1 for anything else (a bug, or a fault of the
+machine: one line, the run recorded FAILED; ``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback).
 A sweep (``-m``) is checked job by job before the first job starts; a job that fails while it
 runs is recorded and the others still run, then the sweep exits 2 (every failure the user's to
 fix) or 1, listing the failed jobs (see ``pipeline.sweep``).
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, NoReturn
 import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import DEBUG_FLAG
 from pipeline.config import RunConfig, config_dir, from_dictconfig, load, sweep_jobs
 from pipeline.errors import PipelineError
 from pipeline.stopping import Stopped
@@ -46,6 +48,13 @@ def run(cfg: DictConfig) -> float | None:
         _fail(err)
     except Stopped as stop:
         _stop(stop)
+    except Exception as err:  # a bug, or a fault of the machine: the run is recorded FAILED with it already
+        from pipeline.cli import debugging, report_bug
+
+        if debugging():
+            raise  # Hydra prints the whole traceback (HYDRA_FULL_ERROR=1 is set by --debug)
+        report_bug(err, prog="python -m pipeline", debug=False)
+        sys.exit(1)
     return result.val_acc
 
 
@@ -104,6 +113,9 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
 
 def main() -> None:
     """Check plain overrides, or every job of a sweep, in one line each, then hand over to Hydra."""
+    if DEBUG_FLAG in sys.argv[1:]:  # ours, not Hydra's: tracebacks in full, Hydra's own included
+        sys.argv.remove(DEBUG_FLAG)
+        os.environ["HYDRA_FULL_ERROR"] = "1"
     args = sys.argv[1:]
     plain = not any(a.startswith("-") or a.startswith("hydra") for a in args)
     try:

@@ -13,7 +13,6 @@ here, not in the test suite.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import io
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.cli import Parser, command
 from pipeline.stats import paired_ratio
 
 
@@ -504,8 +504,9 @@ def machine() -> str:
     )
 
 
+@command("python -m pipeline.bench")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a measurement")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {', '.join(BENCHES)}")
     parser.add_argument("--repeats", type=int, default=None, help="measured rounds per comparison (default 5)")

@@ -217,6 +217,8 @@ class TrainerConfig:
             raise ConfigError("trainer.weight_decay", self.weight_decay, "a value >= 0")
         if self.log_every_n_steps < 1:
             raise ConfigError("trainer.log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
+        if not 0 <= self.seed < 2**32:  # torch's generators, NumPy and the loader's worker seeds all take it
+            raise ConfigError("trainer.seed", self.seed, "an integer from 0 to 4294967295 (2**32 - 1)")
 
     def cuda_only(self) -> dict[str, object]:
         """The switches set here that only a CUDA device acts on: cuDNN's autotuner, and CUDA graphs (what

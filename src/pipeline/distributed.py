@@ -104,6 +104,9 @@ class Solo:
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
     def no_sync(self, model: nn.Module) -> Any:
         return nullcontext()
 
@@ -128,7 +131,7 @@ class Solo:
     def broadcast_buffers(self, model: nn.Module) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
         pass
 
     def record(self, batch_size: int) -> dict[str, Any]:
@@ -253,11 +256,25 @@ class Group(Solo):
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
 
-    def close(self) -> None:
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model behind DDP (and ``torch.compile`` around it): what outlives the job's process group."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = getattr(model, "_orig_mod", model)
+        return inner.module if isinstance(inner, DistributedDataParallel) else inner
+
+    def close(self, *, clean: bool = True) -> None:
+        """Leave the job. After a clean run every rank first waits for the others, so that no rank closes its
+        connections under a peer still in a collective. (A rank once aborted at its exit, "terminate called without
+        an active exception", after a run that had succeeded: the run's result held DDP's wrapper, whose reducer
+        keeps the process group, so Gloo was torn down in the interpreter's finalisation; see ``unwrap``.)"""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if clean:
+            dist.barrier(group=self._control)
+        dist.destroy_process_group()
 
     def record(self, batch_size: int) -> dict[str, Any]:
         """What the run records about the job: world size, backend, the per-rank and the global batch."""
@@ -301,10 +318,12 @@ def joined(device: DeviceConfig, environ: Mapping[str, str] | None = None) -> It
     group = from_env(environ)
     with rank_logging(group):
         group.join(device)
+        clean = False
         try:
             yield group
+            clean = True
         finally:
-            group.close()
+            group.close(clean=clean)
 
 
 def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:

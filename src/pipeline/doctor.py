@@ -10,7 +10,6 @@ here imports MLflow or Hydra, so it answers in seconds.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import multiprocessing
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipeline.cli import Parser, command
 from pipeline.config import DeviceConfig
 from pipeline.devices import cudnn_version, resolve_device
 from pipeline.monitor.gpu import normalize_uuid
@@ -730,8 +730,9 @@ def main_finding(facts: Facts | None = None) -> str:
     return f"{first.name}: {first.evidence}" + (f" -> {first.fix}" if first.fix else "")
 
 
+@command("python -m pipeline.doctor")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.doctor", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m pipeline.doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the checks and facts as JSON")
     args = parser.parse_args(argv)
     facts = gather_speed(gather())

@@ -122,7 +122,7 @@ def conclude(
         bottleneck=verdict.bottleneck,
         verdict=verdict.message,
         tracking=tracker.describe(),
-        model=setup.state.model,
+        model=setup.group.unwrap(setup.state.model),  # the job's wrapper must not outlive its process group
         amp_probe=setup.amp_probe,
         notes=notes,
         distributed=setup.group.describe(setup.cfg.loader.batch_size),

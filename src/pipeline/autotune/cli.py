@@ -9,14 +9,15 @@ import time
 from collections.abc import Sequence
 
 from pipeline.autotune.candidates import Machine, resident_fits, worker_limit
-from pipeline.autotune.report import format_report, record
+from pipeline.autotune.report import NothingMeasured, format_report, record
 from pipeline.autotune.search import Settings, tune
 from pipeline.autotune.trials import Trials
+from pipeline.cli import Parser, command
 from pipeline.errors import PipelineError
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m pipeline.autotune",
         description="Time loader settings inside the real training step and print the fastest as a command.",
     )
@@ -46,8 +47,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+@command("python -m pipeline.autotune")
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 with a winner, 1 when the budget allowed no trial, 2 for a problem the user can fix."""
+    """Exit status: 0 with a winner, 2 for a problem the user can fix (a budget that allowed no trial is one)."""
     started = time.monotonic()  # the budget covers loading the config and building the first candidate too
     args = parse_args(argv)
     settings = Settings(args.budget_s, args.steps, args.warmup, args.rounds, args.batch_size, args.confirm)
@@ -88,10 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = cfg.tracking.run_name or run_name(cfg, device_type=setup.device.type, precision=setup.policy.label)
         report = format_report(outcome, args.overrides, title=f"{name} · {setup.choice.name}")
         print(report, flush=True)
-        if cfg.tracking.enabled:
+        if cfg.tracking.enabled:  # with nothing measured, the run is recorded FAILED and NothingMeasured raised
             where = record(cfg, outcome, report, overrides=args.overrides, settings=settings, name=f"autotune-{name}")
             print("\n".join(where), flush=True)
+        elif not outcome.ranking():
+            raise NothingMeasured.within(outcome)
     except PipelineError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    return 0 if outcome.ranking() else 1
+    return 0

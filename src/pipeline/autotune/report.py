@@ -11,6 +11,7 @@ from typing import Any
 from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.search import Outcome, Settings, Tally
 from pipeline.config import LoaderConfig, RunConfig
+from pipeline.errors import PipelineError
 from pipeline.stats import summarize
 
 
@@ -199,6 +200,15 @@ def workers_figure(outcome: Outcome, *, title: str) -> Any:
     return fig
 
 
+class NothingMeasured(PipelineError):
+    """The budget ended before any trial was timed: there is no result to record or suggest."""
+
+    @classmethod
+    def within(cls, outcome: Outcome) -> NothingMeasured:
+        why = f"{outcome.budget_s:g} s budget ({outcome.stop_reason})"
+        return cls(f"nothing was measured in the {why}: raise --budget-s")
+
+
 def record(
     cfg: RunConfig, outcome: Outcome, report: str, *, overrides: Sequence[str], settings: Settings, name: str
 ) -> list[str]:
@@ -249,6 +259,7 @@ def record(
         tracker.log_metrics(metrics, step=0)
         tracker.log_text(report + "\n", "autotune/report.txt")
         tracker.log_text(json.dumps(trials, indent=2), "autotune/trials.json")
-        if ranking:
-            tracker.log_figure(lambda: workers_figure(outcome, title=name), "autotune/workers.png")
+        if not ranking:  # the run ends FAILED with this as its error: a FINISHED run would claim a result
+            raise NothingMeasured.within(outcome)
+        tracker.log_figure(lambda: workers_figure(outcome, title=name), "autotune/workers.png")
         return tracker.describe()

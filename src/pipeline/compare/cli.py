@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.cli import Parser, command
 from pipeline.compare.records import PARENT, ROLE
 from pipeline.compare.reporting import ARTIFACTS, attach, report, write
 from pipeline.compare.selection import open_store, select
@@ -16,9 +18,11 @@ from pipeline.secrets import mask_text
 from pipeline.stats import MIN_EFFECT
 from pipeline.store import UI_URL, absolute
 
+MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m pipeline.compare",
         description="Compare runs in one table: repeats grouped, medians and ranges, speed-ups tested for noise.",
     )
@@ -39,12 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command("python -m pipeline.compare")
 def main(argv: Sequence[str] | None = None) -> int:
     """Select, compare, write the files, print the table; 0 done, 2 a one-line error on stderr."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.last is not None and args.last < 1:
-        print("error: --last N needs N >= 1", file=sys.stderr)
-        return 2
+        parser.error("--last N needs N >= 1")
+    if not (math.isfinite(args.min_effect) and 0 <= args.min_effect <= MAX_EFFECT):
+        parser.error(f"--min-effect {args.min_effect}: expected a share from 0 to {MAX_EFFECT:g} (0.03 = 3%)")
+    if args.ui is not None and not args.ui.startswith(("http://", "https://")):
+        parser.error(f"--ui {args.ui}: expected the UI's address, e.g. {UI_URL}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: a file is in the way; name a folder (it is made if missing)")
     uri = absolute(args.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     from mlflow.exceptions import MlflowException
 
@@ -69,7 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = mask_text(str(err)).splitlines()[0][:300] if str(err) else type(err).__name__
         print(f"error: {mask_text(uri)} could not be read: {first}", file=sys.stderr)
         return 2
-    paths = write(result, args.out)
+    try:
+        paths = write(result, args.out)
+    except OSError as err:
+        print(f"error: --out {args.out}: cannot write the files there ({err.strerror or err})", file=sys.stderr)
+        return 2
     print(result.markdown)
     print("wrote " + ", ".join(str(p) for p in paths))
     if args.log:

@@ -1,0 +1,94 @@
+"""The contract every command of the package keeps with its user.
+
+    @command("python -m pipeline.stale")
+    def main(argv: list[str] | None = None) -> int: ...
+
+- a problem the user can fix (``PipelineError``, a bad option) is one line on stderr, ``error: ...``, exit 2;
+- a bug is one short line that says so and where to report it, exit 1; its traceback only under ``--debug``
+  (accepted by every command) or ``HYDRA_FULL_ERROR=1``;
+- Ctrl-C is one line, exit 130.
+
+Every message passes through ``mask_text``: a secret in an error never reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from pipeline.errors import PipelineError
+from pipeline.secrets import mask_text
+
+DEBUG_FLAG = "--debug"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad option said in one line (argparse prints the whole usage first) and ``--debug``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of an internal error")
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def debugging(argv: Sequence[str] | None = None) -> bool:
+    """Whether the user asked for tracebacks: ``--debug`` among the arguments or ``HYDRA_FULL_ERROR=1``."""
+    args = sys.argv[1:] if argv is None else argv
+    return DEBUG_FLAG in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def report_bug(err: BaseException, *, prog: str, debug: bool) -> None:
+    """A bug in one line (with where it happened), or its traceback when debugging."""
+    if debug:
+        traceback.print_exception(err)
+        return
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    first = one_line(str(err))[:300]
+    print(
+        f"internal error: {type(err).__name__}{where}: {mask_text(first)} — not a problem with your input: a bug in "
+        f"pipeline or a fault of the machine; run it again with {DEBUG_FLAG} for the traceback, and report a bug on "
+        f"the project's issue tracker with that output",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: a message from a library can span several."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def user_error(err: PipelineError) -> int:
+    print(f"error: {mask_text(one_line(str(err)))}", file=sys.stderr, flush=True)
+    return 2
+
+
+def command(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Wrap a command's ``main(argv) -> int`` in the contract above (see the module's docstring)."""
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def guarded(argv: Sequence[str] | None = None) -> int:
+            try:
+                return main(argv)
+            except PipelineError as err:
+                return user_error(err)
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+                return 130
+            except Exception as err:  # a bug: said briefly, the traceback on request
+                report_bug(err, prog=prog, debug=debugging(argv))
+                return 1
+
+        return guarded
+
+    return wrap
