@@ -121,7 +121,22 @@ def test_impossible_augmentation_values_name_the_key(overrides: list[str], match
 
 
 def test_a_flip_needs_no_padding() -> None:
-    assert load(["data.augment=flip", "data.augment_padding=0"]).data.augment == "flip"
+    assert load(["data=fashion_mnist", "data.augment=flip", "data.augment_padding=0"]).data.augment == "flip"
+
+
+@pytest.mark.parametrize("data", ["digits", "mnist"])
+@pytest.mark.parametrize("kind", ["flip", "crop_flip"])
+def test_flipping_digits_is_refused_naming_the_dataset_and_what_to_use(data: str, kind: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load([f"data={data}", f"data.augment={kind}"])
+    message = str(info.value)
+    assert message.startswith(f"data.augment='{kind}' is not allowed: expected none or crop for data={data}")
+    assert "a mirrored digit is another symbol or none" in message
+
+
+@pytest.mark.parametrize("data", ["fashion_mnist", "cifar10", "synthetic"])
+def test_flipping_clothes_photos_and_noise_is_allowed(data: str) -> None:
+    assert load([f"data={data}", "data.augment=crop_flip"]).data.augment == "crop_flip"
 
 
 def test_padding_as_wide_as_the_images_is_refused_when_the_image_size_is_known(make_cfg: MakeCfg) -> None:

@@ -5,6 +5,7 @@ Each case writes a good dataset with ``files.py``, damages one thing, and runs t
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import re
 from collections.abc import Callable
@@ -334,6 +335,17 @@ CIFAR_CASES: dict[str, tuple[str, Callable[[Path], object], list[str]]] = {
 }
 
 
+def _trust(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """Make ``path``'s present bytes the published ones, so the checks behind the checksum see it."""
+    md5 = hashlib.md5(path.read_bytes()).hexdigest()
+    cls = tvd.CIFAR10
+    if path.name == cls.meta["filename"]:
+        monkeypatch.setattr(cls, "meta", {**cls.meta, "md5": md5})
+    for attr in ("train_list", "test_list"):
+        files = [[f, md5 if f == path.name else m] for f, m in getattr(cls, attr)]
+        monkeypatch.setattr(cls, attr, files)
+
+
 @pytest.mark.parametrize("case", CIFAR_CASES, ids=str)
 def test_a_bad_cifar10_file_stops_at_load_time_naming_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cifar_root: Path, case: str
@@ -341,7 +353,30 @@ def test_a_bad_cifar10_file_stops_at_load_time_naming_it(
     file, damage, words = CIFAR_CASES[case]
     bad = cifar_root / "cifar-10-batches-py" / file
     damage(bad)
+    if case != "another file's checksum":  # the checksum is checked first: these cases pass it to reach the others
+        _trust(monkeypatch, bad)
     err = one_line_error(monkeypatch, capsys, "data=cifar10", f"data.root={cifar_root}", "data.download=false")
     assert err.startswith(f"error: data=cifar10: {bad}: ") and "files missing" not in err
     for word in words:
         assert word in err
+
+
+class _WritesAMarker:
+    """Unpickling this opens (so creates) ``marker``: code a crafted dataset file runs if it is unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return open, (str(self.marker), "w")
+
+
+@pytest.mark.parametrize("file", ["batches.meta", "data_batch_2", "test_batch"])
+def test_a_crafted_cifar10_pickle_is_refused_by_its_checksum_before_it_is_unpickled(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cifar_root: Path, tmp_path: Path, file: str
+) -> None:
+    marker = tmp_path / "ran"
+    bad = write_pickle(cifar_root / "cifar-10-batches-py" / file, {"data": _WritesAMarker(marker), "label_names": []})
+    err = one_line_error(monkeypatch, capsys, "data=cifar10", f"data.root={cifar_root}", "data.download=false")
+    assert err.startswith(f"error: data=cifar10: {bad}: its checksum (md5 ") and "is not the published" in err
+    assert not marker.exists()  # refused before unpickling: the file's code never ran

@@ -186,3 +186,16 @@ def test_the_python_m_entry_points_keep_the_contract_in_a_real_process(
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def exhausted(self: object) -> None:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: you tried")
+
+    monkeypatch.setattr("pipeline.autotune.cli.Trials.probe", exhausted)
+    monkeypatch.chdir(tmp_path)
+    assert exit_code(autotune_cli.main, ["device=cpu", "--no-track"]) == 2
+    err = stderr(capsys)
+    assert err.count("\n") == 1 and err.startswith("error: out of memory ([enforce fail at alloc_cpu.cpp:116]")

@@ -285,3 +285,33 @@ def test_every_dataset_survives_the_pickling_that_spawned_workers_receive_it_by(
             (image, label), (image_back, label_back) = split[i], back[i]
             assert image.dtype == torch.uint8 and image.shape == bundle.spec.in_shape
             assert torch.equal(image_back, image) and int(label_back) == int(label)
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (
+            DataConfig("digits", image_size=8, val_fraction=0.0001),
+            ["only 1 validation sample", "steps of 100% (1/1)", "data.val_fraction >= 0.056"],
+        ),
+        (
+            DataConfig("synthetic", shape=[1, 4, 4], num_samples=200, val_samples=40),
+            ["only 40 validation samples", "steps of 2.5% (1/40)", "data.val_samples >= 100"],
+        ),
+    ],
+    ids=["val_fraction", "val_samples"],
+)
+def test_too_few_validation_samples_are_warned_about_with_the_accuracy_resolution(
+    caplog: pytest.LogCaptureFixture, config: DataConfig, words: list[str]
+) -> None:
+    with caplog.at_level("WARNING", logger="pipeline.data.sources"):
+        load_data(config)
+    (warning,) = [r.getMessage() for r in caplog.records if "validation sample" in r.getMessage()]
+    for word in words:
+        assert word in warning
+
+
+def test_enough_validation_samples_are_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="pipeline.data.sources"):
+        load_data(DataConfig("digits", image_size=8, val_fraction=0.2))
+    assert not [r for r in caplog.records if "validation sample" in r.getMessage()]

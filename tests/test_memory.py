@@ -13,7 +13,14 @@ from torch import nn
 
 import pipeline.build as build_module
 from pipeline.config import ConfigError, RunConfig
-from pipeline.memory import MicroBatcher, OomFailure, OutOfMemoryAtMinimum, is_oom
+from pipeline.memory import (
+    MicroBatcher,
+    OomFailure,
+    OutOfMemory,
+    OutOfMemoryAtMinimum,
+    is_oom,
+    single_sample_tail,
+)
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -182,8 +189,11 @@ def test_other_errors_pass_through_without_a_retry(make_cfg: MakeCfg, monkeypatc
 
 def test_disabled_fallback_raises_the_out_of_memory_error(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
     with_hook(monkeypatch, oom_above(16))
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(
+        OutOfMemory, match=r"^out of memory \(CUDA out of memory. Tried to allocate 32 samples\)"
+    ) as info:
         train(make_cfg("tracking=none", "oom.enabled=false"), echo=False)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)  # no retry: the first error ends the run
 
 
 def test_evaluation_falls_back_on_its_own_without_shrinking_the_training_micro_batch(
@@ -332,3 +342,56 @@ def test_out_of_memory_at_the_minimum_later_on_keeps_the_last_checkpoint_loadabl
     assert run.info.status == "FAILED"
     saved = load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
     assert saved["position"].epoch == 2 and saved["position"].step == 45 and saved["micro_batch"] == 32
+
+
+TINY_IMAGES = ["data=synthetic", "data.shape=[1,8,8]", "data.val_samples=4", "tracking=none", "trainer.max_steps=-1"]
+
+
+def test_a_batchnorm_model_never_trains_on_a_one_sample_last_batch(
+    make_cfg: MakeCfg, caplog: pytest.LogCaptureFixture
+) -> None:
+    """9 samples in batches of 4 leave a last batch of 1; the ImageNet stem shrinks 8 px to 1 px, where BatchNorm
+    would see one value per channel and fail ("Expected more than 1 value per channel")."""
+    cfg = make_cfg(*TINY_IMAGES, "data.num_samples=9", "loader.batch_size=4", "model=resnet18", "model.stem=imagenet")
+    with caplog.at_level("WARNING", logger="pipeline.build"):
+        result = train(cfg, echo=False)
+    assert result.steps == 2  # 4 + 4, the ninth sample dropped
+    (warning,) = [r.getMessage() for r in caplog.records if "BatchNorm" in r.getMessage()]
+    assert "each epoch's last training batch would hold 1 sample" in warning and "loader.batch_size=4" in warning
+
+
+def test_a_model_without_batchnorm_keeps_its_one_sample_last_batch(make_cfg: MakeCfg) -> None:
+    result = train(make_cfg(*TINY_IMAGES, "data.num_samples=9", "loader.batch_size=4"), echo=False)
+    assert result.steps == 3
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch", "world", "tail"),
+    [(1438, 1437, 1, True), (9, 4, 1, True), (8, 4, 1, False), (17, 4, 2, True), (16, 4, 2, False), (3, 4, 1, False)],
+    ids=["digits at 1437", "9 by 4", "8 by 4", "two ranks of 9", "two ranks of 8", "one short batch"],
+)
+def test_a_one_sample_tail_is_found_in_each_ranks_share(samples: int, batch: int, world: int, tail: bool) -> None:
+    assert single_sample_tail(samples, batch_size=batch, world=world) is tail
+
+
+def test_a_batch_of_one_is_refused_for_a_model_with_batchnorm(make_cfg: MakeCfg) -> None:
+    with pytest.raises(
+        ConfigError, match=r"loader.batch_size=1 is not allowed: expected at least 2 for model=resnet18"
+    ):
+        train(make_cfg(*TINY_IMAGES, "data.num_samples=9", "loader.batch_size=1", "model=resnet18"), echo=False)
+    with pytest.raises(ConfigError, match=r"oom.micro_batch_size=1 is not allowed: expected at least 2 for model=res"):
+        train(make_cfg(*TINY_IMAGES, "data.num_samples=9", "oom.micro_batch_size=1", "model=resnet18"), echo=False)
+
+
+def test_out_of_memory_shrinking_stops_at_two_samples_for_a_model_with_batchnorm(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with_hook(monkeypatch, oom_above(0))
+    with pytest.raises(OutOfMemoryAtMinimum, match=r"even with a micro-batch of 2 "):
+        train(make_cfg(*TINY_IMAGES, "data.num_samples=16", "loader.batch_size=8", "model=resnet18"), echo=False)
+
+
+def test_micro_batches_never_leave_a_one_sample_tail() -> None:
+    assert MicroBatcher(1437, 718).chunks(1437) == [(0, 718), (718, 1078), (1078, 1437)]
+    assert MicroBatcher(5, 2).chunks(5) == [(0, 2), (2, 5)]  # too few to split in two of 2: one of 3
+    assert MicroBatcher(3, 1).chunks(3) == [(0, 1), (1, 2), (2, 3)]  # a micro-batch of 1 was asked for

@@ -7,6 +7,7 @@ step, fails in seconds and leaves no half-made run behind.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch
 from pipeline import doctor
 from pipeline.amp_check import AmpProbe, check_cpu_amp
 from pipeline.compilation import NO_COMPILE, CompileWatch, compile_model
-from pipeline.config import RunConfig
+from pipeline.config import LoaderConfig, RunConfig
 from pipeline.data import (
     CropFlip,
     DataSpec,
@@ -31,8 +32,10 @@ from pipeline.data import (
 )
 from pipeline.devices import DeviceChoice, activate, resolve_device
 from pipeline.distributed import Group, Solo
+from pipeline.errors import ConfigError
+from pipeline.footprint import check_training
 from pipeline.loop import TrainState
-from pipeline.memory import MicroBatcher
+from pipeline.memory import MicroBatcher, has_batchnorm, single_sample_tail
 from pipeline.models import build_model, build_optimizer, count_parameters
 from pipeline.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.provenance import run_name
@@ -85,7 +88,10 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
 
     data = load_data(cfg.data)
     spec = data.spec
+    check_training(cfg, in_shape=spec.in_shape, num_classes=spec.num_classes, device=device)  # before allocating
     model = build_model(cfg.model, in_shape=spec.in_shape, num_classes=spec.num_classes).to(device)
+    batchnorm = has_batchnorm(model)
+    train_loader = _batchnorm_safe(cfg, batchnorm=batchnorm, samples=spec.train_size, world=group.world_size)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
@@ -117,13 +123,13 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
             model,
             optimizer,
             policy.make_scaler(),
-            MicroBatcher.from_config(cfg.oom, batch_size=batch),
+            MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1),
             compiles=CompileWatch.start() if t.compile else NO_COMPILE,
         ),
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
         parameters=parameters,
         train_batches=with_prefetch(
-            make_loader(data.train, cfg.loader, device=device, train=True, seed=t.seed, **shard),
+            make_loader(data.train, train_loader, device=device, train=True, seed=t.seed, **shard),
             cfg.loader,
             device=device,
         ),
@@ -148,3 +154,34 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
         f"{parameters:,}",
     )
     return setup
+
+
+def _batchnorm_safe(cfg: RunConfig, *, batchnorm: bool, samples: int, world: int) -> LoaderConfig:
+    """The training loader's config, such that a model with BatchNorm never trains on a batch of one sample (the
+    statistics of one value per channel are undefined: PyTorch stops with "Expected more than 1 value per channel").
+
+    A last batch of one sample is dropped each epoch, with one warning; a batch or micro-batch of one is refused.
+
+    Raises:
+        ConfigError: ``loader.batch_size=1`` or ``oom.micro_batch_size=1`` with a BatchNorm model.
+    """
+    loader = cfg.loader
+    if not batchnorm:
+        return loader
+    why = f"at least 2 for model={cfg.model.name}: its BatchNorm layers cannot normalise a batch of one sample"
+    if loader.batch_size == 1:
+        raise ConfigError("loader.batch_size", 1, why)
+    if cfg.oom.micro_batch_size == 1:
+        raise ConfigError("oom.micro_batch_size", 1, why)
+    if loader.drop_last or not single_sample_tail(samples, batch_size=loader.batch_size, world=world):
+        return loader
+    share = f" over {world} ranks" if world > 1 else ""
+    log.warning(
+        "each epoch's last training batch would hold 1 sample (%d training samples%s, loader.batch_size=%d) and "
+        "BatchNorm cannot normalise one sample: it is dropped each epoch, as loader.drop_last=true would; choose "
+        "another loader.batch_size to train on every sample",
+        samples,
+        share,
+        loader.batch_size,
+    )
+    return dataclasses.replace(loader, drop_last=True)

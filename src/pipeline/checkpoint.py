@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
 import tempfile
@@ -104,13 +105,21 @@ def load(path: Path) -> dict[str, Any]:
         CheckpointError: not a readable checkpoint (truncated, another file) or one from an older pipeline.
     """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)  # our own files: RNG states are bytes
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
-        reason = " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__  # torch's first sentence
+        # weights_only: tensors and plain values only (a crafted file's pickle could run any code); Position is ours
+        with torch.serialization.safe_globals([Position]):
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        foreign = re.search(r"GLOBAL (\S+) was not an allowed global", str(err))
+        if foreign is None:
+            raise CheckpointError(
+                f"{path} is not a readable checkpoint ({_first_sentence(err)}): {_UNREADABLE}"
+            ) from err
         raise CheckpointError(
-            f"{path} is not a readable checkpoint ({reason}): it may be truncated (a copy cut short) or another "
-            f"file; resume from another checkpoint or start a new run"
-        ) from err
+            f"{path} holds {foreign[1]}, which no checkpoint holds: refused without loading it (a crafted file could "
+            f"run code); resume only from checkpoints this pipeline wrote, or start a new run"
+        ) from None
+    except (OSError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({_first_sentence(err)}): {_UNREADABLE}") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         version = payload.get("format", 1) if isinstance(payload, dict) else "none"
         raise CheckpointError(
@@ -118,6 +127,15 @@ def load(path: Path) -> dict[str, Any]:
             f"reads {FORMAT}): its data order cannot be reproduced; start a new run"
         )
     return payload
+
+
+_UNREADABLE = (
+    "it may be truncated (a copy cut short) or another file; resume from another checkpoint or start a new run"
+)
+
+
+def _first_sentence(err: BaseException) -> str:
+    return " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__  # torch's messages run long
 
 
 def read_state(folder: Path) -> dict[str, Any] | None:

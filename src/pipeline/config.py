@@ -142,6 +142,9 @@ class LoaderConfig:
             )
 
 
+DIGITS = ("digits", "mnist")  # datasets of handwritten digits: mirroring changes what a sample shows
+
+
 @dataclass(frozen=True)
 class DataConfig:
     name: Literal["digits", "mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic"]
@@ -176,6 +179,13 @@ class DataConfig:
                 raise ConfigError(f"data.{key}", value, "an integer >= 1")
         if self.augment_padding < 0:
             raise ConfigError("data.augment_padding", self.augment_padding, "an integer >= 0 (pixels on each side)")
+        if self.augment in ("flip", "crop_flip") and self.name in DIGITS:
+            raise ConfigError(
+                "data.augment",
+                self.augment,
+                f"none or crop for data={self.name}: a mirrored digit is another symbol or none (a 2 mirrored is no "
+                f"2), so flipping teaches wrong labels; use data.augment=crop to shift them instead",
+            )
         if self.augment in ("crop", "crop_flip") and self.augment_padding == 0:
             raise ConfigError(
                 "data.augment_padding", 0, f"an integer >= 1 with data.augment={self.augment} (0 pixels crops nothing)"

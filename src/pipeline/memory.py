@@ -10,14 +10,19 @@ own, so an out-of-memory error there never shrinks the training micro-batch.
 
 Accumulation gives the whole batch's gradients only for models whose layers treat samples
 independently: BatchNorm normalises each micro-batch with its own statistics, so such runs are
-tagged (``batchnorm_note``).
+tagged (``batchnorm_note``); and since it cannot normalise one sample, such a model's micro-batch
+never shrinks below 2 and ``chunks`` leaves no one-sample tail. An out-of-memory error the fallback
+does not handle (making the model, ``oom.enabled=false``) ends the run as ``OutOfMemory``, one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +90,27 @@ class OutOfMemoryAtMinimum(PipelineError):
     """Even the smallest allowed micro-batch does not fit."""
 
 
+class OutOfMemory(PipelineError):
+    """Memory ran out where the micro-batch fallback does not act: making the data or the model, or with
+    ``oom.enabled=false``."""
+
+
+@contextlib.contextmanager
+def out_of_memory_is_an_error() -> Iterator[None]:
+    """Turn an out-of-memory error that ends a run into ``OutOfMemory``: one line saying what to change, not the
+    allocator's traceback. Every other error passes through untouched."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as err:
+        if not isinstance(err, MemoryError) and not is_oom(err):
+            raise
+        first = (str(err).splitlines() or [""])[0].strip()[:300] or type(err).__name__
+        raise OutOfMemory(
+            f"out of memory ({first}): use a smaller model, input size (data.image_size), loader.batch_size or "
+            f"dataset, oom.enabled=true to shrink the micro-batch, or a machine with more memory"
+        ) from err
+
+
 @dataclass(frozen=True)
 class OomFailure:
     """What an out-of-memory error left to know once its traceback (and the step's tensors) are gone."""
@@ -119,8 +145,10 @@ class MicroBatcher:
     events: list[OomEvent] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, cfg: OomConfig, *, batch_size: int) -> MicroBatcher:
-        return cls(batch_size, cfg.micro_batch_size or batch_size, cfg.min_micro_batch, cfg.enabled)
+    def from_config(cls, cfg: OomConfig, *, batch_size: int, least: int = 1) -> MicroBatcher:
+        """``least``: the fewest samples the model can train on (2 with BatchNorm), a floor under
+        ``oom.min_micro_batch``."""
+        return cls(batch_size, cfg.micro_batch_size or batch_size, max(cfg.min_micro_batch, least), cfg.enabled)
 
     def diagnose(self, err: BaseException, device: torch.device) -> OomFailure | None:
         """The failure to recover from, or None when ``err`` must be raised. Call inside the ``except`` block,
@@ -172,8 +200,17 @@ class MicroBatcher:
         return event
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each micro-batch of an ``n``-sample batch."""
-        return [(start, min(start + self.micro_batch, n)) for start in range(0, n, self.micro_batch)]
+        """``(start, stop)`` of each micro-batch of an ``n``-sample batch.
+
+        A last micro-batch of one sample (BatchNorm cannot train on it) is avoided unless micro-batches of one were
+        asked for: the last two share their samples (718 + 1 -> 360 + 359 for 1,437 by 718), or become one of 3.
+        """
+        spans = [(start, min(start + self.micro_batch, n)) for start in range(0, n, self.micro_batch)]
+        if len(spans) > 1 and self.micro_batch > 1 and spans[-1][1] - spans[-1][0] == 1:
+            start = spans[-2][0]
+            half = (n - start) // 2
+            spans[-2:] = [(start, n - half), (n - half, n)] if half >= 2 else [(start, n)]
+        return spans
 
 
 def reset_scaler_step(scaler: torch.amp.GradScaler) -> None:
@@ -197,11 +234,23 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    """Whether ``model`` normalises by batch statistics: then it cannot train on a batch of one sample."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def single_sample_tail(samples: int, *, batch_size: int, world: int = 1) -> bool:
+    """Whether each epoch's last training batch holds one sample, on each of ``world`` ranks (the loaders pad
+    training so every rank visits ``ceil(samples / world)``), while the batches before it hold more."""
+    share = math.ceil(samples / world)
+    return batch_size > 1 and share > 1 and share % batch_size == 1
+
+
 def batchnorm_note(model: torch.nn.Module, micro: MicroBatcher) -> str | None:
     """Why a micro-batched run of a model with BatchNorm is not exactly whole-batch training, or None."""
     if micro.micro_batch >= micro.batch_size:
         return None
-    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+    if not has_batchnorm(model):
         return None
     return (
         f"BatchNorm normalised micro-batches of {micro.micro_batch}, not batches of {micro.batch_size}: "

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 from pipeline import checkpoint, compilation, distributed, record, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig
+from pipeline.data.loaders import worker_faults
 from pipeline.loop import evaluate, train_epoch
-from pipeline.monitor import allocator_metrics, open_sampler
+from pipeline.memory import out_of_memory_is_an_error
+from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags, sweep_run_name
 from pipeline.secrets import env_values, mask_overrides, mask_tree
@@ -56,7 +58,8 @@ def train(
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
     """
     started = time.perf_counter()
-    with distributed.joined(cfg.device) as group:  # torchrun: this rank's place in the job; else a plain run
+    # torchrun: this rank's place in the job; else a plain run. Memory running out ends the run in one line.
+    with out_of_memory_is_an_error(), distributed.joined(cfg.device) as group:
         return _train(cfg, group, started, overrides=overrides, echo=echo, quiet=quiet, sweep=sweep)
 
 

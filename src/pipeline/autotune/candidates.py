@@ -115,16 +115,10 @@ def resident_fits(spec: Any, device: Any) -> bool:
     """Whether ``loader.resident=true`` is worth a trial: the dataset (``DataSpec``) as uint8 pixels and int64 labels,
     both splits, takes at most ``RESIDENT_SHARE`` of the memory free where it would live (the CUDA device's, else
     the host's, which MPS shares)."""
+    from pipeline.footprint import free_memory
+
     needs = (spec.train_size + spec.val_size) * (math.prod(spec.in_shape) + 8)
-    if device.type == "cuda":
-        import torch
-
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    return needs <= RESIDENT_SHARE * free
+    return needs <= RESIDENT_SHARE * free_memory(device).bytes
 
 
 def describe(candidate: Candidate, current: Candidate) -> str:

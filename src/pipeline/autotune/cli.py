@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -14,6 +15,7 @@ from pipeline.autotune.search import Settings, tune
 from pipeline.autotune.trials import Trials
 from pipeline.cli import Parser, command
 from pipeline.errors import PipelineError
+from pipeline.memory import out_of_memory_is_an_error
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -68,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.tracking.enabled:
             check_reachable(cfg.tracking.uri)  # before the budget is spent
         max_workers = worker_limit()
-        trials = Trials(cfg)
-        try:
+        # an out-of-memory error the trials do not handle (they shrink the batch) ends the search in one line
+        with out_of_memory_is_an_error(), contextlib.closing(Trials(cfg)) as trials:
             setup = trials.probe()
             machine = Machine(
                 device_type=setup.device.type,
@@ -85,8 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 release=trials.release,
                 started=started,
             )
-        finally:
-            trials.close()
         name = cfg.tracking.run_name or run_name(cfg, device_type=setup.device.type, precision=setup.policy.label)
         report = format_report(outcome, args.overrides, title=f"{name} · {setup.choice.name}")
         print(report, flush=True)

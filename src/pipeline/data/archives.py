@@ -3,6 +3,8 @@
 A damaged file stops the run with its name and what is wrong with it (torchvision fails with a
 bare assert, or an ``IndexError`` mid-training); missing files are listed with the folder they
 belong in. Each file is read once, as torchvision would read it; downloading is torchvision's.
+A pickle is a program (unpickling CIFAR-10's batches may run any code they name), so each is
+unpickled only once its bytes have the published MD5.
 """
 
 from __future__ import annotations
@@ -172,20 +174,19 @@ def _check_labels(name: str, path: Path, labels: torch.Tensor, num_classes: int)
 
 
 def _read_cifar10(name: str, folder: Path) -> tuple[tuple[Split, Split], int]:
-    """The CIFAR-10 batches and batches.meta, checked: keys, shapes, labels, then torchvision's checksums.
+    """The CIFAR-10 batches and batches.meta, checked: torchvision's checksums first, then keys, shapes, labels.
 
-    Costs what torchvision's reader costs: one read, one unpickle and one MD5 of each file (~0.3 s).
+    Costs what torchvision's reader costs: one read, one MD5 and one unpickle of each file (~0.3 s).
     """
     import torchvision.datasets as tvd
 
     cls = tvd.CIFAR10
     meta_path = folder / cls.meta["filename"]
-    meta, raw = _unpickle(name, meta_path)
+    meta = _unpickle(name, meta_path, cls.meta["md5"])
     key = cls.meta["key"]
     if not isinstance(meta, dict) or key not in meta:
         raise _damaged(name, meta_path, f"has no {key!r} key: not CIFAR-10's class list")
     num_classes = len(meta[key])
-    _check_md5(name, meta_path, raw, cls.meta["md5"])
     splits = []
     for files in (cls.train_list, cls.test_list):
         parts = [_cifar_batch(name, folder / file, md5, num_classes) for file, md5 in files]
@@ -194,7 +195,7 @@ def _read_cifar10(name: str, folder: Path) -> tuple[tuple[Split, Split], int]:
 
 
 def _cifar_batch(name: str, path: Path, md5: str, num_classes: int) -> Split:
-    batch, raw = _unpickle(name, path)
+    batch = _unpickle(name, path, md5)
     for key in ("data", "labels"):
         if not isinstance(batch, dict) or key not in batch:
             raise _damaged(name, path, f"has no {key!r} key: not a CIFAR-10 batch")
@@ -208,22 +209,26 @@ def _cifar_batch(name: str, path: Path, md5: str, num_classes: int) -> Split:
         raise _damaged(name, path, f"{len(batch['labels'])} labels for {len(data)} images")
     labels = torch.tensor(batch["labels"], dtype=torch.long)
     _check_labels(name, path, labels, num_classes)
-    _check_md5(name, path, raw, md5)
     return torch.from_numpy(data).view(-1, 3, 32, 32), labels
 
 
-def _unpickle(name: str, path: Path) -> tuple[Any, bytes]:
-    """The object pickled in ``path``, and the file's bytes (for the checksum: one read serves both)."""
+def _unpickle(name: str, path: Path, md5: str) -> Any:
+    """The object pickled in ``path``, once its bytes have the published checksum ``md5``.
+
+    Unpickling runs whatever code the file names (a crafted ``__reduce__`` can write files or start programs), so
+    only bytes that are the published ones are unpickled: the check comes first, on the same bytes (one read).
+    """
     raw = _read_bytes(name, path)
+    _check_md5(name, path, raw, md5)
     try:
-        return pickle.loads(raw, encoding="latin1"), raw  # CIFAR's pickles are Python 2's
+        return pickle.loads(raw, encoding="latin1")  # verified: _check_md5 (CIFAR's pickles are Python 2's)
     except Exception as err:  # unpickling damaged bytes can raise almost any type: all mean "damaged"
         cause = " ".join(f"{type(err).__name__}: {err}".split())[:200]
         raise _damaged(name, path, f"cannot be unpickled ({cause}): it is truncated or not a CIFAR-10 file") from err
 
 
 def _check_md5(name: str, path: Path, raw: bytes, md5: str) -> None:
-    """torchvision's integrity check, kept: it refuses files that parse but differ from the published ones."""
+    """torchvision's integrity check, before anything is unpickled: it refuses any file but the published one."""
     digest = hashlib.md5(raw).hexdigest()
     if digest != md5:
         raise _damaged(name, path, f"its checksum (md5 {digest}) is not the published {md5}: damaged or another file")

@@ -20,10 +20,13 @@ from pipeline.config import DataConfig
 from pipeline.data.archives import read_published
 from pipeline.data.images import image_folder
 from pipeline.errors import DatasetError
+from pipeline.footprint import FLOAT32, check_data
 
 log = logging.getLogger(__name__)
 
 SPLIT_SEED = 0  # fixed, so train/val splits never depend on trainer.seed
+DIGITS_SAMPLES, DIGITS_SIDE = 1797, 28  # scikit-learn's 8x8 digits, upsampled to 28x28 unless data.image_size
+MIN_VAL_SAMPLES = 100  # fewer, and val/acc moves in steps over 1%: too coarse to compare runs by
 
 # Per-channel mean/std of the training pixels in [0, 1] (the usual published values).
 _STATS = {
@@ -62,13 +65,62 @@ def load_data(cfg: DataConfig) -> DataBundle:
     Raises:
         DatasetError: files are missing and could not be downloaded, or the folder is unusable.
     """
+    _check_room(cfg)
     if cfg.name == "digits":
-        return _digits(cfg)
-    if cfg.name in ("mnist", "fashion_mnist", "cifar10"):
-        return _torchvision(cfg)
-    if cfg.name == "imagefolder":
-        return _imagefolder(cfg)
-    return _synthetic(cfg)
+        bundle = _digits(cfg)
+    elif cfg.name in ("mnist", "fashion_mnist", "cifar10"):
+        bundle = _torchvision(cfg)
+    elif cfg.name == "imagefolder":
+        bundle = _imagefolder(cfg)
+    else:
+        bundle = _synthetic(cfg)
+    _warn_few_val(cfg, bundle.spec)
+    return bundle
+
+
+def _check_room(cfg: DataConfig) -> None:
+    """Refuse data the config makes too large for the host's memory, before it is made (``pipeline.footprint``)."""
+    if cfg.name == "digits":
+        side = cfg.image_size or DIGITS_SIDE
+        needs = DIGITS_SAMPLES * side * side * (FLOAT32 + 1)  # the upsampled floats, then the uint8 images
+        check_data(
+            f"data=digits at data.image_size={side}",
+            needs,
+            f"use a smaller data.image_size (the default is {DIGITS_SIDE})",
+        )
+    elif cfg.name == "synthetic":
+        shape, n_train, n_val = _synthetic_sizes(cfg)
+        samples = n_train + n_val
+        check_data(
+            f"data=synthetic with {samples:,} samples of {list(shape)}",
+            samples * math.prod(shape),
+            "use fewer data.num_samples or data.val_samples, or a smaller data.shape",
+        )
+
+
+def _warn_few_val(cfg: DataConfig, spec: DataSpec) -> None:
+    """Warn when val/acc is too coarse to tell runs apart: with n samples it moves in steps of 1/n."""
+    n = spec.val_size
+    if n >= MIN_VAL_SAMPLES:
+        return
+    if cfg.name == "synthetic":
+        fix = f"data.val_samples >= {MIN_VAL_SAMPLES}"
+    elif cfg.name in ("digits", "imagefolder"):
+        total = spec.train_size + n
+        least = math.ceil(MIN_VAL_SAMPLES / total * 1000) / 1000
+        fix = f"data.val_fraction >= {least:g}" if least < 1 else f"more than {total} samples"
+    else:
+        fix = f"a test split of {MIN_VAL_SAMPLES} or more samples"
+    log.warning(
+        "only %d validation sample%s: val/acc moves in steps of %s%% (1/%d), too coarse to compare runs by; "
+        "hold out at least %d (%s)",
+        n,
+        "" if n == 1 else "s",
+        f"{100 / n:.3g}",
+        n,
+        MIN_VAL_SAMPLES,
+        fix,
+    )
 
 
 def tensor_bundle(
@@ -107,7 +159,7 @@ def _digits(cfg: DataConfig) -> DataBundle:
 
     digits = load_digits()
     pixels = torch.from_numpy(digits.images).float().unsqueeze(1) / 16.0  # 0..16 ink levels
-    size = cfg.image_size or 28
+    size = cfg.image_size or DIGITS_SIDE
     pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False)
     images = (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
     labels = torch.from_numpy(digits.target).long()
@@ -177,9 +229,14 @@ def _imagefolder(cfg: DataConfig) -> DataBundle:
     return DataBundle(spec, Subset(folder, train_idx.tolist()), Subset(folder, val_idx.tolist()))
 
 
+def _synthetic_sizes(cfg: DataConfig) -> tuple[tuple[int, ...], int, int]:
+    """data=synthetic's sample shape, training and validation samples (defaults: MNIST's shape, 10,000, 1,000)."""
+    return tuple(cfg.shape or (1, 28, 28)), cfg.num_samples or 10_000, cfg.val_samples or 1_000
+
+
 def _synthetic(cfg: DataConfig) -> DataBundle:
-    shape = tuple(cfg.shape or (1, 28, 28))
-    classes, n_train, n_val = cfg.num_classes or 10, cfg.num_samples or 10_000, cfg.val_samples or 1_000
+    shape, n_train, n_val = _synthetic_sizes(cfg)
+    classes = cfg.num_classes or 10
     gen = torch.Generator().manual_seed(SPLIT_SEED)
 
     def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
