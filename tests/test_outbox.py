@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,71 @@ def test_a_second_outbox_for_the_same_run_does_not_overwrite_the_first(tmp_path:
     first = outbox.save(outbox.Outbox("r1", "1", "sqlite:///x.db", "FINISHED", 1), outbox.fresh_path("r1"))
     second = outbox.fresh_path("r1")
     assert first == Path("unsent_metrics/r1.jsonl") and second == Path("unsent_metrics/r1-2.jsonl")
+
+
+def moved_on_run(store_uri: str) -> tuple[MlflowClient, str, Path]:
+    """A run whose first process was killed while the store was down (its outbox file says KILLED at ``t0`` and
+    holds train/loss at step 3), then resumed: the resumed process logged steps 3 and 4 and ended FINISHED later."""
+    client, experiment = connect(store_uri, "offline")
+    run_id = client.create_run(experiment, start_time=1_000).info.run_id
+    for step, (value, stamp) in enumerate([(1.0, 1_100), (0.5, 1_200)], start=1):  # written by the first process
+        client.log_metric(run_id, "train/loss", value, timestamp=stamp, step=step)
+    for step, (value, stamp) in enumerate([(0.3, 5_300), (0.2, 5_400)], start=3):  # by the resumed one
+        client.log_metric(run_id, "train/loss", value, timestamp=stamp, step=step)
+    client.set_terminated(run_id, "FINISHED", end_time=6_000)
+    points = [outbox.Point("train/loss", 0.5, 1_200, 2), outbox.Point("train/loss", 0.25, 1_300, 3)]
+    error = {"error": "Stopped: SIGTERM"}  # a tag the first process could not send
+    box = outbox.Outbox(run_id, experiment, store_uri, "KILLED", 1_400, error, points)
+    return client, run_id, outbox.save(box, outbox.fresh_path(run_id))
+
+
+def test_an_import_never_rewrites_a_run_that_finished_after_the_file_was_written(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client, run_id, path = moved_on_run(store_uri)
+    assert outbox.main([str(path)]) == 0
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.end_time == 6_000  # the resumed run's end, kept
+    assert "error" not in run.data.tags
+    steps = [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == [(1, 1.0), (2, 0.5), (3, 0.3), (4, 0.2)]  # no point twice, no second step 3
+    out = capsys.readouterr().out
+    assert f"run {run_id} ended FINISHED after this file was written" in out and "kept" in out
+    assert not path.exists() and Path(f"{path}.sent").exists()
+
+
+def test_an_import_leaves_a_run_that_another_process_trains_now_running(store_uri: str) -> None:
+    client, experiment = connect(store_uri, "offline")
+    run_id = client.create_run(experiment).info.run_id
+    client.set_tag(run_id, "process.started", f"{(time.time() + 60):.2f}")  # a resume started after the file
+    points = [outbox.Point("val/acc", 0.5, 1_300, 1)]
+    path = outbox.save(outbox.Outbox(run_id, experiment, store_uri, "KILLED", 1_400, {}, points), Path("box.jsonl"))
+    assert outbox.main([str(path)]) == 0
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and run.info.end_time is None
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val/acc")] == [(1, 0.5)]
+
+
+def test_an_outbox_file_for_a_deleted_run_says_restore_it_or_delete_the_file_and_exits_2(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client, experiment = connect(store_uri, "offline")
+    run_id = client.create_run(experiment).info.run_id
+    client.delete_run(run_id)
+    points = [outbox.Point("val/acc", 0.5, 1_300, 1)]
+    path = outbox.save(outbox.Outbox(run_id, experiment, store_uri, "KILLED", 1_400, {}, points), Path("box.jsonl"))
+    capsys.readouterr()  # MLflow's notes on making the store
+    assert outbox.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: run {run_id} was deleted") and err.count("\n") == 1, err
+    assert "mlflow runs restore --run-id" in err and "delete box.jsonl" in err and "refused" not in err
+    assert path.exists()
+
+
+def test_an_outbox_import_into_a_missing_store_creates_none(capsys: pytest.CaptureFixture[str]) -> None:
+    points = [outbox.Point("val/acc", 0.5, 1_300, 1)]
+    path = outbox.save(outbox.Outbox("r1", "1", "sqlite:///gone.db", "KILLED", 1_400, {}, points), Path("box.jsonl"))
+    assert outbox.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no MLflow store at sqlite:///") and err.count("\n") == 1, err
+    assert not Path("gone.db").exists()

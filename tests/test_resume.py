@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from torch import nn
 import pipeline.build as build_module
 import pipeline.checkpoint as checkpoint
 import pipeline.resume as resume_module
+from pipeline import outbox
 from pipeline.checkpoint import CheckpointError, Position
 from pipeline.config import RunConfig
 from pipeline.stopping import Stopped
@@ -549,3 +551,131 @@ def test_a_checkpoint_from_before_a_key_existed_compares_as_that_keys_old_behavi
     now["loader.prefetch_to_device"] = "auto"
     assert config_changes(older, now) == {}
     assert config_changes(older, {**now, "data.augment": "crop_flip"}) == {"data.augment": ("none", "crop_flip")}
+
+
+class _WritesAMarker:
+    """Unpickling this opens (so creates) ``marker``: code a crafted checkpoint runs if it is fully unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return open, (str(self.marker), "w")
+
+
+def test_a_crafted_checkpoint_is_refused_in_one_line_without_running_its_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    marker, crafted = tmp_path / "ran", tmp_path / "crafted.pt"
+    torch.save({"format": checkpoint.FORMAT, "model": {}, "position": _WritesAMarker(marker)}, crafted)
+    with pytest.raises(CheckpointError, match=r"crafted.pt holds io.open, which no checkpoint holds: refused"):
+        checkpoint.load(crafted)
+    assert not marker.exists()
+    assert run_main(monkeypatch, "device=cpu", f"resume={crafted}") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {crafted} holds io.open") and err.count("\n") == 1, err
+    assert not marker.exists()
+
+
+def test_checkpoints_load_without_unpickling_anything_but_tensors_and_plain_values(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    loads: list[object] = []
+    original = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or original(*a, **k))
+    saved = checkpoint.load(tmp_path / "checkpoints" / run_id / "last.pt")
+    assert loads == [True]
+    assert saved["position"] == Position(epoch=1, batch=5, step=5) and saved["rng"]["torch"].dtype == torch.uint8
+
+
+def test_resume_imports_the_runs_pending_outbox_file_first(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    client = MlflowClient(store_uri)
+    killed = client.get_run(run_id).info
+    client.update_run(run_id, status="RUNNING")  # the store was down when it stopped: its end is in the file
+    unsent = [outbox.Point("train/unsent", 1.0, killed.end_time - 1, 5)]
+    box = outbox.Outbox(run_id, killed.experiment_id, store_uri, "KILLED", killed.end_time, {}, unsent)
+    path = outbox.save(box, outbox.fresh_path(run_id))
+    resumed = train(make_cfg(*BASE, f"resume={run_id}"), echo=False)
+    assert f"resume: imported {path} first (1 metrics; its earlier part's end, KILLED)" in caplog.text
+    assert not path.exists() and Path(f"{path}.sent").exists()
+    run = client.get_run(resumed.run_id)
+    assert run.info.status == "FINISHED" and run.info.end_time > killed.end_time
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/unsent")] == [(5, 1.0)]
+
+
+def test_a_resumed_runs_system_metrics_continue_after_the_steps_already_recorded(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    client = MlflowClient(store_uri)
+    key = "system/cpu_utilization_percentage"
+    before = [m.step for m in client.get_metric_history(run_id, key)]
+    train(make_cfg(*BASE, f"resume={run_id}"), echo=False)
+    after = [m.step for m in client.get_metric_history(run_id, key)][len(before) :]
+    assert before and after and min(after) > max(before)  # every reading is stored; the second part follows
+    steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+    assert len(set(steps)) == len(steps)  # one point per step
+
+
+def test_two_untracked_runs_of_one_name_started_together_get_their_own_checkpoint_folders(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_cfg("tracking=none", "tracking.run_name=same")
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda *a: "20250101-120000")  # the same second
+    runs = [
+        checkpoint.Checkpointer.for_run(
+            cfg, run_id=None, run_name="same", state=None, device=torch.device("cpu"), config={}
+        )
+        for _ in range(2)
+    ]
+    first, second = (saver.path.parent for saver in runs)
+    assert first != second and first.name.startswith("same-20250101-120000-")
+    for saver in runs:
+        saver.__exit__(None, None, None)
+
+
+def test_a_run_locked_before_its_first_checkpoint_names_the_process_that_holds_it(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints" / "r1"
+    holder = checkpoint.RunLock(folder).acquire()  # no state.json yet: the run has only started
+    try:
+        with pytest.raises(CheckpointError) as err:
+            checkpoint.RunLock(folder).acquire()
+    finally:
+        holder.release()
+    assert f"(pid {os.getpid()} on {socket.gethostname()})" in str(err.value) and "?" not in str(err.value)
+    checkpoint.RunLock(folder).acquire().release()  # free again
+
+
+def test_resume_latest_passes_over_a_deleted_run_to_the_newest_one_left(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    older = stopped_run(make_cfg, monkeypatch)
+    newer = stopped_run(make_cfg, monkeypatch)
+    MlflowClient(store_uri).delete_run(newer)
+    resumed = train(make_cfg(*BASE, "resume=latest"), echo=False)
+    assert resumed.run_id == older
+    assert f"resume=latest: passed over run {newer}: deleted from the tracking store" in caplog.text
+    with pytest.raises(
+        CheckpointError, match=rf"no unfinished run .* is left \(1 deleted from the tracking store: {newer}\)"
+    ):
+        train(make_cfg(*BASE, "resume=latest"), echo=False)
+
+
+def test_a_failed_run_that_a_resume_finishes_keeps_no_failure_tags(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    with monkeypatch.context() as patch:
+        crash_at_step(patch, 5)
+        with pytest.raises(RuntimeError, match="fell over"):
+            train(make_cfg(*BASE, "checkpoint.every_n_steps=2"), echo=False)
+    (run_id,) = [p.name for p in Path("checkpoints").iterdir()]
+    client = MlflowClient(store_uri)
+    client.set_tag(run_id, "closed_by", "python -m pipeline.stale: pid 1 on here: no such process")
+    assert client.get_run(run_id).data.tags["error"] == "RuntimeError: the machine fell over"
+    train(make_cfg(*BASE, "checkpoint.every_n_steps=2", f"resume={run_id}"), echo=False)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and "error" not in run.data.tags and "closed_by" not in run.data.tags

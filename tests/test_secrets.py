@@ -305,3 +305,15 @@ def test_credentials_in_a_server_uri_appear_nowhere_in_the_store(tmp_path: Path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert SECRET not in proc.stdout and "alice:***@" in proc.stdout
     assert server.files_containing(SECRET) == []  # the SQLite store and the artifacts sent to it, once it stopped
+
+
+def test_a_relative_tracking_uri_from_the_environment_is_masked_in_its_absolute_form_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///sk-test-XYZ123.db")  # relative: made absolute to be used
+    result = train(load(["device=cpu", *TINY]), echo=False)
+    run = MlflowClient(f"sqlite:///{tmp_path / 'sk-test-XYZ123.db'}").get_run(result.run_id)
+    recorded = [*run.data.tags.values(), *run.data.params.values(), run.info.run_name]
+    assert [text for text in recorded if "sk-test-XYZ123" in text] == []
+    assert f"({MASK})" in run.data.tags["mlflow.note.content"]
+    assert store_contains(tmp_path / "mlruns", "sk-test-XYZ123") == []

@@ -14,6 +14,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
+from pipeline import outbox
 from pipeline.config import RunConfig
 from pipeline.stale import main, process_gone
 from pipeline.train import train
@@ -86,3 +87,27 @@ def test_a_sigkilled_training_process_leaves_a_run_that_stale_closes(tmp_path: P
     assert run.info.status == "RUNNING"  # what SIGKILL leaves behind
     assert main(["--uri", uri, "--close"]) == 0
     assert MlflowClient(uri).get_run(run.info.run_id).info.status == "KILLED"
+
+
+def test_close_leaves_a_run_with_a_pending_outbox_file_to_its_import_and_names_it(
+    make_cfg: MakeCfg, store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = MlflowClient(store_uri)
+    run_id = train(make_cfg(), echo=False).run_id
+    client.set_tag(run_id, "process.pid", str(dead_pid()))
+    client.update_run(run_id, status="RUNNING")  # the store was down at its end: the outbox file holds FINISHED
+    run = client.get_run(run_id)
+    box = outbox.Outbox(run_id, run.info.experiment_id, store_uri, "FINISHED", run.info.end_time, {}, [])
+    path = outbox.save(box, outbox.fresh_path(run_id))
+    assert main(["--uri", store_uri, "--close"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run_id}: not closed: {path} holds how it ended; import it with: python -m pipeline.outbox {path}" in out
+    assert "marked 0 run(s) KILLED" in out
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def test_stale_in_a_folder_without_a_store_creates_none(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no MLflow store at sqlite:///") and err.count("\n") == 1, err
+    assert not Path("mlflow.db").exists()

@@ -486,3 +486,54 @@ def test_open_tracker_refuses_an_experiment_named_after_a_secret_value_before_to
     ):
         pass
     assert SECRET not in str(err.value) and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///:memory:", "sqlite://", "sqlite:///:memory:?cache=shared"])
+def test_an_in_memory_store_is_refused_in_one_line(uri: str) -> None:
+    from pipeline.config import load
+    from pipeline.errors import ConfigError
+
+    match = (
+        r"^tracking\.uri='sqlite:.*' is not allowed: expected a database file.* records the run nowhere.*tracking=none"
+    )
+    with pytest.raises(ConfigError, match=match) as err:
+        load([f"tracking.uri='{uri}'"])
+    assert "\n" not in str(err.value)
+    load(["tracking=none", f"tracking.uri='{uri}'"])  # not used: nothing to refuse
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("tracking.run_name='   '", r"^tracking\.run_name='   ' is not allowed: expected a non-empty name or null"),
+        ("tracking.experiment=" + "e" * 501, r"^tracking\.experiment='e{501}' .* at most 500 characters"),
+        ("tracking.run_name=" + "r" * 251, r"^tracking\.run_name='r{251}' .* at most 250 characters"),
+        ("+tracking.tags." + "k" * 251 + "=v", r"^tracking\.tags\.k{251}='v' .* keys of at most 250 characters"),
+    ],
+)
+def test_blank_and_over_long_names_are_refused_before_any_data_loads(override: str, match: str) -> None:
+    from pipeline.config import load
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match) as err:
+        load([override])
+    assert "\n" not in str(err.value)
+
+
+def test_the_length_limits_are_mlflows_own() -> None:
+    from mlflow.store.tracking.dbmodels.models import SqlRun
+    from mlflow.utils import validation
+
+    from pipeline import config
+
+    assert config.MAX_EXPERIMENT_NAME == validation.MAX_EXPERIMENT_NAME_LENGTH
+    assert config.MAX_TAG_KEY == validation.MAX_ENTITY_KEY_LENGTH
+    assert SqlRun.name.type.length == config.MAX_RUN_NAME
+
+
+def test_an_override_key_too_long_for_a_file_name_is_one_line() -> None:
+    from pipeline.config import load
+    from pipeline.errors import OverrideError
+
+    with pytest.raises(OverrideError, match=r"^\+foo\.x+\.\.\.: not a config key \(too long\)$"):
+        load(["+foo." + "x" * 300 + "=1"])

@@ -23,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -40,6 +41,7 @@ from pipeline.store import absolute
 LAST = "last.pt"
 STATE = "state.json"
 LOCK = "run.lock"
+HOLDER = "run.lock.holder"  # who holds run.lock, written once it is taken (filelock truncates the lock file itself)
 FORMAT = 2  # 2: the data order is (seed, epoch); format 1 carried a generator state instead
 WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")  # torch.save on a full disk
 
@@ -191,15 +193,31 @@ class RunLock:
             self._lock.acquire()
         except Timeout:
             state = read_state(self.folder) or {}
+            holder = self._holder()
+            who = f" (pid {holder['pid']} on {holder['host']})" if holder else " (it is starting)"
             raise CheckpointError(
-                f"run {state.get('run_id') or self.folder.name} is being trained by another process right now "
-                f"(pid {state.get('pid', '?')} on {state.get('host', '?')}): wait for it to end, or stop it first"
+                f"run {state.get('run_id') or self.folder.name} is being trained by another process right now{who}: "
+                f"wait for it to end, or stop it first"
             ) from None
         except OSError as err:
             raise CheckpointError(
                 f"checkpoint.dir: cannot write to {self.folder} ({err.strerror or err}); choose a writable folder"
             ) from err
+        try:
+            holder = {"pid": os.getpid(), "host": socket.gethostname()}
+            save(self.folder / HOLDER, json.dumps(holder).encode())
+        except BaseException:
+            self._lock.release()
+            raise
         return self
+
+    def _holder(self) -> dict[str, Any] | None:
+        """The pid and host the holder wrote beside the lock; None in the moment before it has written them."""
+        try:
+            holder = json.loads((self.folder / HOLDER).read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) and {"pid", "host"} <= holder.keys() else None
 
     def free(self) -> bool:
         """Whether no one holds the lock now (probes by taking and releasing it)."""
@@ -211,6 +229,8 @@ class RunLock:
         return True
 
     def release(self) -> None:
+        if self._lock.is_locked:  # the holder file is ours while we hold the lock
+            (self.folder / HOLDER).unlink(missing_ok=True)
         self._lock.release()
 
 
@@ -243,6 +263,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def untracked_id(run_name: str) -> str:
+    """The id of a run that has no MLflow run (``tracking=none``), its checkpoint folder's name: the name (cut to
+    fit a file name), the time and a random part, so that two runs of one name started together differ."""
+    return f"{run_name[:200]}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
 class Checkpointer:
@@ -293,7 +319,7 @@ class Checkpointer:
 
         ``write=False`` (DDP ranks other than 0) writes nothing; ``world_size`` is saved, since a position inside
         an epoch counts this job's per-rank batches."""
-        folder = Path(cfg.checkpoint.dir) / (run_id or f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        folder = Path(cfg.checkpoint.dir) / (run_id or untracked_id(run_name))
         return cls(
             folder=folder,
             enabled=cfg.checkpoint.enabled and write,

@@ -12,8 +12,10 @@ one starts.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import multiprocessing
+import re
 import sys
 import types
 import typing
@@ -25,6 +27,12 @@ from typing import Any, Literal
 from pipeline.errors import ConfigError, OverrideError
 
 MISSING_VALUE = "???"
+# MLflow's limits (mlflow.utils.validation's MAX_EXPERIMENT_NAME_LENGTH and MAX_ENTITY_KEY_LENGTH, the runs table's
+# name column): checked with the config, not after the data loaded; tests/test_tracking.py keeps them equal
+MAX_EXPERIMENT_NAME = 500
+MAX_RUN_NAME = 250
+MAX_TAG_KEY = 250
+TAGS_PREFIX = "tracking.tags."
 
 
 def config_dir() -> Path:
@@ -254,6 +262,24 @@ class TrackingConfig:
             raise ConfigError("tracking.uri", self.uri, "a tracking URI such as sqlite:///mlflow.db")
         if self.enabled and not self.experiment.strip():
             raise ConfigError("tracking.experiment", self.experiment, "a non-empty experiment name")
+        if self.enabled and len(self.experiment) > MAX_EXPERIMENT_NAME:
+            raise ConfigError("tracking.experiment", self.experiment, _at_most(MAX_EXPERIMENT_NAME, "a name"))
+        if self.run_name is not None and not self.run_name.strip():  # it names the run and its checkpoint folder
+            raise ConfigError("tracking.run_name", self.run_name, "a non-empty name or null (a name made from the run)")
+        if self.run_name is not None and len(self.run_name) > MAX_RUN_NAME:
+            raise ConfigError("tracking.run_name", self.run_name, _at_most(MAX_RUN_NAME, "a name"))
+        for key, value in self.tags.items() if self.enabled else ():
+            if len(key) > MAX_TAG_KEY:
+                raise ConfigError(f"{TAGS_PREFIX}{key}", value, _at_most(MAX_TAG_KEY, "tag keys"))
+        from pipeline.store import sqlite_database, uri_scheme
+
+        if self.enabled and uri_scheme(self.uri) == "sqlite" and sqlite_database(self.uri) is None:
+            raise ConfigError(
+                "tracking.uri",
+                self.uri,
+                "a database file, e.g. sqlite:///mlflow.db: an in-memory SQLite store records the run nowhere "
+                "(it is gone when the run ends); to record nothing, say tracking=none",
+            )
 
 
 @dataclass(frozen=True)
@@ -361,7 +387,13 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
     Raises:
         OverrideError: an unknown group option or key, or an override Hydra cannot parse; one line.
+        ConfigError: a ``tracking.tags`` key longer than MLflow takes (Hydra would fail on it as a file name).
     """
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key.startswith(TAGS_PREFIX) and len(key) - len(TAGS_PREFIX) > MAX_TAG_KEY:
+            raise ConfigError(key, value, _at_most(MAX_TAG_KEY, "tag keys"))
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -388,6 +420,15 @@ def compose(overrides: Sequence[str] = ()) -> Any:
                 f"(python -m pipeline --cfg job shows every key)"
             ) from None
         raise OverrideError("; ".join(lines)) from None
+    except OSError as err:  # Hydra looks a key up as a config group's file: a long one is too long a file name
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        long = next((o for o in overrides if len(o.partition("=")[0]) > MAX_TAG_KEY), "")
+        raise OverrideError(f"{long[:80]}...: not a config key (too long)") from None
+
+
+def _at_most(limit: int, what: str) -> str:
+    return f"{what} of at most {limit} characters (MLflow's limit)"
 
 
 def load(overrides: Sequence[str] = ()) -> RunConfig:

@@ -10,12 +10,17 @@ renames the file to ``<file>.sent``, so running it twice does not duplicate poin
 fails part-way, the file is rewritten with only what is left, so a rerun sends the rest. ``--uri``
 overrides the header's URI; it is required when that URI had credentials (they are masked in the
 file), or set MLflow's MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD instead.
-Exit status: 0 sent (or already sent), 1 the store refused, 2 a missing or malformed file.
+
+A run may have moved on since its file was written: resumed and finished, or being trained again. Its
+status, end time and tags then stay as they are, and only the file's points at steps the store does not
+hold are added (``send``). ``resume=<run id>`` imports the run's pending files itself before it continues,
+and ``python -m pipeline.stale --close`` leaves a run with one to its import.
+Exit status: 0 sent (or already sent), 1 the store refused (a rerun sends the rest), 2 a missing or
+malformed file, a deleted run, or no store at the URI.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,9 +30,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline import cli
 from pipeline.errors import PipelineError
 from pipeline.secrets import MASK, mask_text
-from pipeline.store import absolute, retrying
+from pipeline.store import absolute, check_exists, retrying
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,9 @@ FOLDER = "unsent_metrics"  # relative to the working directory, like mlflow.db a
 FORMAT = 1  # the header's "outbox" field; bump when the line layout changes
 BATCH = 1000  # MLflow's limit of metrics per log_batch call
 SENT = ".sent"  # suffix of a file whose metrics are in the store
+# tags that say a run ended badly: FAILED's error (tracking), the KILLED of pipeline.stale --close; a later, better
+# end of the run removes them, and an import never adds them to a run that moved on
+FAILURE_TAGS = ("error", "closed_by")
 
 
 class OutboxError(PipelineError):
@@ -133,13 +142,29 @@ def load(path: Path) -> Outbox:
     )
 
 
-def send(path: Path, *, uri: str | None = None) -> int:
+@dataclass(frozen=True)
+class Sent:
+    """What an import did."""
+
+    run_id: str
+    status: str  # the file's
+    points: int  # metrics written
+    skipped: int  # metrics the store already held (a write that landed after all, or a later process's steps)
+    moved_on: str  # why the run's status and end were kept ("" when the file's were set)
+
+
+def send(path: Path, *, uri: str | None = None) -> Sent:
     """Write the file's metrics, tags and status to its run, then rename it to ``<path>.sent``.
 
-    Returns the number of metrics written.
+    A run that moved on since the file was written (it ended after the file's end time, a later process trains or
+    trained it, or the store holds metrics logged after it) keeps its status, end time and tags: the file adds only
+    its metrics at steps the store does not hold, and tags the run lacks (never ``FAILURE_TAGS``). A point the
+    store already holds is never written twice.
 
     Raises:
-        OutboxError: the file cannot be used, the URI is masked and no ``uri`` was given, or the run is not there.
+        OutboxError: the file cannot be used, the URI is masked and no ``uri`` was given, the run is not there or
+            was deleted.
+        TrackingUnavailable: no store at a ``sqlite:///`` path (none is created).
         Exception: whatever the store raised part-way (the file then holds only what is left).
     """
     outbox = load(path)
@@ -151,18 +176,24 @@ def send(path: Path, *, uri: str | None = None) -> int:
             f"{path}: the recorded URI {target} had credentials, masked in the file; pass --uri with the real one, "
             f"or --uri without them plus MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
         )
+    check_exists(target)
     from mlflow import MlflowClient
     from mlflow.entities import Metric, RunTag
-    from mlflow.exceptions import MlflowException
 
     client = MlflowClient(tracking_uri=target)
-    try:
-        client.get_run(outbox.run_id)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise  # the store is down or refuses us: a rerun may work
-        raise OutboxError(f"run {outbox.run_id} is not in {mask_text(target)}; pass --uri with its store") from None
-    points = outbox.points
+    run = _run(client, outbox, path, target)
+    stored = {
+        key: retrying(lambda key=key: client.get_metric_history(outbox.run_id, key), what="outbox import")
+        for key in dict.fromkeys(p.key for p in outbox.points)
+    }
+    moved_on = _moved_on(run, outbox, stored)
+    held = {(m.key, m.step, m.timestamp, m.value) for history in stored.values() for m in history}
+    steps = {(m.key, m.step) for history in stored.values() for m in history}
+    points = [
+        p
+        for p in outbox.points
+        if (p.key, p.step, p.timestamp, p.value) not in held and not (moved_on and (p.key, p.step) in steps)
+    ]
     for i in range(0, len(points), BATCH):
         batch = [Metric(p.key, p.value, p.timestamp, p.step) for p in points[i : i + BATCH]]
         try:
@@ -170,16 +201,65 @@ def send(path: Path, *, uri: str | None = None) -> int:
         except Exception:
             save(replace(outbox, points=points[i:]), path)  # a rerun sends only the rest
             raise
-    if outbox.tags:
-        tags = [RunTag(k, v) for k, v in outbox.tags.items()]
-        retrying(lambda: client.log_batch(outbox.run_id, tags=tags), what="outbox import")
-    retrying(lambda: client.set_terminated(outbox.run_id, outbox.status, end_time=outbox.end_time))
+    tags = outbox.tags
+    if moved_on:  # the later process's record stands; the file only fills in what it lacks
+        tags = {k: v for k, v in tags.items() if k not in run.data.tags and k not in FAILURE_TAGS}
+    if tags:
+        records = [RunTag(k, v) for k, v in tags.items()]
+        retrying(lambda: client.log_batch(outbox.run_id, tags=records), what="outbox import")
+    if not moved_on:
+        if "closed_by" in run.data.tags:  # pipeline.stale closed it KILLED for want of this file: it says how
+            retrying(lambda: client.delete_tag(outbox.run_id, "closed_by"), what="outbox import")
+        retrying(lambda: client.set_terminated(outbox.run_id, outbox.status, end_time=outbox.end_time))
     os.replace(path, _sent(path))
-    return len(points)
+    return Sent(outbox.run_id, outbox.status, len(points), len(outbox.points) - len(points), moved_on)
 
 
+def pending(run_id: str, folder: Path | str = FOLDER) -> list[Path]:
+    """The outbox files of ``run_id`` not yet imported (``<run_id>.jsonl``, ``<run_id>-2.jsonl``, ...), oldest
+    first."""
+    found = [*Path(folder).glob(f"{run_id}.jsonl"), *Path(folder).glob(f"{run_id}-*.jsonl")]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def _run(client: Any, outbox: Outbox, path: Path, target: str) -> Any:
+    """The file's run in the store, which must exist and not be deleted."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = retrying(lambda: client.get_run(outbox.run_id), what="outbox import")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise  # the store is down or refuses us: a rerun may work
+        raise OutboxError(f"run {outbox.run_id} is not in {mask_text(target)}; pass --uri with its store") from None
+    if run.info.lifecycle_stage == "deleted":  # MLflow refuses writes to it: no rerun can work until it is restored
+        raise OutboxError(
+            f"run {outbox.run_id} was deleted from {mask_text(target)}: restore it (the UI's deleted runs, or "
+            f"mlflow runs restore --run-id {outbox.run_id}) and import the file then, or delete {path} if the run "
+            f"is gone for good (mlflow gc)"
+        )
+    return run
+
+
+def _moved_on(run: Any, outbox: Outbox, stored: dict[str, list[Any]]) -> str:
+    """Why the run is past what the file says ("" when it is not): the file's status and end would be false."""
+    info, tags = run.info, run.data.tags
+    if info.status != "RUNNING" and (info.end_time or 0) > outbox.end_time and "closed_by" not in tags:
+        return f"ended {info.status} after this file was written"
+    try:
+        started = float(tags.get("process.started", "nan")) * 1000
+    except ValueError:
+        started = float("nan")
+    if started > outbox.end_time:
+        return f"is trained again by a process started after this file was written (pid {tags.get('process.pid')})"
+    if any(m.timestamp > outbox.end_time for history in stored.values() for m in history):
+        return "holds metrics logged after this file was written"
+    return ""
+
+
+@cli.command("python -m pipeline.outbox")
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = cli.Parser(
         prog="python -m pipeline.outbox", description="Import metrics a run could not write into its MLflow run."
     )
     parser.add_argument("file", type=Path, help="an outbox file, e.g. unsent_metrics/<run_id>.jsonl")
@@ -191,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         sent = send(path, uri=args.uri)
-    except OutboxError as err:
+    except PipelineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the store refused: say so in one line, the file keeps what is left
@@ -201,7 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"sent {sent} metrics to their run; {path} renamed to {_sent(path)}")
+    skipped = f" ({sent.skipped} the store already held left out)" if sent.skipped else ""
+    if sent.moved_on:
+        print(f"run {sent.run_id} {sent.moved_on}: its status and end time were kept, not this file's {sent.status}")
+    print(f"sent {sent.points} metrics to their run{skipped}; {path} renamed to {_sent(path)}")
     return 0
 
 

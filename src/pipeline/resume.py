@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline import outbox
 from pipeline.checkpoint import (
     LAST,
     CheckpointError,
@@ -32,6 +33,7 @@ from pipeline.checkpoint import (
     store_id,
 )
 from pipeline.config import RunConfig, TrainerConfig, flatten
+from pipeline.errors import PipelineError
 from pipeline.store import absolute
 
 log = logging.getLogger(__name__)
@@ -121,17 +123,20 @@ class Resumed:
         return tags
 
 
-def find(resume: str, *, folder: Path, experiment: str, store: str) -> Path:
+def find(
+    resume: str, *, folder: Path, experiment: str, store: str, gone: Callable[[str], bool] = lambda run_id: False
+) -> Path:
     """The checkpoint ``resume`` names: ``latest``, a file path, or a run id (a folder under ``folder``).
 
     ``latest`` is the newest checkpoint of a run that did not finish, in this ``experiment`` and
-    tracking ``store``, that no process is training now; the choice is logged with its reason.
+    tracking ``store``, that no process is training now and that ``gone(run_id)`` does not say was deleted
+    from the store (``run_gone``); the choice is logged with its reason, and so is each run passed over.
 
     Raises:
         CheckpointError: nothing matches, with where it looked and what it found instead.
     """
     if resume == "latest":
-        return _latest(folder, experiment=experiment, store=store)
+        return _latest(folder, experiment=experiment, store=store, gone=gone)
     as_path = Path(resume).expanduser()
     if as_path.is_file():
         return as_path
@@ -141,7 +146,7 @@ def find(resume: str, *, folder: Path, experiment: str, store: str) -> Path:
     raise CheckpointError(f"resume={resume}: neither a checkpoint file nor a run id with {folder}/{resume}/{LAST}")
 
 
-def _latest(folder: Path, *, experiment: str, store: str) -> Path:
+def _latest(folder: Path, *, experiment: str, store: str, gone: Callable[[str], bool]) -> Path:
     states = []
     for path in folder.glob(f"*/{LAST}"):
         state = read_state(path.parent)
@@ -149,9 +154,18 @@ def _latest(folder: Path, *, experiment: str, store: str) -> Path:
             states.append((path, state))
     ours = [(p, s) for p, s in states if s.get("experiment") == experiment and s.get("store") == store]
     unfinished = [(p, s) for p, s in ours if s.get("status") != "finished"]
-    idle = [(p, s) for p, s in unfinished if RunLock(p.parent).free()]
+    idle = sorted(
+        [(p, s) for p, s in unfinished if RunLock(p.parent).free()], key=lambda item: -item[1].get("written", 0.0)
+    )
+    deleted = []
+    for _path, state in idle:
+        if not (state.get("run_id") and gone(state["run_id"])):
+            break
+        deleted.append(state["run_id"])
+        log.warning("resume=latest: passed over run %s: deleted from the tracking store", state["run_id"])
+    idle = idle[len(deleted) :]
     if idle:
-        path, state = max(idle, key=lambda item: item[1].get("written", 0.0))
+        path, state = idle[0]
         p = state["position"]
         log.warning(
             "resume=latest: continuing run %s (%s at epoch %d, batch %d, step %d, %s), the newest unfinished "
@@ -167,6 +181,11 @@ def _latest(folder: Path, *, experiment: str, store: str) -> Path:
         )
         return path
     where = f"under {folder}/*/{LAST} for experiment '{experiment}' in this tracking store"
+    if deleted and len(deleted) == len(unfinished):
+        raise CheckpointError(
+            f"resume=latest: no unfinished run {where} is left ({len(deleted)} deleted from the tracking store: "
+            f"{', '.join(deleted)}): restore one (mlflow runs restore --run-id ID) and resume it, or start a new run"
+        )
     if unfinished:
         busy = ", ".join(_describe(p, s) for p, s in unfinished)
         raise CheckpointError(f"resume=latest: every unfinished run {where} is being trained right now ({busy})")
@@ -252,7 +271,9 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int
     """
     store = store_id(cfg.tracking)
     folder = Path(cfg.checkpoint.dir)
-    path = find(cfg.resume or "latest", folder=folder, experiment=cfg.tracking.experiment, store=store)
+    uri = absolute(cfg.tracking.uri)
+    gone = (lambda run_id: run_gone(uri, run_id)) if cfg.tracking.enabled else (lambda run_id: False)
+    path = find(cfg.resume or "latest", folder=folder, experiment=cfg.tracking.experiment, store=store, gone=gone)
     saved = load(path)
     run = saved["run_id"] or saved["run_name"]
     state = read_state(path.parent) or {}
@@ -291,6 +312,12 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int
     if not cfg.fork:
         _check_unfinished(cfg, run_id=saved["run_id"], state=state, run=run)
         lock = RunLock(path.parent).acquire()
+        if cfg.tracking.enabled and saved["run_id"]:
+            try:
+                _import_pending(saved["run_id"], absolute(cfg.tracking.uri))
+            except BaseException:
+                lock.release()
+                raise
     if changes:
         log.warning("resume: changed since the checkpoint: %s", describe_changes(changes))
     return Resumed(path, saved, changes, cfg.fork, lock)
@@ -301,14 +328,7 @@ def _check_unfinished(cfg: RunConfig, *, run_id: str | None, state: Mapping[str,
     fork = "add fork=true to continue its weights in a new run (tagged forked_from)"
     status = state.get("status")
     if cfg.tracking.enabled and run_id:
-        from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
-
-        uri = absolute(cfg.tracking.uri)
-        try:
-            info = MlflowClient(uri).get_run(run_id).info
-        except MlflowException:
-            info = None
+        info = _run_info(absolute(cfg.tracking.uri), run_id)
         if info is None or info.lifecycle_stage == "deleted":
             raise CheckpointError(f"run {run} no longer exists in the tracking store (deleted?): {fork}")
         status = "finished" if info.status == "FINISHED" else status
@@ -316,6 +336,43 @@ def _check_unfinished(cfg: RunConfig, *, run_id: str | None, state: Mapping[str,
         raise CheckpointError(
             f"run {run} finished, and a finished run is never changed: nothing to do. To train it further, {fork}"
         )
+
+
+def run_gone(uri: str, run_id: str) -> bool:
+    """Whether the store at ``uri`` holds no such run, or holds it deleted (MLflow refuses to write to it)."""
+    info = _run_info(uri, run_id)
+    return info is None or info.lifecycle_stage == "deleted"
+
+
+def _run_info(uri: str, run_id: str) -> Any:
+    """The run's ``RunInfo``, None when the store does not know the run."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return MlflowClient(uri).get_run(run_id).info
+    except MlflowException:
+        return None
+
+
+def _import_pending(run_id: str, uri: str) -> None:
+    """Import the run's outbox files (``pipeline.outbox``: what its last process could not write) before it
+    continues: their points come before what this process logs, and imported later they would find a run that
+    moved on and could add only part of it.
+
+    Raises:
+        CheckpointError: a file cannot be imported (malformed, another store), with the file and the remedy.
+    """
+    for path in outbox.pending(run_id):
+        try:
+            sent = outbox.send(path, uri=uri)
+        except PipelineError as err:
+            raise CheckpointError(
+                f"run {run_id} has an outbox file that cannot be imported ({err}): import it with "
+                f"{outbox.command(path)} --uri URI, or move it away, then resume"
+            ) from None
+        ended = f"the run {sent.moved_on}, its end kept" if sent.moved_on else f"its earlier part's end, {sent.status}"
+        log.warning("resume: imported %s first (%d metrics; %s); renamed to %s.sent", path, sent.points, ended, path)
 
 
 def restore(state: Any, resumed: Resumed, device: torch.device, trainer: TrainerConfig) -> None:

@@ -185,11 +185,17 @@ def _strings(value: Any) -> Iterator[str]:
 
 def _forms(value: str) -> set[str]:
     """``value`` as typed, and as it shows up once used: a path without its trailing slash, normalised, expanded
-    and resolved (``data.root`` is recorded resolved), and JSON-escaped (environment.json, the dataset input)."""
+    and resolved (``data.root`` is recorded resolved), a ``sqlite:///`` URI made absolute and its database's path
+    as typed and resolved (``tracking.uri``), and JSON-escaped (environment.json, the dataset input)."""
+    from pipeline.store import absolute, sqlite_database  # store masks with this module: imported when used
+
     forms = {value, value.rstrip("/\\"), json.dumps(value)[1:-1]}
     if "://" not in value and (value.startswith(("/", ".", "~")) or "/" in value.strip("/")):
         forms.add(os.path.normpath(value))
         forms.add(str(Path(value).expanduser().resolve()))
+    database = sqlite_database(value)
+    if database is not None:  # a SQLite URI is used made absolute (and shown so in the summary): its path, too
+        forms |= {absolute(value), database, str(Path(database).expanduser().resolve())}
     return forms
 
 

@@ -9,11 +9,12 @@ OOM killer or a power cut cannot: its run stays RUNNING. Each run records the pr
 trains it (tags ``process.host``, ``process.pid``, ``process.started``); a RUNNING run whose
 process on this host is gone (no such pid, or a pid reused by a newer process) is stale. Runs
 recorded on another host, or before these tags existed, are listed as unknown and never closed.
+A stale run with an outbox file in ./unsent_metrics (its store was down when it ended) is not closed
+either: the file holds how it really ended, and the command that imports it is printed instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -21,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline import outbox
+from pipeline.cli import Parser, command
 from pipeline.secrets import mask_text
 from pipeline.store import absolute
 
@@ -83,8 +86,9 @@ def close(client: Any, run: RunningRun) -> None:
     client.set_terminated(run.run_id, "KILLED")
 
 
+@command("python -m pipeline.stale")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stale", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m pipeline.stale", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_URI), help="tracking store (tracking.uri)"
     )
@@ -93,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from mlflow import MlflowClient
 
-    from pipeline.store import TrackingUnavailable, check_reachable
+    from pipeline.store import TrackingUnavailable, check_exists, check_reachable
 
     uri = absolute(args.uri)
     try:
+        check_exists(uri)  # a read-only look: never create an empty store
         check_reachable(uri)
     except TrackingUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
@@ -111,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  {run.verdict:<7} {run.run_id}  {run.name or '-'}  (experiment '{run.experiment}', since {since}): "
             f"{run.why}"
         )
-    if stale and args.close:
+    for run in stale:
+        for path in outbox.pending(run.run_id):  # its true end is in the file: KILLED would be false
+            print(f"  {run.run_id}: not closed: {path} holds how it ended; import it with: {outbox.command(path)}")
+    boxed = [r for r in stale if outbox.pending(r.run_id)]
+    stale = [r for r in stale if r not in boxed]
+    if args.close and (stale or boxed):
         for run in stale:
             close(client, run)
         print(f"marked {len(stale)} run(s) KILLED")

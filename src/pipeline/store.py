@@ -264,6 +264,21 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
         )
 
 
+def check_exists(uri: str) -> None:
+    """For commands that only read or amend a store (``stale``, ``outbox``): a ``sqlite:///`` file that is not
+    there is refused, since opening it would create an empty store (MLflow makes the file and its tables).
+
+    Raises:
+        TrackingUnavailable: one line naming the URI.
+    """
+    path = sqlite_path(uri)
+    if path is not None and not path.is_file():
+        raise TrackingUnavailable(
+            f"no MLflow store at {mask_text(uri)}: run this in the folder you trained in, or pass --uri with the "
+            f"store's URI"
+        )
+
+
 def uri_scheme(uri: str) -> str:
     """``uri``'s scheme in lower case; "" for a plain path, a Windows one included: ``C:\\runs`` parses as scheme
     ``c``, which MLflow also takes for a drive letter."""

@@ -413,8 +413,9 @@ def open_tracker(
     """Open a run (or a do-nothing tracker), and end it with the status the block earned.
 
     ``tags`` are all the run's tags (``tracking.tags`` included). ``run_id`` continues that run (resuming)
-    instead of creating one. ``secret_values`` (``pipeline.secrets.env_values``) are masked in everything the
-    run records, its name and the error that ends it included; ``cfg.uri`` is used as it is.
+    instead of creating one, removing the tags that said how it ended before (``outbox.FAILURE_TAGS``).
+    ``secret_values`` (``pipeline.secrets.env_values``) are masked in everything the run records, its name and
+    the error that ends it included; ``cfg.uri`` is used as it is.
 
     Raises:
         ConfigError: the experiment's name holds a secret value (``env_values`` refuses that first).
@@ -439,8 +440,11 @@ def open_tracker(
         name = mask_text(run_name, secret_values)
         run_id = retrying(lambda: client.create_run(experiment_id, run_name=name, tags=all_tags)).info.run_id
     else:
-        experiment_id = client.get_run(run_id).info.experiment_id
+        run = retrying(lambda: client.get_run(run_id))
+        experiment_id = run.info.experiment_id
         retrying(lambda: client.update_run(run_id, status="RUNNING"))
+        for key in set(outbox.FAILURE_TAGS) & run.data.tags.keys():  # how it ended before: no longer true
+            retrying(lambda key=key: client.delete_tag(run_id, key))
     tracker = MlflowTracker(
         client,
         uri=uri,

@@ -122,6 +122,7 @@ def _train(
                     device=setup.device,
                     log_metrics=tracker.log_metrics,
                     children=cfg.loader.num_workers > 0,
+                    after_step=(tracker.last_step(CLOCK_KEY) or 0) if resumed is not None and not resumed.fork else 0,
                 )
                 try:
                     epochs, epoch_starts = run_epochs(
@@ -188,7 +189,7 @@ def run_epochs(
         if record is None:  # stopped mid-epoch at a step boundary
             path = saver.write(position, status="stopped")
             where = (
-                f"checkpoint {path}; continue with resume={tracker.run_id or 'latest'}"
+                f"checkpoint {path}; continue with resume={tracker.run_id or path.parent.name}"
                 if path
                 else "rank 0 writes the checkpoint"
                 if not setup.group.is_main

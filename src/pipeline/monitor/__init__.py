@@ -12,9 +12,10 @@ import torch
 
 from pipeline.config import MonitorConfig
 from pipeline.monitor.gpu import GpuTarget, open_backend
-from pipeline.monitor.sampler import Sample, Sampler, UtilSummary, summarize, system_metrics
+from pipeline.monitor.sampler import CLOCK_KEY, Sample, Sampler, UtilSummary, summarize, system_metrics
 
 __all__ = [
+    "CLOCK_KEY",
     "GpuTarget",
     "NullSampler",
     "Sample",
@@ -63,12 +64,16 @@ def open_sampler(
     device: torch.device,
     log_metrics: Callable[[dict[str, float], int], None],
     children: bool = False,
+    after_step: int = 0,
 ) -> Sampler | NullSampler:
-    """A started sampler for this run (or a do-nothing one when monitoring is off)."""
+    """A started sampler for this run (or a do-nothing one when monitoring is off); ``after_step`` is the last
+    system-metric step the run holds already (a resumed run's)."""
     if not cfg.enabled:
         return NullSampler()
     backend = open_backend(cfg.backend, gpu_targets(device), timeout_s=cfg.interval_s)
-    return Sampler(interval_s=cfg.interval_s, gpu=backend, log_metrics=log_metrics, children=children).start()
+    return Sampler(
+        interval_s=cfg.interval_s, gpu=backend, log_metrics=log_metrics, children=children, after_step=after_step
+    ).start()
 
 
 def allocator_metrics(device: torch.device) -> dict[str, float]:

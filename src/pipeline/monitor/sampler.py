@@ -3,8 +3,10 @@
 Each reading goes to the run as MLflow system metrics (``system/cpu_utilization_percentage``,
 ``system/gpu_0_utilization_percentage``, ... — MLflow's own names, so the UI's System Metrics tab
 shows them) through the tracker's buffer, with step = the tick number (step x interval = seconds
-since the run started; timestamps are wall clock). The thread writes through the tracker's
-explicit run id, never MLflow's thread-local active run.
+since the run started; timestamps are wall clock). A resumed run's readings continue after the
+steps its earlier processes recorded (``after_step``), so each step holds one point and the
+timeline runs on. The thread writes through the tracker's explicit run id, never MLflow's
+thread-local active run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import psutil
 from pipeline.monitor.gpu import GpuBackend, GpuReading, NoGpu
 
 log = logging.getLogger(__name__)
+
+CLOCK_KEY = "system/cpu_utilization_percentage"  # logged at every reading: its last step is the sampler's last tick
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Sampler:
         gpu: the GPU backend (``NoGpu`` on CPU runs).
         log_metrics: where readings go, ``(metrics, step)``; must be thread-safe.
         children: count child processes' CPU too (set when the loader has workers).
+        after_step: the last step already recorded (a resumed run's); ticks are logged after it.
     """
 
     def __init__(
@@ -69,8 +74,10 @@ class Sampler:
         gpu: GpuBackend | None = None,
         log_metrics: Callable[[dict[str, float], int], None] = lambda m, s: None,
         children: bool = False,
+        after_step: int = 0,
     ) -> None:
         self.interval_s = interval_s
+        self.after_step = after_step
         self.gpu = gpu or NoGpu()
         self.log_metrics = log_metrics
         self.children = children  # also count child processes (loader workers)
@@ -129,7 +136,7 @@ class Sampler:
         try:
             sample = self.read()
             self.samples.append(sample)
-            self.log_metrics(system_metrics(sample), tick)
+            self.log_metrics(system_metrics(sample), self.after_step + tick)
         except Exception as err:  # never let a reading (or its logging) kill the thread or training
             log.warning("utilisation sample failed (%s: %s); sampling stops", type(err).__name__, err)
             self._failed = True
