@@ -49,7 +49,7 @@ def test_non_positive_thread_counts_are_refused_in_one_line(capsys: pytest.Captu
         main(["--only", "overhead", "--threads", threads])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "--threads must be >= 1" in err
-    assert err.splitlines()[-1].startswith("python -m pipeline.bench: error:")
+    assert err.count("\n") == 1 and err.startswith("error: python -m pipeline.bench: --threads must be >= 1")
 
 
 @pytest.mark.slow

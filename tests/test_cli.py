@@ -122,3 +122,39 @@ def test_a_sweep_records_one_run_per_combination(tmp_path: Path) -> None:
     assert sorted(r.data.params["loader.batch_size"] for r in jobs) == ["32", "64"]
     assert {r.data.tags["mlflow.parentRunId"] for r in jobs} == {parent.info.run_id}
     assert {r.info.status for r in runs} == {"FINISHED"}
+
+
+def test_a_stop_with_checkpoints_off_says_no_checkpoint_and_gives_no_resume_advice(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import signal
+
+    from pipeline.stopping import StopRequests
+    from test_resume import at_training_step
+
+    with StopRequests(checkpoints=False):
+        os.kill(os.getpid(), signal.SIGTERM)
+    warned = " ".join(r.getMessage() for r in caplog.records if r.name == "pipeline.stopping")
+    assert "SIGTERM received" in warned and "writing a checkpoint" not in warned
+    at_training_step(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    args = ["device=cpu", "trainer.epochs=1", "trainer.max_steps=5", "checkpoint.enabled=false"]
+    assert run_main(monkeypatch, *args) == 143
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "stopped by SIGTERM at a step boundary; no checkpoint was written (checkpoint.enabled=false): "
+        "the run cannot be resumed"
+    )
+
+
+@pytest.mark.parametrize(
+    "override", ["tracking.experiment=${oc.env:PIPELINE_NOT_SET}", "+tracking.tags.owner=${oc.env:PIPELINE_NOT_SET}"]
+)
+def test_an_unset_environment_variable_is_one_line_naming_it_and_how_to_set_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], override: str
+) -> None:
+    monkeypatch.delenv("PIPELINE_NOT_SET", raising=False)
+    args = [override]
+    assert run_main(monkeypatch, *args, "device=cpu") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "PIPELINE_NOT_SET is not set" in err
+    assert "export PIPELINE_NOT_SET=" in err and "${oc.env:PIPELINE_NOT_SET,<default>}" in err

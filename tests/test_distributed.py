@@ -320,3 +320,27 @@ def test_a_resident_loader_under_ddp_holds_only_this_ranks_share() -> None:
     assert loader.labels.tolist() == [1, 3, 5, 7, 9] and len(loader) == 3
     val = make_loader(dataset, cfg, device=torch.device("cpu"), train=False, seed=0, rank=1, world=3)
     assert val.labels.tolist() == [1, 4, 7]
+
+
+def test_the_quiet_torchrun_ends_a_stop_in_one_line_and_the_signals_exit_status(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import signal
+
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from pipeline.launch import main as launch
+
+    seen: list[list[str]] = []
+
+    def stopped(argv: list[str]) -> None:  # what torchrun's agent raises once it has passed SIGTERM to the ranks
+        seen.append(argv)
+        raise SignalException("Process 4242 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch.distributed.run, "main", stopped)
+    with pytest.raises(SystemExit) as exit_:
+        launch(["--standalone", "--nproc_per_node=2", "-m", "pipeline", "device=cpu"])
+    assert exit_.value.code == 143 and seen == [["--standalone", "--nproc_per_node=2", "-m", "pipeline", "device=cpu"]]
+    err = capsys.readouterr().err
+    assert err.startswith("torchrun stopped by SIGTERM: every rank was passed the signal") and err.count("\n") == 1

@@ -152,6 +152,8 @@ def test_a_stopped_worker_fails_the_run_within_loader_timeout(
     try:
         with pytest.raises(LoaderError, match=r"(timed out after 3|no batch arrived within loader.timeout)"):
             train(make_cfg("trainer.max_steps=-1", "loader.num_workers=2", "loader.timeout=3"), echo=False)
+        # the stopped workers were killed: the process can exit (Python joins its children on the way out)
+        assert [w.pid for w in stopped if w.is_running() and w.status() != psutil.STATUS_ZOMBIE] == []
     finally:
         for worker in stopped:
             with contextlib.suppress(psutil.Error):
@@ -159,3 +161,53 @@ def test_a_stopped_worker_fails_the_run_within_loader_timeout(
     assert stopped and time.monotonic() - started < 60
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED"
+
+
+def test_a_worker_death_noticed_outside_the_loader_is_a_loader_error(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """PyTorch's SIGCHLD handler raises a dead worker's error wherever the main thread is (``optimizer.step``, the
+    forward pass): injected here in the forward pass of step 3."""
+    original = build_module.build_model
+    calls = {"n": 0}
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module, inputs) -> None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+
+        model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(build_module, "build_model", build)
+    with pytest.raises(LoaderError, match=r"^DataLoader worker \(pid 4242\) is killed by signal: Killed\. — a worker"):
+        train(make_cfg("trainer.max_steps=5", "loader.num_workers=1"), echo=False)
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("LoaderError: DataLoader worker (pid 4242)")
+
+
+def test_a_worker_killed_while_handing_over_a_batch_is_a_loader_error(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """A worker killed while the main process receives a batch's shared memory from it: the socket that passes the
+    file descriptor is reset mid-receive (multiprocessing's ``recvfds``); injected here in the fetch."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    original = _MultiProcessingDataLoaderIter._next_data
+    calls = {"n": 0}
+
+    def reset(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return original(self)
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_next_data", reset)
+    with pytest.raises(LoaderError, match=r"^a loader worker's connection broke mid-batch \(ConnectionResetError: "):
+        train(make_cfg("trainer.max_steps=5", "loader.num_workers=1"), echo=False)
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith("LoaderError: a loader worker's")

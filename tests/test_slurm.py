@@ -187,7 +187,7 @@ def test_the_local_launcher_config_runs_each_job_as_one_submitit_process() -> No
     [
         ("submitit_slurm", "submitit_launcher.SlurmLauncher"),  # the plugin's own configs, still there by name
         ("submitit_local", "submitit_launcher.LocalLauncher"),
-        ("parallel", "joblib_launcher.JoblibLauncher"),
+        ("parallel", "parallel_launcher.ParallelLauncher"),  # Hydra's joblib launcher, recording lost workers
         ("basic", "BasicLauncher"),
     ],
 )
@@ -323,3 +323,18 @@ def test_sigterm_to_a_submitit_job_stops_it_with_a_checkpoint_and_resume_through
     run = MlflowClient(f"sqlite:///{store}").get_run(killed.info.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["resumed_at_step"] == str(step)  # the same run, continued
     assert run.data.tags["mlflow.parentRunId"] != parent.info.run_id  # now under the resuming sweep's parent
+
+
+def test_the_slurm_launcher_without_slurm_is_one_line_before_any_run_is_opened(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "bin").mkdir()  # a PATH with no srun or sbatch: a laptop, a CI runner
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert run_main(monkeypatch, "-m", "hydra/launcher=slurm", "loader.batch_size=32,64", "device=cpu") == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: hydra/launcher=slurm needs SLURM's srun and sbatch, and this machine has neither on its PATH: "
+        "launch the sweep from the cluster's login node, or try it here with hydra/launcher=local; no job was started\n"
+    )
+    if (tmp_path / "mlflow.db").exists():
+        assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["0", "1"]) == []

@@ -102,7 +102,7 @@ def test_a_search_config_makes_optuna_maximise_its_metric(name: str, metric: str
     path = CONF / "hparams_search" / f"{name}.yaml"
     assert path.read_text().splitlines()[2] == f"#   python -m pipeline hparams_search={name}"
     hydra = hydra_config(f"hparams_search={name}")
-    assert hydra.sweeper._target_.endswith("OptunaSweeper") and hydra.sweeper.direction == "maximize"
+    assert hydra.sweeper._target_.endswith(".OptunaSearchSweeper") and hydra.sweeper.direction == "maximize"
     assert set(hydra.sweeper.params) == searched and hydra.mode.name == "MULTIRUN"
     assert hydra.callbacks.sweep.optimized_metric == metric
     load([f"hparams_search={name}"])  # the job's config still validates
@@ -112,7 +112,7 @@ def test_the_parallel_launcher_config_runs_two_joblib_processes_without_a_schema
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         launcher = hydra_config("hydra/launcher=parallel").launcher
-    assert launcher._target_.endswith("JoblibLauncher") and (launcher.n_jobs, launcher.backend) == (2, "loky")
+    assert launcher._target_.endswith(".ParallelLauncher") and (launcher.n_jobs, launcher.backend) == (2, "loky")
     assert [str(w.message) for w in caught if "schema" in str(w.message)] == []
 
 
@@ -333,12 +333,13 @@ def test_an_optuna_search_whose_every_trial_fails_still_closes_its_parent_and_li
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     args = ["hparams_search=accuracy_optuna", "hydra.sweeper.n_trials=2", "trainer.lr=1e30", "trainer.max_steps=3"]
-    assert run_main(monkeypatch, *args, "trainer.epochs=1", "monitor.plots=false", "device=cpu") == 1  # Optuna raises
+    assert run_main(monkeypatch, *args, "trainer.epochs=1", "monitor.plots=false", "device=cpu") == 2  # the user's
     parent, children = sweep_runs(tmp_path)
     assert [r.info.status for r in children] == ["FAILED", "FAILED"]
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "2"
     err = capsys.readouterr().err
-    assert "No trials are completed yet" in err  # the sweeper's own error, then the list
+    assert "No trials are completed yet" not in err and "Traceback" not in err  # Optuna's error, as a traceback
+    assert err.splitlines()[-3] == "error: all 2 sweep job(s) failed:"  # after each trial's own line, the list
     assert err.count("): NonFiniteLoss: training loss became nan") == 2
 
 

@@ -111,3 +111,19 @@ def test_a_bad_sweep_in_a_real_process_is_refused_without_importing_torch(tmp_pa
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "mlflow" not in imported
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sweeper", [[], ["hydra/sweeper=basic"]])
+def test_an_interval_without_an_optuna_search_is_one_line_naming_hparams_search(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, sweeper: list[str]
+) -> None:
+    assert run_main(monkeypatch, "-m", *sweeper, "trainer.lr=interval(0.1,0.2)", *TINY) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer.lr=interval(0.1,0.2) needs an Optuna search: add hparams_search=")
+    assert err.count("\n") == 1 and not (tmp_path / "mlflow.db").exists()
+
+
+def test_an_interval_in_an_optuna_search_is_left_to_optuna() -> None:
+    from hydra_plugins.pipeline_sweeper.interleaved_sweeper import check_search_space
+
+    check_search_space(["hparams_search=accuracy_optuna", "trainer.lr=interval(0.1,0.2)"])  # raises nothing

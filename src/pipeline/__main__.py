@@ -70,6 +70,7 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
     from pipeline import sweep
 
     job = sweep.current_job()
+    sweep.started(job)  # a job lost with its process (a launcher's worker killed) is then told from one not run
     sweep.use_platform_start_method()
     run_cfg = None
     try:
@@ -80,7 +81,7 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
         if "SUBMITIT_EXECUTOR" in os.environ:  # a submitit job (local or SLURM): its own process, one job
             # Exiting would leave submitit no result, and the launcher would abandon the other jobs still running;
             # returning lets it wait for them. The stop is recorded: the sweep still ends KILLED and exits 1.
-            print(f"{stop}; resume with resume=<run id>", file=sys.stderr, flush=True)
+            print(f"{stop}; {stop.advice('<run id>')}", file=sys.stderr, flush=True)
             return None
         _stop(stop)
     except PipelineError as err:
@@ -150,6 +151,10 @@ def check_sweep(args: list[str]) -> None:
     if unknown or any(elsewhere) or any(shows):
         return
     jobs = sweep_jobs(parsed.overrides)
+    if jobs is None:  # an interval() or another sweeper: refused here only where the sweeper cannot run it
+        from hydra_plugins.pipeline_sweeper.interleaved_sweeper import check_search_space
+
+        check_search_space(parsed.overrides)
     for number, job in enumerate(jobs or [], start=1):
         try:
             load(job)
@@ -167,8 +172,8 @@ def _fail(err: PipelineError) -> NoReturn:
 
 
 def _stop(stop: Stopped) -> NoReturn:
-    """SIGTERM / Ctrl-C: checkpoint written, run KILLED; exit as the signal would."""
-    print(f"{stop}; resume with resume=latest", file=sys.stderr, flush=True)
+    """SIGTERM / Ctrl-C: checkpoint written (unless checkpoints are off), run KILLED; exit as the signal would."""
+    print(f"{stop}; {stop.advice()}", file=sys.stderr, flush=True)
     sys.exit(stop.exit_code)
 
 

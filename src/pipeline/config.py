@@ -500,7 +500,17 @@ def from_dictconfig(cfg: Any) -> RunConfig:
             cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "config"
-            raise ConfigError(key, "<unresolved>", f"a value that resolves ({err.msg})") from None
+            unset = re.search(r"Environment variable '([^']+)' not found", str(err))
+            if unset:
+                name = unset.group(1)
+                raise ConfigError(
+                    key,
+                    f"${{oc.env:{name}}}",
+                    f"a set environment variable, and {name} is not set: export {name}=... before the command, or "
+                    f"give a default: ${{oc.env:{name},<default>}}",
+                ) from None
+            first = str(err.msg).strip().splitlines()[0]
+            raise ConfigError(key, "<unresolved>", f"a value that resolves ({first})") from None
     return dataclasses.replace(_build(RunConfig, cfg, prefix=""), env_keys=sensitive)
 
 

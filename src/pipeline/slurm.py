@@ -12,6 +12,7 @@ is what cluster admins ask us not to do); ``pipeline.distributed`` exports the r
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Mapping
 
 from pipeline.errors import PipelineError
@@ -25,6 +26,31 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")  # one item inside a nodelist's bracket
 
 class SlurmEnvironmentError(PipelineError):
     """A SLURM variable this module reads is missing or malformed; the message names it and its value."""
+
+
+class SlurmMissing(PipelineError):
+    """``hydra/launcher=slurm`` on a machine without SLURM's commands."""
+
+
+def check_slurm_commands(launcher_target: str) -> None:
+    """Refuse the SLURM launcher where ``srun`` or ``sbatch`` is missing, before a sweep opens its parent run:
+    submitit finds out only once the first batch is launched, in a traceback.
+
+    Args:
+        launcher_target: ``hydra.launcher._target_``; other launchers pass.
+
+    Raises:
+        SlurmMissing: naming what is missing and the local launcher that tries the sweep on this machine.
+    """
+    if not launcher_target.endswith(".SlurmLauncher"):
+        return
+    missing = [command for command in ("srun", "sbatch") if shutil.which(command) is None]
+    if missing:
+        has = "neither" if len(missing) == 2 else f"no {missing[0]}"
+        raise SlurmMissing(
+            f"hydra/launcher=slurm needs SLURM's srun and sbatch, and this machine has {has} on its PATH: launch "
+            "the sweep from the cluster's login node, or try it here with hydra/launcher=local"
+        )
 
 
 def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str] | None:

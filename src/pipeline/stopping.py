@@ -41,11 +41,19 @@ def signal_name(signum: int) -> str:
 class Stopped(Exception):
     """Training stopped on request; ``exit_code`` is 128 + the signal number."""
 
-    def __init__(self, signum: int, *, at_once: bool = False) -> None:
-        self.signum, self.at_once = signum, at_once
+    def __init__(self, signum: int, *, at_once: bool = False, checkpoints: bool = True) -> None:
+        self.signum, self.at_once, self.checkpoints = signum, at_once, checkpoints
         self.exit_code = 128 + signum
-        how = "at once (asked twice), mid-step: the last checkpoint stays" if at_once else "at a step boundary"
+        how = "at a step boundary"
+        if at_once:
+            how = "at once (asked twice), mid-step" + (": the last checkpoint stays" if checkpoints else "")
         super().__init__(f"stopped by {signal_name(signum)} {how}")
+
+    def advice(self, resume: str = "latest") -> str:
+        """How to go on: ``resume with resume=latest``, or why there is no way to (``checkpoint.enabled=false``)."""
+        if self.checkpoints:
+            return f"resume with resume={resume}"
+        return "no checkpoint was written (checkpoint.enabled=false): the run cannot be resumed"
 
 
 class StopRequests:
@@ -56,9 +64,13 @@ class StopRequests:
     where the program is, and the run is still closed as KILLED with its last checkpoint. Any other
     time (building, writing the checkpoint, closing the run) further requests are only acknowledged,
     so the run's closing is never cut short; SIGKILL remains the way to abandon it.
+
+    Args:
+        checkpoints: whether the run writes checkpoints (``checkpoint.enabled``), for what the warnings promise.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, checkpoints: bool = True) -> None:
+        self.checkpoints = checkpoints
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._interruptible = False
@@ -95,10 +107,11 @@ class StopRequests:
         name = signal_name(signum)
         if self.signum is None:
             self.signum = signum
-            log.warning("%s received: stopping after the current step and writing a checkpoint", name)
+            then = "writing a checkpoint" if self.checkpoints else "no checkpoint (checkpoint.enabled=false)"
+            log.warning("%s received: stopping after the current step, %s", name, then)
         elif self._interruptible:
             self._interruptible = False  # once: the closing that follows is not cut short
             log.warning("%s received again: stopping now, mid-step", name)
-            raise Stopped(signum, at_once=True)
+            raise Stopped(signum, at_once=True, checkpoints=self.checkpoints)
         else:
             log.warning("%s received: already stopping, the run is being closed (kill -9 abandons it)", name)

@@ -22,6 +22,10 @@ Hydra runs the jobs (one after another, in joblib's processes, or as Optuna asks
   failed job and exits 2 when every failure was the user's to fix (``PipelineError``: bad data, a missing GPU...),
   else 1. A sweep that ends without it (a stop request, a sweeper that raised) is closed by ``end_unfinished``,
   which ``pipeline.__main__.main`` calls on its way out.
+- a launcher that loses its worker processes (``hydra/launcher=parallel`` when one is killed: loky kills the others)
+  records the batch with ``lost``: the jobs that had started (``started`` marks them) end FAILED, runs included,
+  the others ``NOT_RUN``; then ``end_sweep`` closes the parent and the command exits 1
+  (``hydra_plugins.pipeline_sweeper.parallel_launcher``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ SWEEP_FILE = "sweep.json"  # in hydra.sweep.dir
 DESIGN_FILE = "design.json"  # in hydra.sweep.dir: each job's round, from the interleaved sweeper (pipeline.design)
 JOBS_DIR = "jobs"  # in hydra.sweep.dir: <job number>.json, one per job that ended
 MAX_CHILDREN = 50_000  # MLflow's most runs per search
+NOT_RUN = "NOT_RUN"  # a job's status when the sweep stopped before it started (``lost``)
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
 _UNFINISHED: set[Path] = set()  # folders of the sweeps started in this process and not yet ended (end_unfinished)
 
@@ -127,7 +132,7 @@ class JobOutcome:
 
     job: int
     overrides: list[str]  # masked
-    status: str  # FINISHED | FAILED | KILLED
+    status: str  # FINISHED | FAILED | KILLED | NOT_RUN
     exit_code: int  # 0; 2 = the user's to fix; 1 = anything else; 130 / 143 = stopped
     error: str | None = None  # ``Type: message``, masked
     run_id: str | None = None
@@ -137,7 +142,11 @@ class JobOutcome:
     def line(self) -> str:
         """One line for the terminal: ``job #3 (trainer.lr=1e30): NonFiniteLoss: ...``."""
         error = next(iter((self.error or "").strip().splitlines()), self.status)
-        return f"job #{self.job} ({' '.join(self.overrides) or 'no overrides'}): {error}"
+        return f"{self.name()}: {error}"
+
+    def name(self) -> str:
+        """``job #3 (trainer.lr=1e30)``."""
+        return f"job #{self.job} ({' '.join(self.overrides) or 'no overrides'})"
 
 
 class SweepCallback(Callback):
@@ -153,6 +162,16 @@ class SweepCallback(Callback):
 
     def __init__(self, optimized_metric: str = "val/acc") -> None:
         self.optimized_metric = optimized_metric
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A single run: its output folder made first, in one line when it cannot be (Hydra's is a traceback)."""
+        from pipeline.outputs import make_output_folder
+
+        try:
+            make_output_folder(config.hydra, "hydra.run.dir")
+        except PipelineError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(USER_ERROR)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
@@ -173,17 +192,22 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
     """Open the sweep's parent run (tracking on) and write ``sweep.json``, before the first job starts.
 
     Raises:
-        ConfigError: ``metric`` is not a ``Metric``, or the experiment's name comes from the environment.
+        ConfigError: ``metric`` is not a ``Metric``, the experiment's name comes from the environment, or the
+            sweep's folder cannot be made.
+        SlurmMissing: ``hydra/launcher=slurm`` where SLURM's commands are missing.
         TrackingUnavailable: the store cannot work (``pipeline.store.check_reachable``).
     """
+    from pipeline.outputs import make_output_folder
+    from pipeline.slurm import check_slurm_commands
+
     if metric not in get_args(Metric):
         raise ConfigError("hydra.callbacks.sweep.optimized_metric", metric, _one_of(get_args(Metric)))
+    check_slurm_commands(str(OmegaConf.select(config, "hydra.launcher._target_", default="")))
+    folder = make_output_folder(config.hydra, "hydra.sweep.dir")  # before the parent run: nothing left RUNNING
     specs = swept(config)
     sweep = Sweep(id=uuid.uuid4().hex, keys=tuple(specs), metric=metric)
     if OmegaConf.select(config, "tracking.enabled"):
         sweep = open_parent(config, sweep, specs)
-    folder = sweep_folder(config.hydra)
-    folder.mkdir(parents=True, exist_ok=True)
     sweep.save(folder)
     _UNFINISHED.add(folder)
     return sweep
@@ -334,6 +358,39 @@ def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig 
     _save_outcome(job, JobOutcome(job.number, overrides, "FAILED", exit_code, error, run_id, run_name))
 
 
+def started(job: SweepJob) -> None:
+    """Mark the job as started (``jobs/<n>.started``): when a launcher loses its worker processes, a job with a
+    marker and no outcome was lost while it ran, one without had not started (``lost``)."""
+    if _rank_0():
+        (job.folder / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+        (job.folder / JOBS_DIR / f"{job.number}.started").touch()
+
+
+def lost(folder: Path, jobs: Sequence[tuple[int, Sequence[str]]], reason: str) -> None:
+    """Record the jobs a launcher lost with its worker processes (a worker killed by a signal or the OOM killer;
+    loky then kills every worker beside it): each job of ``jobs`` with no outcome yet ends FAILED with ``reason``
+    (its run too, which nobody is left to end) when it had started, else ``NOT_RUN``.
+
+    Args:
+        folder: the sweep's folder.
+        jobs: the launched jobs, as ``(job number, overrides)``.
+        reason: one line saying what happened, the error recorded on each lost job's run.
+    """
+    sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric="val/acc")
+    ended = {outcome.job for outcome in load_outcomes(folder)}
+    for number, overrides in jobs:
+        if number in ended:
+            continue
+        job = SweepJob(sweep, number, tuple(overrides), folder)
+        masked = mask_overrides(job.overrides)
+        if (folder / JOBS_DIR / f"{number}.started").exists():
+            error = mask_text(f"WorkerLost: {reason}")
+            run_id, run_name = _failed_run(job, None, error, frozenset())
+            _save_outcome(job, JobOutcome(number, masked, "FAILED", 1, error, run_id, run_name))
+        else:
+            _save_outcome(job, JobOutcome(number, masked, NOT_RUN, 0, "not run: the sweep stopped before it"))
+
+
 def stopped(job: SweepJob, stop: BaseException, exit_code: int) -> None:
     """A stop request (SIGTERM, Ctrl-C): record the job. In-process and joblib sweeps end there (``end_unfinished``
     ends the parent KILLED on the way out); under submitit the other jobs run on and the parent ends KILLED after."""
@@ -354,28 +411,37 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
     _UNFINISHED.discard(folder)
     sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric="val/acc")
     outcomes = load_outcomes(folder)
-    failures = [o for o in outcomes if o.status != "FINISHED"]
+    not_run = [o for o in outcomes if o.status == NOT_RUN]
+    failures = [o for o in outcomes if o.status not in ("FINISHED", NOT_RUN)]
     if any(o.status == "KILLED" for o in outcomes):
         status = "KILLED"
     else:
         status = "FAILED" if failures or not complete else "FINISHED"
-    table = close_parent(sweep, failures, status, complete=complete) if sweep.parent_run_id and sweep.uri else ""
+    parent = sweep.parent_run_id and sweep.uri
+    table = close_parent(sweep, failures, status, complete=complete, not_run=not_run) if parent else ""
     how = "" if complete else "stopped before its end: "
+    unstarted = f", {len(not_run)} not run" if not_run else ""
     print(
-        f"sweep {sweep.short_id}: {how}{len(outcomes)} job(s), {len(outcomes) - len(failures)} finished, "
-        f"{len(failures)} failed ({folder})",
+        f"sweep {sweep.short_id}: {how}{len(outcomes)} job(s), {len(outcomes) - len(failures) - len(not_run)} "
+        f"finished, {len(failures)} failed{unstarted} ({folder})",
         flush=True,
     )
     if table:
         print(table, flush=True)
     if sweep.parent_run_id and sweep.uri:
         print("\n".join(_parent_links(sweep, status)), flush=True)
-    if not failures:
+    if not failures and not not_run:
         return 0
-    lines = [f"error: {len(failures)} of {len(outcomes)} sweep job(s) failed; the others ran and are recorded:"]
+    if not_run:
+        lines = [f"error: {len(failures)} of {len(outcomes)} sweep job(s) failed and {len(not_run)} did not run:"]
+    elif len(failures) == len(outcomes):
+        lines = [f"error: all {len(failures)} sweep job(s) failed:"]
+    else:
+        lines = [f"error: {len(failures)} of {len(outcomes)} sweep job(s) failed; the others ran and are recorded:"]
     lines += [f"  {o.line()}" for o in failures]
+    lines += [f"  not run: {', '.join(o.name() for o in not_run)}"] if not_run else []
     print("\n".join(lines), file=sys.stderr, flush=True)
-    return USER_ERROR if all(o.exit_code == USER_ERROR for o in failures) else 1
+    return USER_ERROR if failures and all(o.exit_code == USER_ERROR for o in failures) else 1
 
 
 def end_unfinished() -> None:
@@ -407,7 +473,14 @@ def load_outcomes(folder: Path) -> list[JobOutcome]:
     return [JobOutcome(**json.loads(p.read_text())) for p in paths]
 
 
-def close_parent(sweep: Sweep, failures: Sequence[JobOutcome], status: str, *, complete: bool = True) -> str:
+def close_parent(
+    sweep: Sweep,
+    failures: Sequence[JobOutcome],
+    status: str,
+    *,
+    complete: bool = True,
+    not_run: Sequence[JobOutcome] = (),
+) -> str:
     """Log the summary on the parent and end it with ``status``, the failures listed in a tag; returns the
     summary's Markdown ("" when it could not be made: the parent still ends)."""
     from mlflow import MlflowClient
@@ -428,6 +501,9 @@ def close_parent(sweep: Sweep, failures: Sequence[JobOutcome], status: str, *, c
     tags = {"sweep.failed": str(len(failures))}
     if failures:
         tags["sweep.failures"] = "\n".join(o.line() for o in failures)[:5000]
+    if not_run:
+        tags["sweep.not_run"] = str(len(not_run))
+        tags["sweep.not_run_jobs"] = "\n".join(o.name() for o in not_run)[:5000]
     if not complete:
         tags["sweep.incomplete"] = "the sweep stopped before its end: a stop request, or the sweeper's error"
     _end_parent(sweep, status, tags)
@@ -486,7 +562,11 @@ def _failed_run(
         where = f"tags.`sweep.id` = '{sweep.id}' and tags.`sweep.job` = '{job.number}'"
         found = retrying(lambda: client.search_runs([sweep.experiment_id], where), what="reading runs")
         if found:
-            return found[0].info.run_id, found[0].info.run_name
+            run = found[0]
+            if run.info.status == "RUNNING":  # its process died (``lost``): nobody else will end it
+                retrying(lambda: client.set_tag(run.info.run_id, "error", error))
+                retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
+            return run.info.run_id, run.info.run_name
         name = mask_text(_job_run_name(job, cfg), secrets)
         tags = {
             **job.tags(),

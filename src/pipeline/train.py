@@ -95,7 +95,7 @@ def _train(
         if resumed is not None and not resumed.fork:
             del tags["overrides"]  # the run keeps the overrides it started with; resume.overrides holds these
         with (
-            StopRequests() as stop,
+            StopRequests(checkpoints=cfg.checkpoint.enabled) as stop,
             open_tracker(
                 cfg.tracking if main else dataclasses.replace(cfg.tracking, enabled=False),
                 run_name=setup.run_name,
@@ -152,6 +152,7 @@ def _train(
     return result
 
 
+@worker_faults()  # a loader worker's death noticed mid-step (PyTorch's SIGCHLD handler) fails the run cleanly
 def run_epochs(
     setup: Setup,
     start: checkpoint.Position,
@@ -196,7 +197,7 @@ def run_epochs(
                 else "no checkpoint (checkpoint.enabled=false): a new run starts from scratch"
             )
             log.warning("stopped at step %d; %s", setup.state.step, where)
-            raise Stopped(stop.signum or 0)
+            raise Stopped(stop.signum or 0, checkpoints=stop.checkpoints)
         epochs.append(record)
         complete = done == len(setup.train_batches)
         saver.write(checkpoint.Position(epoch + 1, 0, setup.state.step) if complete else position)

@@ -43,3 +43,34 @@ def axes(overrides: list[Override]) -> list[tuple[str, list[str]]]:
         else:
             listed[key] = [f"{key}={override.get_value_element_as_str()}"]
     return list(listed.items())
+
+
+def check_search_space(overrides: list[str]) -> None:
+    """Refuse a continuous search space (``interval()``) when the sweep's sweeper can only list jobs: the basic and
+    interleaved sweepers raise on it once the sweep has begun, in a traceback. Optuna's is left to Optuna.
+
+    Raises:
+        OverrideError: naming the override and the Optuna search that runs it.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from pipeline.config import OverrideError, config_dir
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    spaces = [o for o in parsed if o.is_sweep_override() and not o.is_discrete_sweep() and not o.is_hydra_override()]
+    if not spaces:
+        return
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            fixed = [o.input_line for o in parsed if not o.is_sweep_override()]  # what chooses the sweeper
+            sweeper = str(compose("config", overrides=fixed, return_hydra_config=True).hydra.sweeper._target_)
+    except HydraException:  # a bad group or key: the job checks say so, in one line
+        return
+    if sweeper.endswith((".BasicSweeper", ".InterleavedSweeper")):
+        raise OverrideError(
+            f"{spaces[0].input_line} needs an Optuna search: add hparams_search=accuracy_optuna (or "
+            f"hparams_search=throughput_optuna, or hydra/sweeper=optuna); the {sweeper.rpartition('.')[2]} runs "
+            "lists (a,b,c), range() and choice() only"
+        )

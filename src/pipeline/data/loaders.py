@@ -124,17 +124,65 @@ class EpochLoader(DataLoader):
                         batch = next(batches)
                 except StopIteration:
                     return
+                except LoaderError:  # the watchdog's: a batch that never came
+                    _kill_workers(batches)
+                    raise
                 except RuntimeError as err:
-                    if not any(fault in str(err) for fault in WORKER_FAULTS):
+                    if not is_worker_fault(err):
                         raise
-                    raise LoaderError(_worker_fault(str(err), self)) from err
+                    _kill_workers(batches)
+                    raise LoaderError(_worker_fault(str(err), self.timeout)) from err
+                except (ConnectionError, EOFError) as err:
+                    if "in DataLoader worker process" in str(err):  # the dataset's own error, re-raised from a worker
+                        raise
+                    # a worker that died while this process received a batch's shared memory from it: the socket
+                    # passing the file descriptor is reset mid-receive, before PyTorch notices the death
+                    _kill_workers(batches)
+                    lost = f"a loader worker's connection broke mid-batch ({type(err).__name__}: {err})"
+                    raise LoaderError(_worker_fault(lost, self.timeout)) from err
                 yield batch
 
 
-def _worker_fault(message: str, loader: DataLoader) -> str:
+def is_worker_fault(err: BaseException) -> bool:
+    """Whether ``err`` is PyTorch's word for a loader worker that died or stopped answering."""
+    return isinstance(err, RuntimeError) and any(fault in str(err) for fault in WORKER_FAULTS)
+
+
+@contextlib.contextmanager
+def worker_faults() -> Iterator[None]:
+    """Within it (as a decorator too), a loader worker's death is a ``LoaderError`` wherever it surfaces.
+
+    PyTorch's SIGCHLD handler raises a dead worker's ``RuntimeError`` in the main thread wherever it is when the
+    worker dies (``optimizer.step``, the forward pass), not only inside the loader's ``next()``.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_worker_fault(err):
+            raise
+        raise LoaderError(_worker_fault(str(err), None)) from err
+
+
+def _kill_workers(batches: Iterator[Batch]) -> None:
+    """Kill a failed iterator's worker processes: a stopped one (SIGSTOP) ignores the SIGTERM PyTorch sends at
+    shutdown, and Python joins its children on the way out, so the process would wait until it is continued."""
+    workers = [worker for worker in getattr(batches, "_workers", []) if worker.is_alive()]
+    if not workers:
+        return
+    if getattr(batches, "_worker_pids_set", False):  # else PyTorch's SIGCHLD handler raises these deaths again
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False  # type: ignore[attr-defined]
+    for worker in workers:
+        worker.kill()  # SIGKILL ends a stopped process too
+        worker.join(timeout=5)
+
+
+def _worker_fault(message: str, timeout: float | None) -> str:
     first = " ".join(message.split())[:300]
     if "timed out" in first:
-        fix = f"a worker took longer than loader.timeout={loader.timeout:g} s for one batch: a stuck or stopped worker"
+        fix = f"a worker took longer than loader.timeout={timeout or 0:g} s for one batch: a stuck or stopped worker"
     else:
         fix = "a worker process died (killed by the OOM killer or a signal, or crashed in native code)"
     return (
