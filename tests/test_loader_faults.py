@@ -211,3 +211,27 @@ def test_a_worker_killed_while_handing_over_a_batch_is_a_loader_error(
         train(make_cfg("trainer.max_steps=5", "loader.num_workers=1"), echo=False)
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith("LoaderError: a loader worker's")
+
+
+class SignalDispositions(Dataset):
+    """Each sample: whether SIGINT and SIGTERM are ignored in the process that makes it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)]
+        return torch.tensor(ignored, dtype=torch.uint8).view(1, 1, 2), i
+
+
+def test_loader_workers_leave_a_stop_signal_to_the_training_process(make_cfg: Callable[..., RunConfig]) -> None:
+    """Ctrl-C in a terminal, SLURM's time limit and `kill -- -PGID` reach every process of the group: workers that
+    died of it failed the run (a LoaderError) where the training process would have stopped it cleanly, KILLED
+    with a checkpoint. The workers ignore the stop signals; the training process shuts them down itself."""
+    from pipeline.data.loaders import make_loader
+
+    cfg = make_cfg("loader.num_workers=1", "loader.batch_size=4")
+    loader = make_loader(SignalDispositions(), cfg.loader, device=torch.device("cpu"), train=False, seed=0)
+    loader.set_epoch(1)
+    ((images, _),) = list(loader)
+    assert images.flatten().tolist() == [1, 1] * 4

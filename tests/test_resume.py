@@ -352,6 +352,27 @@ def test_sigterm_to_a_real_training_process(tmp_path: Path) -> None:
     assert steps == sorted(set(steps)) and steps[-1] == steps[0] + 10 * (len(steps) - 1)  # continuous, no repeats
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_stops_a_run_with_loader_workers_cleanly(tmp_path: Path) -> None:
+    """As SLURM's time limit, `kill -- -PGID` or a terminal's Ctrl-C do: the workers get the signal too."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    args = [sys.executable, "-m", "pipeline", "device=cpu", "trainer.epochs=200", "loader.batch_size=16"]
+    args += ["loader.num_workers=2", "loader.persistent_workers=true", "monitor.plots=false"]
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "checkpoints").glob("*/last.pt")):  # the first epoch is done: mid-training now
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert "LoaderError" not in err and "exited unexpectedly" not in err
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    assert run.info.status == "KILLED"
+
+
 def stopped_run(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, *overrides: str, step: int = 5) -> str:
     """A run of BASE stopped by SIGTERM at ``step``; returns its run id."""
     before = set(Path("checkpoints").iterdir()) if Path("checkpoints").exists() else set()
