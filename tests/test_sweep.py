@@ -14,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
+from pipeline import sweep
 from pipeline.config import config_dir, load
 from pipeline.provenance import sweep_run_name
 from test_cli import cli, run_main
@@ -208,7 +209,10 @@ def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_lis
 
 @pytest.mark.slow
 def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_exits_1(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     import pipeline.train
 
@@ -220,6 +224,8 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
         return real_build(cfg, *args)
 
     monkeypatch.setattr(pipeline.train, "build", build)
+    logged: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(sweep.log, "error", lambda msg, *args, **kw: logged.append((msg % args, kw)))
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 1
     parent, children = sweep_runs(tmp_path)
     assert [(r.info.run_name, r.info.status) for r in children] == [
@@ -245,6 +251,9 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
     assert "  job #1 (loader.batch_size=64 trainer.epochs=1 " in err and err.rstrip().endswith(
         "RuntimeError: CUDA error: an illegal memory access was encountered"
     )
+    ((message, extra),) = logged
+    assert extra["exc_info"] is None  # the job's log says it in one line; --debug shows the traceback
+    assert "failed: internal error: RuntimeError at test_sweep.py:" in message
 
 
 @pytest.mark.slow
@@ -319,6 +328,8 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
         return real_build(cfg, *args)
 
     monkeypatch.setattr(pipeline.train, "build", build)
+    logged: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(sweep.log, "error", lambda msg, *args, **kw: logged.append((msg % args, kw)))
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 143
     parent, children = sweep_runs(tmp_path)
     assert [r.info.run_name for r in children] == ["bs32-mlp-digits-cpu-w0"]  # job 2 never started

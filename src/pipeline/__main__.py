@@ -53,7 +53,7 @@ def run(cfg: DictConfig) -> float | None:
 
         if debugging():
             raise  # Hydra prints the whole traceback (HYDRA_FULL_ERROR=1 is set by --debug)
-        report_bug(err, prog="python -m pipeline", debug=False)
+        report_bug(err, debug=False)
         sys.exit(1)
     return result.val_acc
 

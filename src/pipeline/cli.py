@@ -45,21 +45,24 @@ def debugging(argv: Sequence[str] | None = None) -> bool:
     return DEBUG_FLAG in args or os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def report_bug(err: BaseException, *, prog: str, debug: bool) -> None:
-    """A bug in one line (with where it happened), or its traceback when debugging."""
-    if debug:
-        traceback.print_exception(err)
-        return
+def bug_line(err: BaseException) -> str:
+    """A bug (or a fault of the machine) in one line: what, where it was raised, and what to do."""
     frames = traceback.extract_tb(err.__traceback__)
     where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
     first = one_line(str(err))[:300]
-    print(
+    return (
         f"internal error: {type(err).__name__}{where}: {mask_text(first)} — not a problem with your input: a bug in "
         f"pipeline or a fault of the machine; run it again with {DEBUG_FLAG} for the traceback, and report a bug on "
-        f"the project's issue tracker with that output",
-        file=sys.stderr,
-        flush=True,
+        f"the project's issue tracker with that output"
     )
+
+
+def report_bug(err: BaseException, *, debug: bool) -> None:
+    """``bug_line`` on stderr, or the traceback when debugging."""
+    if debug:
+        traceback.print_exception(err)
+    else:
+        print(bug_line(err), file=sys.stderr, flush=True)
 
 
 def one_line(text: str) -> str:
@@ -86,7 +89,7 @@ def command(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
                 print(f"{prog}: interrupted", file=sys.stderr, flush=True)
                 return 130
             except Exception as err:  # a bug: said briefly, the traceback on request
-                report_bug(err, prog=prog, debug=debugging(argv))
+                report_bug(err, debug=debugging(argv))
                 return 1
 
         return guarded

@@ -46,6 +46,7 @@ from urllib.parse import urlparse
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.cli import bug_line, debugging
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.secrets import mask_overrides, mask_text
 from pipeline.store import ui_base
@@ -336,8 +337,8 @@ def objective(result: RunResult, metric: str) -> float | None:
 
 
 def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig | None) -> None:
-    """Record a job that failed, so that the sweep goes on: say so (one line for the user's errors, a traceback
-    in the job's log for the others), make sure the job has a FAILED run under the parent, write its outcome.
+    """Record a job that failed, so that the sweep goes on: say so (one line; the traceback of a bug in the job's
+    log only under ``--debug``), make sure the job has a FAILED run under the parent, write its outcome.
 
     Args:
         job: the failed job.
@@ -350,7 +351,7 @@ def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig 
     if exit_code == USER_ERROR:
         print(f"error: sweep {job.describe()}: {err}", file=sys.stderr, flush=True)
     else:
-        log.error("sweep %s failed", job.describe(), exc_info=err)
+        log.error("sweep %s failed: %s", job.describe(), bug_line(err), exc_info=err if debugging() else None)
     if not _rank_0():
         return  # a DDP job (SLURM tasks_per_node > 1): rank 0 records it
     run_id, run_name = _failed_run(job, cfg, error, secrets)
