@@ -34,6 +34,7 @@ import torch
 
 from pipeline.config import CheckpointConfig, RunConfig, TrackingConfig
 from pipeline.errors import PipelineError
+from pipeline.outputs import make_writable
 from pipeline.secrets import mask_text
 from pipeline.stopping import Stopped
 from pipeline.store import absolute
@@ -158,9 +159,7 @@ def check_dir(cfg: CheckpointConfig) -> None:
         return
     folder = Path(cfg.dir)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):  # a create and a delete: the cheapest proof of writing
-            pass
+        make_writable(folder)
     except OSError as err:
         raise CheckpointError(
             f"checkpoint.dir={cfg.dir}: cannot write checkpoints there ({err.strerror or err}): choose a writable "

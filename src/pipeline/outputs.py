@@ -7,11 +7,26 @@ callback (``pipeline.sweep.SweepCallback``) makes them first, and says in one li
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+def make_writable(folder: Path) -> None:
+    """Make ``folder`` (and its parents) and prove a file can be written in it: a folder that exists may still be
+    read-only (a mount, permissions, a full disk). The one check of this kind (output folders, checkpoints).
+
+    Raises:
+        OSError: it cannot be made or written to.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):  # a create and a delete: the cheapest proof of writing
+        pass
 
 
 def make_output_folder(hydra: DictConfig, key: str) -> Path:
@@ -24,10 +39,7 @@ def make_output_folder(hydra: DictConfig, key: str) -> Path:
     value = str(hydra.run.dir if key == "hydra.run.dir" else hydra.sweep.dir)
     folder = Path(str(hydra.runtime.cwd), value)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{id(folder)}"
-        probe.touch()  # a folder that exists may still be read-only (a mount, permissions)
-        probe.unlink()
+        make_writable(folder)
     except OSError as err:
         reason = f"{err.strerror or type(err).__name__}: {err.filename or folder}"
         raise ConfigError(
