@@ -65,6 +65,11 @@ BAD_INPUT = [
     ("autotune", ["loader.batch_size=0"], "loader.batch_size=0 is not allowed"),
     ("autotune", ["trainer.seed=36893488147419103232"], "trainer.seed=36893488147419103232 is not allowed"),
     ("stale", ["--nope"], "unrecognized arguments: --nope"),
+    ("stale", ["--uri", "http://[::1"], "tracking.uri=http://[::1 is not a valid URI (Invalid IPv6 URL)"),
+    ("compare", ["--uri", "http://127.0.0.1:99999"], "is not a valid URI (Port out of range 0-65535)"),
+    ("compare", ["--runs", ",,,"], "--runs ,,,: no run id given"),
+    ("autotune", ["--budget-s", "inf"], "--budget-s must be a finite number of seconds > 0"),
+    ("outbox", ["{sent}"], "already imported"),
     ("outbox", ["{missing}"], "error: "),
     ("outbox", [], "the following arguments are required: file"),
     ("bench", ["--only", "nope"], "unknown benchmark(s) ['nope']"),
@@ -87,7 +92,11 @@ def test_every_commands_bad_input_is_one_line_on_stderr_and_exit_2(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     (tmp_path / "afile").write_text("x")
-    argv = [a.format(file=tmp_path / "afile", missing=tmp_path / "none.jsonl") for a in argv]
+    (tmp_path / "run.jsonl.sent").write_text("{}")
+    argv = [
+        a.format(file=tmp_path / "afile", missing=tmp_path / "none.jsonl", sent=tmp_path / "run.jsonl.sent")
+        for a in argv
+    ]
     assert exit_code(COMMANDS[command](), argv) == 2
     err = stderr(capsys)
     assert err.count("\n") == 1 and err.startswith("error: "), err
@@ -199,3 +208,22 @@ def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
     assert exit_code(autotune_cli.main, ["device=cpu", "--no-track"]) == 2
     err = stderr(capsys)
     assert err.count("\n") == 1 and err.startswith("error: out of memory ([enforce fail at alloc_cpu.cpp:116]")
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("http://127.0.0.1:abc", "is not a valid URI (Port could not be cast to integer value as 'abc')"),
+        (
+            "postgresql://u:pw@127.0.0.1:1/db",
+            "needs the database driver 'psycopg', which is not installed: pip install",
+        ),
+        ("mysql://u:pw@127.0.0.1:1/db", "needs the database driver 'MySQLdb', which is not installed: pip install"),
+    ],
+)
+def test_a_tracking_uri_no_store_can_be_at_is_refused_before_the_run(uri: str, message: str) -> None:
+    from pipeline.store import TrackingUnavailable, check_reachable
+
+    with pytest.raises(TrackingUnavailable, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        check_reachable(uri)
+    assert "pw" not in str(info.value)  # the password is masked in the message

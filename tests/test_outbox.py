@@ -261,3 +261,16 @@ def test_an_outbox_import_into_a_missing_store_creates_none(capsys: pytest.Captu
     err = capsys.readouterr().err
     assert err.startswith("error: no MLflow store at sqlite:///") and err.count("\n") == 1, err
     assert not Path("gone.db").exists()
+
+
+def test_an_import_into_a_server_that_is_down_is_one_line_in_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from servers import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there: MLflow itself would retry for minutes
+    path = outbox.save(outbox.Outbox("r1", "1", uri, "KILLED", 1_400, {}, []), tmp_path / "box.jsonl")
+    assert outbox.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: tracking.uri={uri} cannot be reached")
+    assert path.exists()  # the file keeps its metrics for the import that works

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -595,6 +597,13 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_without_running_its_code(
     assert run_main(monkeypatch, "device=cpu", f"resume={crafted}") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {crafted} holds io.open") and err.count("\n") == 1, err
+    assert not marker.exists()
+    plain = tmp_path / "plain.pkl"  # pickle.dump's file, not torch.save's: torch warns before refusing it
+    plain.write_bytes(pickle.dumps({"position": _WritesAMarker(marker)}, protocol=4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning escapes: the refusal is the one line
+        with pytest.raises(CheckpointError, match=r"plain.pkl (holds io.open|is not a readable checkpoint)"):
+            checkpoint.load(plain)
     assert not marker.exists()
 
 

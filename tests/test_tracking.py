@@ -509,6 +509,8 @@ def test_an_in_memory_store_is_refused_in_one_line(uri: str) -> None:
         ("tracking.experiment=" + "e" * 501, r"^tracking\.experiment='e{501}' .* at most 500 characters"),
         ("tracking.run_name=" + "r" * 251, r"^tracking\.run_name='r{251}' .* at most 250 characters"),
         ("+tracking.tags." + "k" * 251 + "=v", r"^tracking\.tags\.k{251}='v' .* keys of at most 250 characters"),
+        ("+tracking.tags.k=" + "v" * 8001, r"^tracking\.tags\.k='v{40}\.\.\.' .* values of at most 8000 characters"),
+        ("tracking.run_name='a\nb'", r"^tracking\.run_name='a\\nb' .* a name on one line, without control"),
     ],
 )
 def test_blank_and_over_long_names_are_refused_before_any_data_loads(override: str, match: str) -> None:
@@ -528,6 +530,7 @@ def test_the_length_limits_are_mlflows_own() -> None:
 
     assert config.MAX_EXPERIMENT_NAME == validation.MAX_EXPERIMENT_NAME_LENGTH
     assert config.MAX_TAG_KEY == validation.MAX_ENTITY_KEY_LENGTH
+    assert config.MAX_TAG_VALUE == validation.MAX_TAG_VAL_LENGTH
     assert SqlRun.name.type.length == config.MAX_RUN_NAME
 
 

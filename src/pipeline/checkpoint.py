@@ -24,6 +24,7 @@ import socket
 import tempfile
 import time
 import uuid
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -109,7 +110,9 @@ def load(path: Path) -> dict[str, Any]:
     """
     try:
         # weights_only: tensors and plain values only (a crafted file's pickle could run any code); Position is ours
-        with torch.serialization.safe_globals([Position]):
+        with torch.serialization.safe_globals([Position]), warnings.catch_warnings():
+            # a plain pickle (not torch.save's) draws torch's warning before the refusal below says it in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             payload = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         foreign = re.search(r"GLOBAL (\S+) was not an allowed global", str(err))

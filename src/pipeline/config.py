@@ -32,6 +32,7 @@ MISSING_VALUE = "???"
 MAX_EXPERIMENT_NAME = 500
 MAX_RUN_NAME = 250
 MAX_TAG_KEY = 250
+MAX_TAG_VALUE = 8000  # MAX_TAG_VAL_LENGTH: MLflow cuts a longer value, with a warning
 TAGS_PREFIX = "tracking.tags."
 
 
@@ -268,9 +269,13 @@ class TrackingConfig:
             raise ConfigError("tracking.run_name", self.run_name, "a non-empty name or null (a name made from the run)")
         if self.run_name is not None and len(self.run_name) > MAX_RUN_NAME:
             raise ConfigError("tracking.run_name", self.run_name, _at_most(MAX_RUN_NAME, "a name"))
+        if self.run_name is not None and any(not c.isprintable() for c in self.run_name):
+            raise ConfigError("tracking.run_name", self.run_name, "a name on one line, without control characters")
         for key, value in self.tags.items() if self.enabled else ():
             if len(key) > MAX_TAG_KEY:
                 raise ConfigError(f"{TAGS_PREFIX}{key}", value, _at_most(MAX_TAG_KEY, "tag keys"))
+            if len(str(value)) > MAX_TAG_VALUE:
+                raise ConfigError(f"{TAGS_PREFIX}{key}", f"{str(value)[:40]}...", _at_most(MAX_TAG_VALUE, "tag values"))
         from pipeline.store import sqlite_database, uri_scheme
 
         if self.enabled and uri_scheme(self.uri) == "sqlite" and sqlite_database(self.uri) is None:

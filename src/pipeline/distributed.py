@@ -25,6 +25,7 @@ Rank 0 alone owns the MLflow run and writes checkpoints; every rank loads them.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -190,7 +191,12 @@ class Group(Solo):
 
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        # torch >= 2.14 names the forward pass's sync forward_sync_buffers (and warns at broadcast_buffers); it
+        # still syncs once at the wrap, where every rank is anyway: harmless
+        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        return DistributedDataParallel(
+            model, device_ids=ids, **{"forward_sync_buffers" if newer else "broadcast_buffers": False}
+        )
 
     def no_sync(self, model: nn.Module) -> Any:
         inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around DDP

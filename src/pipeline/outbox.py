@@ -33,7 +33,7 @@ from typing import Any
 from pipeline import cli
 from pipeline.errors import PipelineError
 from pipeline.secrets import MASK, mask_text
-from pipeline.store import absolute, check_exists, retrying
+from pipeline.store import absolute, check_exists, check_reachable, retrying
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ def send(path: Path, *, uri: str | None = None) -> Sent:
             f"or --uri without them plus MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
         )
     check_exists(target)
+    check_reachable(target)  # a server that is down: one line in seconds, not MLflow's minutes of retries
     from mlflow import MlflowClient
     from mlflow.entities import Metric, RunTag
 
@@ -266,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--uri", help="the tracking URI to write to (default: the one in the file's header)")
     args = parser.parse_args(argv)
     path: Path = args.file
+    if path.name.endswith(SENT):
+        parser.error(f"{path} was already imported (a {SENT} file is a record of what was sent): nothing to do")
     if not path.exists() and _sent(path).exists():
         print(f"{path}: already sent ({_sent(path)} exists); nothing to do")
         return 0

@@ -32,7 +32,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import ParseResult, quote, unquote, urlparse
 from urllib.request import url2pathname
 
 from pipeline.errors import PipelineError
@@ -167,6 +167,9 @@ def connect(uri: str, experiment: str) -> tuple[Any, str]:
     """An ``MlflowClient`` on a created, migrated store, and the experiment's id (made if missing)."""
     from mlflow import MlflowClient
 
+    # a new store's tables are no news: two INFO lines on stderr at every first run in a folder
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
     with store_lock(uri):
         try:
             client = retrying(lambda: MlflowClient(tracking_uri=uri), what="opening the MLflow store")
@@ -245,7 +248,7 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
     Raises:
         TrackingUnavailable: one line naming the URI (credentials masked) and the fix.
     """
-    parsed = urlparse(uri)
+    parsed = parse(uri)
     scheme = uri_scheme(uri)
     if scheme in ("http", "https"):
         _check_server(uri, timeout_s=timeout_s)
@@ -255,6 +258,7 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
     elif scheme in ("", "file"):
         _check_file_store(uri)
     elif scheme.partition("+")[0] in DATABASES:  # postgresql+psycopg2://...: the server is MLflow's to reach
+        _check_driver(uri)
         _check_artifacts(uri)
     elif scheme not in OTHER_SCHEMES and not _plugin_scheme(scheme):
         server = f"http://{uri}" if parsed.path.isdigit() else "http://host:5000"  # localhost:5000 parses as a scheme
@@ -279,11 +283,51 @@ def check_exists(uri: str) -> None:
         )
 
 
+def parse(uri: str) -> ParseResult:
+    """``uri`` parsed, its port included.
+
+    Raises:
+        TrackingUnavailable: a URI no store can be at (``http://[::1``, a port that is no number or over 65535).
+    """
+    try:
+        parsed = urlparse(uri)
+        parsed.port  # noqa: B018 - read to validate: urlparse checks the port only when asked for it
+    except ValueError as err:
+        raise TrackingUnavailable(
+            f"{_named(uri)} is not a valid URI ({err}): e.g. sqlite:///mlflow.db or http://127.0.0.1:5000"
+        ) from None
+    return parsed
+
+
 def uri_scheme(uri: str) -> str:
     """``uri``'s scheme in lower case; "" for a plain path, a Windows one included: ``C:\\runs`` parses as scheme
-    ``c``, which MLflow also takes for a drive letter."""
-    scheme = urlparse(uri).scheme.lower()
+    ``c``, which MLflow also takes for a drive letter.
+
+    Raises:
+        TrackingUnavailable: ``uri`` is not a valid URI (``parse``).
+    """
+    scheme = parse(uri).scheme.lower()
     return "" if len(scheme) == 1 else scheme
+
+
+# the Python module each database driver needs, and the package that holds it
+DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]", "MySQLdb": "mysqlclient"}
+
+
+def _check_driver(uri: str) -> None:
+    """A database URI whose driver is not installed fails in MLflow after the data has loaded: say it now.
+    SQLAlchemy's ``create_engine`` imports the driver and connects to nothing."""
+    import sqlalchemy
+
+    try:
+        sqlalchemy.create_engine(uri)
+    except ModuleNotFoundError as err:
+        package = DRIVER_PACKAGES.get(err.name or "", err.name)
+        raise TrackingUnavailable(
+            f"{_named(uri)} needs the database driver {err.name!r}, which is not installed: pip install {package}"
+        ) from None
+    except (sqlalchemy.exc.ArgumentError, ValueError) as err:
+        raise TrackingUnavailable(f"{_named(uri)} is not a valid database URI ({err})") from None
 
 
 def _check_server(uri: str, *, timeout_s: float) -> None:

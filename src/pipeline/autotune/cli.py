@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -42,6 +43,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for flag in ("budget_s", "steps", "rounds", "max_batch_size"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    if not math.isfinite(args.budget_s):
+        parser.error("--budget-s must be a finite number of seconds > 0")
     if args.confirm < 0:
         parser.error("--confirm must be >= 0")
     if args.warmup < 1:

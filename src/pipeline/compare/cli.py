@@ -16,7 +16,7 @@ from pipeline.compare.selection import open_store, select
 from pipeline.errors import PipelineError
 from pipeline.secrets import mask_text
 from pipeline.stats import MIN_EFFECT
-from pipeline.store import UI_URL, absolute
+from pipeline.store import UI_URL, absolute, parse
 
 MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
 
@@ -43,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _valid(url: str) -> bool:
+    try:
+        parse(url)
+    except PipelineError:
+        return False
+    return True
+
+
 @command("python -m pipeline.compare")
 def main(argv: Sequence[str] | None = None) -> int:
     """Select, compare, write the files, print the table; 0 done, 2 a one-line error on stderr."""
@@ -52,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--last N needs N >= 1")
     if not (math.isfinite(args.min_effect) and 0 <= args.min_effect <= MAX_EFFECT):
         parser.error(f"--min-effect {args.min_effect}: expected a share from 0 to {MAX_EFFECT:g} (0.03 = 3%)")
-    if args.ui is not None and not args.ui.startswith(("http://", "https://")):
+    if args.runs is not None and not any(r.strip() for r in args.runs.split(",")):
+        parser.error(f"--runs {args.runs}: no run id given (ids, comma-separated)")
+    if args.ui is not None and (not args.ui.startswith(("http://", "https://")) or not _valid(args.ui)):
         parser.error(f"--ui {args.ui}: expected the UI's address, e.g. {UI_URL}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: a file is in the way; name a folder (it is made if missing)")
