@@ -227,3 +227,18 @@ def test_a_tracking_uri_no_store_can_be_at_is_refused_before_the_run(uri: str, m
     with pytest.raises(TrackingUnavailable, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         check_reachable(uri)
     assert "pw" not in str(info.value)  # the password is masked in the message
+
+
+def test_sigterm_ends_a_command_in_one_line_with_the_signals_exit_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import signal
+
+    monkeypatch.setattr("pipeline.compare.cli.select", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()
+    before = signal.getsignal(signal.SIGTERM)
+    assert exit_code(compare_cli.main, ["--uri", uri]) == 143
+    assert stderr(capsys) == "python -m pipeline.compare: stopped by SIGTERM\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # put back

@@ -6,7 +6,7 @@
 - a problem the user can fix (``PipelineError``, a bad option) is one line on stderr, ``error: ...``, exit 2;
 - a bug is one short line that says so and where to report it, exit 1; its traceback only under ``--debug``
   (accepted by every command) or ``HYDRA_FULL_ERROR=1``;
-- Ctrl-C is one line, exit 130.
+- Ctrl-C is one line, exit 130; SIGTERM one line, exit 143.
 
 Every message passes through ``mask_text``: a secret in an error never reaches the terminal.
 """
@@ -14,11 +14,14 @@ Every message passes through ``mask_text``: a secret in an error never reaches t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from pipeline.errors import PipelineError
@@ -75,6 +78,26 @@ def user_error(err: PipelineError) -> int:
     return 2
 
 
+class Terminated(Exception):
+    """SIGTERM reached a command: it ends as Ctrl-C would, in one line, with the signal's exit status."""
+
+
+@contextlib.contextmanager
+def _terminated_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def command(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Wrap a command's ``main(argv) -> int`` in the contract above (see the module's docstring)."""
 
@@ -82,12 +105,16 @@ def command(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
         @functools.wraps(main)
         def guarded(argv: Sequence[str] | None = None) -> int:
             try:
-                return main(argv)
+                with _terminated_raises():
+                    return main(argv)
             except PipelineError as err:
                 return user_error(err)
             except KeyboardInterrupt:
-                print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+                print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
                 return 130
+            except Terminated:
+                print(f"{prog}: stopped by SIGTERM", file=sys.stderr, flush=True)
+                return 128 + signal.SIGTERM
             except Exception as err:  # a bug: said briefly, the traceback on request
                 report_bug(err, debug=debugging(argv))
                 return 1
