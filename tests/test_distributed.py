@@ -167,6 +167,18 @@ def test_a_stop_another_rank_received_ends_this_ranks_epoch_after_the_same_step(
     assert stats.stopped and stats.stop_signal == 15 and stats.steps == 3 and state.step == 3
 
 
+def test_a_stop_agreed_while_another_rank_is_out_of_memory_abandons_the_step_on_every_rank() -> None:
+    reference, state = _state(8), _state(8)
+    _epoch(reference, SOLO, steps=2)
+    group = OtherRanks(fail_on={3}, stop_on={3: 15})  # step 3's first try: out of memory elsewhere, and a stop
+    stats = _epoch(state, group, steps=6)
+    assert stats.stopped and stats.stop_signal == 15 and stats.steps == 2 and state.step == 2
+    assert group.calls == 3 and group.averaged == 2 and not state.micro.events  # no retry, no average for step 3
+    assert all(p.grad is None for p in state.model.parameters())  # the attempt's gradients are dropped
+    for a, b in zip(reference.model.parameters(), state.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the weights of step 2: nothing of step 3 applied
+
+
 def test_the_logged_loss_is_every_ranks_mean_so_all_ranks_meet_a_nan_at_the_same_step() -> None:
     window = LossWindow(4, torch.device("cpu"), skipped_steps_expected=False, reduce=lambda t: t * 0 + float("nan"))
     window.add(torch.tensor(1.0), 8, 1)

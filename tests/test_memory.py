@@ -395,3 +395,42 @@ def test_micro_batches_never_leave_a_one_sample_tail() -> None:
     assert MicroBatcher(1437, 718).chunks(1437) == [(0, 718), (718, 1078), (1078, 1437)]
     assert MicroBatcher(5, 2).chunks(5) == [(0, 2), (2, 5)]  # too few to split in two of 2: one of 3
     assert MicroBatcher(3, 1).chunks(3) == [(0, 1), (1, 2), (2, 3)]  # a micro-batch of 1 was asked for
+
+
+def test_a_stop_during_the_out_of_memory_fallback_abandons_the_step_instead_of_retrying_smaller(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path
+) -> None:
+    """Step 5 runs out of memory at 32 and 16; SIGTERM arrives during the attempt at 8, which fails too. No attempt
+    at 4 may start: the run stops after step 4 with step 4's weights, checkpointed, and ends KILLED."""
+    import os
+    import signal
+
+    from pipeline.checkpoint import Position, load
+    from pipeline.stopping import Stopped
+
+    reference = train(make_cfg("tracking=none", "trainer.max_steps=4"), echo=False)
+    full_batches, seen = [0], []
+
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if not module.training:
+            return
+        size = inputs[0].shape[0]
+        seen.append(size)
+        full_batches[0] += size == 32
+        if full_batches[0] >= 5:  # step 5 onwards: only 4 samples fit
+            if size == 8:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if size > 4:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} samples")
+
+    with_hook(monkeypatch, hook)
+    with pytest.raises(Stopped) as stopped:
+        train(make_cfg("trainer.max_steps=10"), echo=False)
+    assert stopped.value.exit_code == 143
+    assert seen == [32, 32, 32, 32, 32, 16, 8]  # no attempt at 4 after the stop request
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "KILLED"
+    saved = load(tmp_path / "checkpoints" / run.info.run_id / "last.pt")
+    assert saved["position"] == Position(epoch=1, batch=4, step=4)  # step 5 is not counted: a resume replays it
+    saved_weights = torch.cat([t.double().flatten() for t in saved["model"].values()])
+    assert torch.equal(saved_weights, weights(reference.model))  # nothing of the abandoned step was applied

@@ -20,7 +20,7 @@ from torch import nn
 from pipeline.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
 from pipeline.distributed import Group, Solo
 from pipeline.errors import PipelineError
-from pipeline.memory import MicroBatcher, OomFailure, memory_at_failure_mb
+from pipeline.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
 from pipeline.precision import PrecisionPolicy
 from pipeline.timing import Breakdown, EventTimer, WallTimer
 
@@ -98,8 +98,10 @@ def train_epoch(
     step compiled (torch.compile met a new input shape): that step is kept out of the steady state;
     ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
     ``stop_signal`` (the signal of a stop request, 0 = none) is asked every step; a request ends the
-    epoch after that step. Every ``checkpoint_every`` steps (0 = never) the losses since the last check
-    are verified finite, then ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
+    epoch after that step, or before it when the step ran out of memory: no smaller retry starts, the step
+    is abandoned (not counted, its partial gradients dropped) and a resume replays it. Every
+    ``checkpoint_every`` steps (0 = never) the losses since the last check are verified finite, then
+    ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
 
     Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
     (``group.agree``, one small collective), then the gradients are averaged once; see ``pipeline.distributed``.
@@ -135,12 +137,24 @@ def train_epoch(
             failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
             if not failed_somewhere:
                 break
+            if stopped:  # a smaller retry could take minutes: the step is abandoned, a resume replays it
+                logger.warning(
+                    "step %d abandoned: out of memory with micro-batch %d and a stop was requested; stopping after "
+                    "step %d instead of retrying smaller",
+                    state.step + 1,
+                    state.micro.micro_batch,
+                    state.step,
+                )
+                discard_attempt(optimizer=optimizer, scaler=scaler, device=device)
+                break
             if failure is None:  # another rank ran out of memory: every rank shrinks, so steps stay in lockstep
                 logger.warning("step %d: out of memory on another rank; this rank shrinks too", state.step + 1)
                 failure = OomFailure("out of memory on another rank", memory_at_failure_mb(device))
             event = state.micro.recover(failure, step=state.step + 1, optimizer=optimizer, scaler=scaler, device=device)
             oom = {"oom/events": len(state.micro.events), "oom/micro_batch_size": state.micro.micro_batch}
             log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
+        if failed_somewhere:  # abandoned (above): not counted, nothing applied, the epoch ends at the last step
+            break
         group.average_gradients(model)
         scaler.step(optimizer)
         scaler.update()

@@ -172,12 +172,7 @@ class MicroBatcher:
         Raises:
             OutOfMemoryAtMinimum: the micro-batch is already at ``min_micro_batch``.
         """
-        if optimizer is not None:  # training: drop the failed step's partial gradients
-            optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            reset_scaler_step(scaler)
-        release_memory(device)
-        reset_peak(device)  # the next event's figure is its own, not this one's peak again
+        discard_attempt(optimizer=optimizer, scaler=scaler, device=device)
         memory_mb = failure.memory_mb
         event = OomEvent(step, self.micro_batch, memory_mb, failure.message)
         self.events.append(event)
@@ -211,6 +206,19 @@ class MicroBatcher:
             half = (n - start) // 2
             spans[-2:] = [(start, n - half), (n - half, n)] if half >= 2 else [(start, n)]
         return spans
+
+
+def discard_attempt(
+    *, optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None, device: torch.device
+) -> None:
+    """Forget a failed attempt at a step: its partial gradients (training), the scaler's bookkeeping for it, and
+    its memory. Call outside the ``except`` block; nothing of the attempt reaches the weights."""
+    if optimizer is not None:  # training: drop the failed step's partial gradients
+        optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        reset_scaler_step(scaler)
+    release_memory(device)
+    reset_peak(device)  # the next event's figure is its own, not this one's peak again
 
 
 def reset_scaler_step(scaler: torch.amp.GradScaler) -> None:

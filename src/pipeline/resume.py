@@ -111,15 +111,19 @@ class Resumed:
 
         Args:
             overrides: the command line of this resume, as typed (masked).
-            logged_step: the run's highest ``train/loss`` step in the store; above the checkpoint's step, points
-                a writer sent before the process died were trained again and now appear twice: said so.
+            logged_step: the run's highest ``train/loss`` step in the store; above the checkpoint's step, steps
+                a writer logged before the process died are trained again but not logged again
+                (``Tracker.log_only_new_steps``): said so.
         """
         step, changed = self.position.step, describe_changes(self.changes) or "(nothing)"
         if self.fork:  # a new run with its own params, starting where its source stopped
             return {"forked_from": self.source, "forked_at_step": step, "fork.changed": changed}
         tags = {"resumed_at_step": step, "resume.overrides": " ".join(overrides), "resume.changed": changed}
         if logged_step is not None and logged_step > step:
-            tags["resume.replayed_steps"] = f"{step + 1}-{logged_step}: logged before the stop and again after resuming"
+            tags["resume.replayed_steps"] = (
+                f"{step + 1}-{logged_step}: trained again after resuming, not logged again (the points logged "
+                "before stand)"
+            )
         return tags
 
 

@@ -81,6 +81,7 @@ class Tracker(Protocol):
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
     def flush(self) -> None: ...
     def last_step(self, key: str) -> int | None: ...
+    def log_only_new_steps(self) -> None: ...
     def describe(self) -> list[str]: ...
 
 
@@ -116,6 +117,9 @@ class NullTracker:
     def last_step(self, key: str) -> int | None:
         return None
 
+    def log_only_new_steps(self) -> None:
+        pass
+
     def describe(self) -> list[str]:
         return ["tracking off (tracking.enabled=false): nothing recorded"]
 
@@ -150,6 +154,7 @@ class MlflowTracker:
         self._writer: threading.Thread | None = None
         self._failing = False  # one warning per outage, not one per failed write (read under _write_lock)
         self._unsent_tags: dict[str, str] = {}  # masked tags a down server did not take; sent with the run's end
+        self._floors: dict[str, int] = {}  # a resumed run's last stored step per metric (``log_only_new_steps``)
         self.write_s = 0.0  # seconds the calling thread spent in flush()
         self.background_write_s = 0.0  # seconds the writer thread spent writing
 
@@ -190,7 +195,10 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        records = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        floors = self._floors
+        records = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > floors.get(k, -1)]
+        if not records:
+            return
         with self._lock:
             self._pending.extend(records)
             due = len(self._pending) >= FLUSH_AT
@@ -386,6 +394,19 @@ class MlflowTracker:
     def last_step(self, key: str) -> int | None:
         """The highest step the store holds for metric ``key`` (None if none): what a resumed run finds there."""
         self.flush()
+        return self._stored_last_step(key)
+
+    def log_only_new_steps(self) -> None:
+        """Resuming this run: from now on each metric is logged only at steps after the last one the store holds
+        for it. The steps a resume trains again (those after its checkpoint) come from the same deterministic
+        trajectory, so the points its earlier process wrote stand and each step keeps one point per metric.
+        Call before anything is logged (one history read per metric the run has)."""
+        self.flush()
+        keys = retrying(lambda: self.client.get_run(self.run_id)).data.metrics
+        floors = {key: self._stored_last_step(key) for key in keys}
+        self._floors = {key: step for key, step in floors.items() if step is not None}
+
+    def _stored_last_step(self, key: str) -> int | None:
         return max((m.step for m in retrying(lambda: self.client.get_metric_history(self.run_id, key))), default=None)
 
     def describe(self) -> list[str]:

@@ -104,6 +104,8 @@ def _train(
                 secret_values=hidden,
             ) as tracker,
         ):
+            if resumed is not None and not resumed.fork:
+                tracker.log_only_new_steps()  # steps trained again after the checkpoint keep their first points
             if main:
                 record.start(tracker, setup, recorded, typed, resumed)
             with checkpoint.Checkpointer.for_run(
