@@ -141,3 +141,62 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(
     err = capsys.readouterr().err
     assert err.startswith("error: hydra.run.dir='outputs/") and "(Permission denied: outputs); launch from" in err
     assert err.count("\n") == 1
+
+
+def test_a_stopped_sequential_sweep_lists_the_jobs_it_never_started_as_not_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from test_resume import sigterm_at_step
+
+    sigterm_at_step(monkeypatch, 1)  # during job 0's first step
+    args = ["trainer.epochs=1", "trainer.max_steps=3", "monitor.plots=false", "device=cpu"]
+    assert run_main(monkeypatch, "-m", "trainer.seed=1,2", *args) == 143
+    parent, children = all_runs(tmp_path)
+    assert [(r.data.tags["sweep.job"], r.info.status) for r in children] == [("0", "KILLED")]
+    assert parent.info.status == "KILLED"
+    assert parent.data.tags["sweep.not_run"] == "1"
+    assert parent.data.tags["sweep.not_run_jobs"].startswith("job #1 (trainer.seed=2 ")
+    assert [(o["status"], o["exit_code"]) for _, o in sorted(outcomes(tmp_path).items())] == [
+        ("KILLED", 143),
+        ("NOT_RUN", 0),
+    ]
+    captured = capsys.readouterr()
+    assert "2 job(s), 0 finished, 0 failed, 1 stopped, 1 not run" in captured.out
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the sweep was stopped: 1 of 2 sweep job(s) stopped and 1 did not run:"]
+    assert "  not run: job #1 (trainer.seed=2 " in captured.err
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_parallel_sweep_stops_its_workers_and_ends_every_run_killed(tmp_path: Path) -> None:
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
+    args = ["-m", "hydra/launcher=parallel", "trainer.seed=1,2,3", "data=synthetic", "data.num_samples=2000"]
+    args += ["trainer.epochs=50", "monitor.plots=false", "device=cpu"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    workers: list[psutil.Process] = []
+    try:
+        running: list[Any] = []
+        while len(running) < 2 and proc.poll() is None:  # both workers train: stop the launching process only
+            time.sleep(1)
+            if (tmp_path / "mlflow.db").exists():
+                runs = [r for r in client.search_runs(experiment_ids=["1"]) if "sweep.job" in r.data.tags]
+                running = [r for r in runs if r.info.status == "RUNNING"]
+        assert len(running) == 2, proc.communicate()[1][-3000:]
+        workers = [psutil.Process(int(r.data.tags["process.pid"])) for r in running]
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    parent, children = all_runs(tmp_path)
+    assert [(r.data.tags["sweep.job"], r.info.status) for r in children] == [("0", "KILLED"), ("1", "KILLED")]
+    assert parent.info.status == "KILLED" and parent.data.tags["sweep.not_run"] == "1"
+    assert parent.data.tags["sweep.not_run_jobs"].startswith("job #2 (trainer.seed=3 ")
+    assert [o["status"] for _, o in sorted(outcomes(tmp_path).items())] == ["KILLED", "KILLED", "NOT_RUN"]
+    assert [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE] == []
+    assert b"Traceback" not in err and b"3 job(s), 0 finished, 0 failed, 2 stopped, 1 not run" in out

@@ -70,6 +70,9 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
     from pipeline import sweep
 
     job = sweep.current_job()
+    if sweep.stop_requested(job.folder):  # a stopped parallel sweep: this job was still queued in a worker
+        sweep.not_started(job.folder, [(job.number, job.overrides)])
+        return None
     sweep.started(job)  # a job lost with its process (a launcher's worker killed) is then told from one not run
     sweep.use_platform_start_method()
     run_cfg = None

@@ -61,6 +61,7 @@ Metric = Literal["val/acc", "throughput/samples_per_s"]  # what a job can return
 SWEEP_FILE = "sweep.json"  # in hydra.sweep.dir
 DESIGN_FILE = "design.json"  # in hydra.sweep.dir: each job's round, from the interleaved sweeper (pipeline.design)
 JOBS_DIR = "jobs"  # in hydra.sweep.dir: <job number>.json, one per job that ended
+STOP_FILE = "stop"  # in JOBS_DIR: the parallel launcher was stopped (request_stop); queued jobs do not start
 MAX_CHILDREN = 50_000  # MLflow's most runs per search
 NOT_RUN = "NOT_RUN"  # a job's status when the sweep stopped before it started (``lost``)
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
@@ -289,9 +290,19 @@ def current_job() -> SweepJob:
     return SweepJob(sweep, number, tuple(str(o) for o in hydra.overrides.task), folder, load_round(folder, number))
 
 
-def save_design(folder: Path, rounds: Sequence[int | None]) -> None:
-    """Write each job's round (``pipeline.design.Plan.rounds``, by job number) to ``design.json``."""
-    _write_json(folder / DESIGN_FILE, {"rounds": list(rounds)})
+def save_design(folder: Path, rounds: Sequence[int | None], jobs: Sequence[Sequence[str]] = ()) -> None:
+    """Write each job's round (``pipeline.design.Plan.rounds``, by job number) to ``design.json``, and each job's
+    overrides (masked): a sweep stopped before its end lists the jobs it never started (``end_sweep``)."""
+    _write_json(folder / DESIGN_FILE, {"rounds": list(rounds), "jobs": [mask_overrides(job) for job in jobs]})
+
+
+def planned_jobs(folder: Path) -> list[tuple[int, list[str]]]:
+    """Every job the sweeper listed, as ``(job number, overrides)``, from ``design.json``; [] when there is none
+    (a sweeper that decides its jobs as it goes: Optuna)."""
+    path = folder / DESIGN_FILE
+    if not path.is_file():
+        return []
+    return list(enumerate(json.loads(path.read_text()).get("jobs", [])))
 
 
 def load_round(folder: Path, job: int) -> int | None:
@@ -392,6 +403,25 @@ def lost(folder: Path, jobs: Sequence[tuple[int, Sequence[str]]], reason: str) -
             _save_outcome(job, JobOutcome(number, masked, NOT_RUN, 0, "not run: the sweep stopped before it"))
 
 
+def not_started(folder: Path, jobs: Sequence[tuple[int, Sequence[str]]]) -> None:
+    """Record as ``NOT_RUN`` each job of ``jobs`` that never started (no ``started`` marker, no outcome): the jobs
+    after the one a stop request ended, or those a stopped launcher had not begun."""
+    unstarted = [(n, o) for n, o in jobs if not (folder / JOBS_DIR / f"{n}.started").exists()]
+    lost(folder, unstarted, "")  # none of them started: each is recorded NOT_RUN, none FAILED
+
+
+def request_stop(folder: Path, signum: int) -> None:
+    """Mark the sweep as stopping (``jobs/stop``), before its workers get the signal: a job a worker takes from
+    its queue after that is recorded ``NOT_RUN`` and not started (``stop_requested``)."""
+    (folder / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+    (folder / JOBS_DIR / STOP_FILE).write_text(f"{signum}\n")
+
+
+def stop_requested(folder: Path) -> bool:
+    """Whether the sweep's launcher was asked to stop (``request_stop``)."""
+    return (folder / JOBS_DIR / STOP_FILE).exists()
+
+
 def stopped(job: SweepJob, stop: BaseException, exit_code: int) -> None:
     """A stop request (SIGTERM, Ctrl-C): record the job. In-process and joblib sweeps end there (``end_unfinished``
     ends the parent KILLED on the way out); under submitit the other jobs run on and the parent ends KILLED after."""
@@ -410,10 +440,13 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
         The multirun's exit status: 0, 2 when every failed job failed for a reason the user can fix, else 1.
     """
     _UNFINISHED.discard(folder)
+    if not complete:  # the jobs the sweeper listed and nobody started are part of the record too
+        not_started(folder, planned_jobs(folder))
     sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric="val/acc")
     outcomes = load_outcomes(folder)
     not_run = [o for o in outcomes if o.status == NOT_RUN]
     failures = [o for o in outcomes if o.status not in ("FINISHED", NOT_RUN)]
+    killed = [o for o in failures if o.status == "KILLED"]  # stopped on request: listed, but not as failed
     if any(o.status == "KILLED" for o in outcomes):
         status = "KILLED"
     else:
@@ -421,10 +454,10 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
     parent = sweep.parent_run_id and sweep.uri
     table = close_parent(sweep, failures, status, complete=complete, not_run=not_run) if parent else ""
     how = "" if complete else "stopped before its end: "
-    unstarted = f", {len(not_run)} not run" if not_run else ""
+    unstarted = (f", {len(killed)} stopped" if killed else "") + (f", {len(not_run)} not run" if not_run else "")
     print(
         f"sweep {sweep.short_id}: {how}{len(outcomes)} job(s), {len(outcomes) - len(failures) - len(not_run)} "
-        f"finished, {len(failures)} failed{unstarted} ({folder})",
+        f"finished, {len(failures) - len(killed)} failed{unstarted} ({folder})",
         flush=True,
     )
     if table:
@@ -433,7 +466,12 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
         print("\n".join(_parent_links(sweep, status)), flush=True)
     if not failures and not not_run:
         return 0
-    if not_run:
+    if killed:
+        parts = [f"{len(killed)} of {len(outcomes)} sweep job(s) stopped"]
+        parts += [f"{len(failures) - len(killed)} failed"] if len(failures) > len(killed) else []
+        parts += [f"{len(not_run)} did not run"] if not_run else []
+        lines = [f"error: the sweep was stopped: {' and '.join(parts)}:"]
+    elif not_run:
         lines = [f"error: {len(failures)} of {len(outcomes)} sweep job(s) failed and {len(not_run)} did not run:"]
     elif len(failures) == len(outcomes):
         lines = [f"error: all {len(failures)} sweep job(s) failed:"]

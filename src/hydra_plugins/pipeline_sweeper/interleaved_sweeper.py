@@ -23,7 +23,9 @@ class InterleavedSweeper(BasicSweeper):
 
         plan = interleave(axes(overrides))
         if self.config is not None:
-            save_design(Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir)), plan.rounds)
+            save_design(
+                Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir)), plan.rounds, plan.jobs
+            )
         size = len(plan.jobs) if max_batch_size in (None, -1) else max_batch_size
         return [plan.jobs[i : i + size] for i in range(0, len(plan.jobs), size)] or [[]]
 
