@@ -224,14 +224,42 @@ class SignalDispositions(Dataset):
         return torch.tensor(ignored, dtype=torch.uint8).view(1, 1, 2), i
 
 
-def test_loader_workers_leave_a_stop_signal_to_the_training_process(make_cfg: Callable[..., RunConfig]) -> None:
-    """Ctrl-C in a terminal, SLURM's time limit and `kill -- -PGID` reach every process of the group: workers that
-    died of it failed the run (a LoaderError) where the training process would have stopped it cleanly, KILLED
-    with a checkpoint. The workers ignore the stop signals; the training process shuts them down itself."""
+def test_loader_workers_leave_ctrl_c_to_the_training_process(make_cfg: Callable[..., RunConfig]) -> None:
+    """Ctrl-C in a terminal reaches every process of the group: workers that died of it failed the run (a
+    LoaderError) where the training process would have stopped it cleanly, KILLED with a checkpoint. SIGTERM keeps
+    its default: PyTorch's last resort against a stuck worker is terminate()."""
     from pipeline.data.loaders import make_loader
 
     cfg = make_cfg("loader.num_workers=1", "loader.batch_size=4")
     loader = make_loader(SignalDispositions(), cfg.loader, device=torch.device("cpu"), train=False, seed=0)
     loader.set_epoch(1)
     ((images, _),) = list(loader)
-    assert images.flatten().tolist() == [1, 1] * 4
+    assert images.flatten().tolist() == [1, 0] * 4  # SIGINT ignored, SIGTERM as it was
+
+
+def test_a_loader_fault_while_a_stop_is_pending_is_the_stop_and_writes_no_checkpoint_from_that_step(
+    make_cfg: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """A SIGTERM sent to the whole process group kills the workers too; their deaths (which PyTorch may raise in
+    the middle of a step) must not turn the stop into a FAILED run, nor checkpoint a half-done step."""
+    from pipeline import train as train_module
+    from pipeline.stopping import Stopped
+
+    real = train_module.train_epoch
+    calls = {"n": 0}
+
+    def epoch(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second epoch: the signal, then the workers' deaths mid-step
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise LoaderError("DataLoader worker (pid 1) is killed by signal: Terminated")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_epoch", epoch)
+    with pytest.raises(Stopped) as stopped:
+        train(make_cfg("trainer.epochs=3", "trainer.max_steps=-1"), echo=False)
+    assert stopped.value.exit_code == 143
+    (run,) = MlflowClient(store_uri).search_runs(["1"])
+    assert run.info.status == "KILLED"
+    saved = load(next(Path("checkpoints").glob("*/last.pt")))
+    assert saved["position"].epoch == 2 and saved["position"].batch == 0  # the end of epoch 1: the last good one

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from pipeline import checkpoint, compilation, distributed, record, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig
-from pipeline.data.loaders import worker_faults
+from pipeline.data.loaders import LoaderError, worker_faults
 from pipeline.loop import evaluate, train_epoch
 from pipeline.memory import out_of_memory_is_an_error
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags, sweep_run_name
 from pipeline.secrets import env_values, mask_overrides, mask_tree
-from pipeline.stopping import Stopped, StopRequests
+from pipeline.stopping import Stopped, StopRequests, signal_name
 from pipeline.store import check_reachable
 from pipeline.summary import EpochRecord, RunResult, format_summary
 from pipeline.timing import launch_metrics, make_timer
@@ -127,7 +127,7 @@ def _train(
                     after_step=(tracker.last_step(CLOCK_KEY) or 0) if resumed is not None and not resumed.fork else 0,
                 )
                 try:
-                    epochs, epoch_starts = run_epochs(
+                    epochs, epoch_starts = workers_stopped_too(stop, run_epochs)(
                         setup,
                         resumed.position if resumed else checkpoint.Position(1, 0, 0),
                         tracker=tracker,
@@ -152,6 +152,28 @@ def _train(
     if echo and main:
         print(summary, flush=True)
     return result
+
+
+def workers_stopped_too(stop: StopRequests, fn: Any) -> Any:
+    """``fn``, with a loader fault while a stop request is pending taken for the stop: a SIGTERM sent to the whole
+    process group (SLURM's time limit, ``kill -- -PGID``) kills the workers too, and their deaths can surface
+    anywhere in a step. The run ends KILLED, as stopped, but writes no checkpoint from a step that may be half done:
+    the last checkpoint stands, and a resume replays from it."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LoaderError as err:
+            if not stop.requested():
+                raise
+            log.warning(
+                "the loader's workers ended with the %s sent to the whole process group; stopping without a new "
+                "checkpoint (the last one stands)",
+                signal_name(stop.signum or 0),
+            )
+            raise Stopped(stop.signum or 0, checkpoints=stop.checkpoints) from err
+
+    return run
 
 
 @worker_faults()  # a loader worker's death noticed mid-step (PyTorch's SIGCHLD handler) fails the run cleanly

@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from pipeline.config import LoaderConfig
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.stopping import stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -296,13 +295,12 @@ class Normalize:
         return x.contiguous(memory_format=self.memory_format)
 
 
-def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
-    """A worker ignores SIGINT and SIGTERM. Ctrl-C in a terminal, SLURM's time limit and ``kill -- -PGID`` reach
-    every process of the group: a worker killed by the signal failed the run (its death is a ``LoaderError``)
-    before the training process could stop it at a step boundary, with a checkpoint. The training process shuts
-    its workers down itself; a worker whose parent is gone exits (PyTorch's watchdog)."""
-    for sig in stop_signals():
-        signal.signal(sig, signal.SIG_IGN)
+def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
+    """A worker ignores SIGINT: Ctrl-C in a terminal reaches every process of the foreground group, and a worker
+    killed by it failed the run (a ``LoaderError``) before the training process could stop it at a step boundary,
+    with a checkpoint. SIGTERM keeps its default: PyTorch's last resort against a stuck worker is ``terminate()``
+    (a SIGTERM sent to the whole group is met in ``pipeline.train`` instead)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def make_loader(
@@ -356,7 +354,7 @@ def make_loader(
         timeout=cfg.timeout,
         generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
         multiprocessing_context=worker_start_method(cfg),
-        worker_init_fn=leave_stop_signals_to_the_trainer,
+        worker_init_fn=leave_ctrl_c_to_the_trainer,
     )
     return _with_steps(loader, cfg, len(dataset))
 
