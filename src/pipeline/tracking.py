@@ -154,7 +154,8 @@ class MlflowTracker:
         self._writer: threading.Thread | None = None
         self._failing = False  # one warning per outage, not one per failed write (read under _write_lock)
         self._unsent_tags: dict[str, str] = {}  # masked tags a down server did not take; sent with the run's end
-        self._floors: dict[str, int] = {}  # a resumed run's last stored step per metric (``log_only_new_steps``)
+        # a resumed run's last stored step per metric, read once by ``log_only_new_steps`` (None: not read)
+        self._floors: dict[str, int] | None = None
         self.write_s = 0.0  # seconds the calling thread spent in flush()
         self.background_write_s = 0.0  # seconds the writer thread spent writing
 
@@ -195,7 +196,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        floors = self._floors
+        floors = self._floors or {}
         records = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > floors.get(k, -1)]
         if not records:
             return
@@ -392,7 +393,10 @@ class MlflowTracker:
         )
 
     def last_step(self, key: str) -> int | None:
-        """The highest step the store holds for metric ``key`` (None if none): what a resumed run finds there."""
+        """The highest step the store holds for metric ``key`` (None if none): what a resumed run finds there.
+        Answered from what ``log_only_new_steps`` read, once it has: the store is not asked again."""
+        if self._floors is not None:
+            return self._floors.get(key)
         self.flush()
         return self._stored_last_step(key)
 
