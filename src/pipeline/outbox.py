@@ -223,6 +223,26 @@ def pending(run_id: str, folder: Path | str = FOLDER) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
+def import_pending(run_id: str, uri: str) -> None:
+    """Import the run's outbox files (what its last process could not write) before a resume continues it: their
+    points come before what this process logs, and imported later they would find a run that
+    moved on and could add only part of it.
+
+    Raises:
+        OutboxError: a file cannot be imported (malformed, another store), with the file and the remedy.
+    """
+    for path in pending(run_id):
+        try:
+            sent = send(path, uri=uri)
+        except PipelineError as err:
+            raise OutboxError(
+                f"run {run_id} has an outbox file that cannot be imported ({err}): import it with "
+                f"{command(path)} --uri URI, or move it away, then resume"
+            ) from None
+        ended = f"the run {sent.moved_on}, its end kept" if sent.moved_on else f"its earlier part's end, {sent.status}"
+        log.warning("resume: imported %s first (%d metrics; %s); renamed to %s.sent", path, sent.points, ended, path)
+
+
 def _run(client: Any, outbox: Outbox, path: Path, target: str) -> Any:
     """The file's run in the store, which must exist and not be deleted."""
     from mlflow.exceptions import MlflowException

@@ -33,7 +33,6 @@ from pipeline.checkpoint import (
     store_id,
 )
 from pipeline.config import RunConfig, TrainerConfig, flatten
-from pipeline.errors import PipelineError
 from pipeline.store import absolute
 
 log = logging.getLogger(__name__)
@@ -318,7 +317,7 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int
         lock = RunLock(path.parent).acquire()
         if cfg.tracking.enabled and saved["run_id"]:
             try:
-                _import_pending(saved["run_id"], absolute(cfg.tracking.uri))
+                outbox.import_pending(saved["run_id"], absolute(cfg.tracking.uri))
             except BaseException:
                 lock.release()
                 raise
@@ -357,26 +356,6 @@ def _run_info(uri: str, run_id: str) -> Any:
         return MlflowClient(uri).get_run(run_id).info
     except MlflowException:
         return None
-
-
-def _import_pending(run_id: str, uri: str) -> None:
-    """Import the run's outbox files (``pipeline.outbox``: what its last process could not write) before it
-    continues: their points come before what this process logs, and imported later they would find a run that
-    moved on and could add only part of it.
-
-    Raises:
-        CheckpointError: a file cannot be imported (malformed, another store), with the file and the remedy.
-    """
-    for path in outbox.pending(run_id):
-        try:
-            sent = outbox.send(path, uri=uri)
-        except PipelineError as err:
-            raise CheckpointError(
-                f"run {run_id} has an outbox file that cannot be imported ({err}): import it with "
-                f"{outbox.command(path)} --uri URI, or move it away, then resume"
-            ) from None
-        ended = f"the run {sent.moved_on}, its end kept" if sent.moved_on else f"its earlier part's end, {sent.status}"
-        log.warning("resume: imported %s first (%d metrics; %s); renamed to %s.sent", path, sent.points, ended, path)
 
 
 def restore(state: Any, resumed: Resumed, device: torch.device, trainer: TrainerConfig) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline import checkpoint, compilation, distributed, record, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig
-from pipeline.data.loaders import LoaderError, worker_faults
+from pipeline.data.workers import LoaderError, worker_faults
 from pipeline.loop import evaluate, train_epoch
 from pipeline.memory import out_of_memory_is_an_error
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler

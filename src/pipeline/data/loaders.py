@@ -9,20 +9,24 @@ normalises.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import signal
-import sys
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from pipeline.config import LoaderConfig
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.data.workers import (
+    WATCHDOG_GRACE_S,
+    LoaderError,
+    Watchdog,
+    describe_fault,
+    is_worker_fault,
+    kill_workers,
+    leave_ctrl_c_to_the_trainer,
+)
+from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +87,6 @@ class EpochOrder(Sampler[int]):
         return self.shard_size - self.start
 
 
-class LoaderError(PipelineError):
-    """A loader worker died or stopped answering: PyTorch's message, and what to do about it."""
-
-
-WORKER_FAULTS = ("DataLoader worker", "DataLoader timed out")  # PyTorch's messages for dead and silent workers
-WATCHDOG_GRACE_S = 1.0  # the watchdog fires this long after loader.timeout, so PyTorch's own timeout speaks first
-
-
 class EpochLoader(DataLoader):
     """A DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch.
 
@@ -116,7 +112,7 @@ class EpochLoader(DataLoader):
         return self._watched(batches)
 
     def _watched(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        watchdog = _Watchdog(self.timeout + WATCHDOG_GRACE_S if self.timeout else 0.0)
+        watchdog = Watchdog(self.timeout + WATCHDOG_GRACE_S if self.timeout else 0.0)
         with watchdog:
             while True:
                 try:
@@ -125,119 +121,22 @@ class EpochLoader(DataLoader):
                 except StopIteration:
                     return
                 except LoaderError:  # the watchdog's: a batch that never came
-                    _kill_workers(batches)
+                    kill_workers(batches)
                     raise
                 except RuntimeError as err:
                     if not is_worker_fault(err):
                         raise
-                    _kill_workers(batches)
-                    raise LoaderError(_worker_fault(str(err), self.timeout)) from err
+                    kill_workers(batches)
+                    raise LoaderError(describe_fault(str(err), self.timeout)) from err
                 except (ConnectionError, EOFError) as err:
                     if "in DataLoader worker process" in str(err):  # the dataset's own error, re-raised from a worker
                         raise
                     # a worker that died while this process received a batch's shared memory from it: the socket
                     # passing the file descriptor is reset mid-receive, before PyTorch notices the death
-                    _kill_workers(batches)
+                    kill_workers(batches)
                     lost = f"a loader worker's connection broke mid-batch ({type(err).__name__}: {err})"
-                    raise LoaderError(_worker_fault(lost, self.timeout)) from err
+                    raise LoaderError(describe_fault(lost, self.timeout)) from err
                 yield batch
-
-
-def is_worker_fault(err: BaseException) -> bool:
-    """Whether ``err`` is PyTorch's word for a loader worker that died or stopped answering."""
-    return isinstance(err, RuntimeError) and any(fault in str(err) for fault in WORKER_FAULTS)
-
-
-@contextlib.contextmanager
-def worker_faults() -> Iterator[None]:
-    """Within it (as a decorator too), a loader worker's death is a ``LoaderError`` wherever it surfaces.
-
-    PyTorch's SIGCHLD handler raises a dead worker's ``RuntimeError`` in the main thread wherever it is when the
-    worker dies (``optimizer.step``, the forward pass), not only inside the loader's ``next()``.
-    """
-    try:
-        yield
-    except RuntimeError as err:
-        if not is_worker_fault(err):
-            raise
-        raise LoaderError(_worker_fault(str(err), None)) from err
-
-
-def _kill_workers(batches: Iterator[Batch]) -> None:
-    """Kill a failed iterator's worker processes: a stopped one (SIGSTOP) ignores the SIGTERM PyTorch sends at
-    shutdown, and Python joins its children on the way out, so the process would wait until it is continued."""
-    workers = [worker for worker in getattr(batches, "_workers", []) if worker.is_alive()]
-    if not workers:
-        return
-    if getattr(batches, "_worker_pids_set", False):  # else PyTorch's SIGCHLD handler raises these deaths again
-        from torch.utils.data._utils import signal_handling
-
-        signal_handling._remove_worker_pids(id(batches))
-        batches._worker_pids_set = False  # type: ignore[attr-defined]
-    for worker in workers:
-        worker.kill()  # SIGKILL ends a stopped process too
-        worker.join(timeout=5)
-
-
-def _worker_fault(message: str, timeout: float | None) -> str:
-    first = " ".join(message.split())[:300]
-    if "timed out" in first:
-        fix = f"a worker took longer than loader.timeout={timeout or 0:g} s for one batch: a stuck or stopped worker"
-    else:
-        fix = "a worker process died (killed by the OOM killer or a signal, or crashed in native code)"
-    return (
-        f"{first} — {fix}. {_memory_hint()}, try fewer loader.num_workers, or loader.num_workers=0 to see the "
-        f"error in the main process"
-    )
-
-
-def _memory_hint() -> str:
-    """Where to look for the memory a worker ran out of: on Linux batches pass through /dev/shm, which containers
-    keep small; Windows and macOS have no such folder."""
-    if sys.platform.startswith("linux"):
-        return "Check memory (dmesg, free) and /dev/shm"
-    if sys.platform == "darwin":
-        return "Check memory (Activity Monitor)"
-    return "Check memory (Task Manager)"
-
-
-class _Watchdog:
-    """Raises ``LoaderError`` in the main thread when one ``next()`` on the loader takes longer than ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.active = (
-            seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-        )
-        self._previous: Any = None
-
-    def __enter__(self) -> _Watchdog:
-        if self.active:
-            self._previous = signal.signal(signal.SIGALRM, self._fire)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.active:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._previous)
-
-    @contextlib.contextmanager
-    def armed(self) -> Iterator[None]:
-        if not self.active:
-            yield
-            return
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
-    def _fire(self, signum: int, frame: Any) -> None:
-        raise LoaderError(
-            f"no batch arrived within loader.timeout ({self.seconds - WATCHDOG_GRACE_S:g} s, plus "
-            f"{WATCHDOG_GRACE_S:g} s grace): a loader worker is stuck or stopped (SIGSTOP, a debugger, a hung file "
-            f"system). Try loader.num_workers=0 to find the cause"
-        )
 
 
 class ResidentLoader:
@@ -293,14 +192,6 @@ class Normalize:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         x = torch.addcmul(self.shift, images.float(), self.scale)
         return x.contiguous(memory_format=self.memory_format)
-
-
-def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
-    """A worker ignores SIGINT: Ctrl-C in a terminal reaches every process of the foreground group, and a worker
-    killed by it failed the run (a ``LoaderError``) before the training process could stop it at a step boundary,
-    with a checkpoint. SIGTERM keeps its default: PyTorch's last resort against a stuck worker is ``terminate()``
-    (a SIGTERM sent to the whole group is met in ``pipeline.train`` instead)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def make_loader(
