@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -263,3 +264,71 @@ def test_a_loader_fault_while_a_stop_is_pending_is_the_stop_and_writes_no_checkp
     assert run.info.status == "KILLED"
     saved = load(next(Path("checkpoints").glob("*/last.pt")))
     assert saved["position"].epoch == 2 and saved["position"].batch == 0  # the end of epoch 1: the last good one
+
+
+def test_workers_dying_of_the_stop_signal_after_the_last_step_leave_the_stop_clean(
+    make_cfg: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """A SIGTERM sent to the whole process group: the training process stops at the step boundary, but its workers
+    may die of the same signal a moment later, while the run is being closed. PyTorch's SIGCHLD handler raised their
+    deaths there (outside the loop) and the stop became an internal error, exit 1 (seen in CI)."""
+    import multiprocessing
+
+    from pipeline import train as train_module
+    from pipeline.stopping import Stopped
+
+    real_train_epoch, real_open_sampler = train_module.train_epoch, train_module.open_sampler
+
+    def epoch(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop request: the loop ends at the next step boundary
+        return real_train_epoch(*args, **kwargs)
+
+    def open_sampler(*args: object, **kwargs: object) -> object:
+        sampler = real_open_sampler(*args, **kwargs)
+        real_stop = sampler.stop
+
+        def stop() -> None:  # the run has left the loop: now the workers die of the signal
+            workers = multiprocessing.active_children()
+            assert workers, "the run's loader workers should still be alive here"
+            # from another process, as killpg's signal is: PyTorch's workers exit quietly on their parent's SIGTERM
+            subprocess.run(["kill", "-TERM", *(str(worker.pid) for worker in workers)], check=True)
+            for _ in range(40):
+                time.sleep(0.05)  # PyTorch's SIGCHLD handler runs here, in the main thread
+            real_stop()
+
+        sampler.stop = stop
+        return sampler
+
+    monkeypatch.setattr(train_module, "train_epoch", epoch)
+    monkeypatch.setattr(train_module, "open_sampler", open_sampler)
+    cfg = make_cfg("trainer.epochs=3", "trainer.max_steps=-1", "loader.num_workers=1", "loader.persistent_workers=true")
+    with pytest.raises(Stopped) as stopped:
+        train(cfg, echo=False)
+    assert stopped.value.exit_code == 143
+    (run,) = MlflowClient(store_uri).search_runs(["1"])
+    assert run.info.status == "KILLED"
+    saved = load(next(Path("checkpoints").glob("*/last.pt")))
+    assert saved["position"].epoch == 1 and saved["position"].batch == 1  # the step boundary after the request
+
+
+def test_a_worker_death_is_raised_unless_a_stop_expects_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data._utils import signal_handling
+
+    from pipeline.data.workers import deaths_expected_while
+
+    signal_handling._set_SIGCHLD_handler()
+
+    def pytorch_handler(signum: int, frame: object) -> None:  # as PyTorch's says a worker's death
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Terminated. ")
+
+    previous = signal.signal(signal.SIGCHLD, pytorch_handler)
+    try:
+        stopping = {"now": False}
+        with deaths_expected_while(lambda: stopping["now"]):
+            with pytest.raises(RuntimeError, match="pid 4242"):
+                signal.getsignal(signal.SIGCHLD)(signal.SIGCHLD, None)
+            stopping["now"] = True
+            signal.getsignal(signal.SIGCHLD)(signal.SIGCHLD, None)  # the stop's: logged, not raised
+        assert signal.getsignal(signal.SIGCHLD) is pytorch_handler  # put back
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

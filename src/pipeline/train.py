@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline import checkpoint, compilation, distributed, record, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig
-from pipeline.data.workers import LoaderError, worker_faults
+from pipeline.data.workers import LoaderError, deaths_expected_while, worker_faults
 from pipeline.loop import evaluate, train_epoch
 from pipeline.memory import out_of_memory_is_an_error
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
@@ -96,6 +96,7 @@ def _train(
             del tags["overrides"]  # the run keeps the overrides it started with; resume.overrides holds these
         with (
             StopRequests(checkpoints=cfg.checkpoint.enabled) as stop,
+            deaths_expected_while(stop.requested),  # workers killed by the same stop signal, up to the run's close
             open_tracker(
                 cfg.tracking if main else dataclasses.replace(cfg.tracking, enabled=False),
                 run_name=setup.run_name,

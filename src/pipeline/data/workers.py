@@ -7,13 +7,16 @@ errors into ``LoaderError``; ``worker_faults`` does the same wherever PyTorch's 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
 
 
 class LoaderError(PipelineError):
@@ -42,6 +45,42 @@ def worker_faults() -> Iterator[None]:
         if not is_worker_fault(err):
             raise
         raise LoaderError(describe_fault(str(err), None)) from err
+
+
+@contextlib.contextmanager
+def deaths_expected_while(expected: Callable[[], bool]) -> Iterator[None]:
+    """Within it, a loader worker's death that PyTorch's SIGCHLD handler notices while ``expected()`` is logged,
+    not raised.
+
+    A SIGTERM sent to the whole process group (SLURM's time limit, ``kill -- -PGID``) reaches the workers too: the
+    training process stops at a step boundary and closes the run, but the workers die of the same signal a moment
+    later, and PyTorch's handler raised their deaths wherever the main thread then was, closing the run included:
+    the stop became an internal error. Outside a stop (``expected()`` false) a death raises as before.
+    """
+    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
+        yield  # Windows has no SIGCHLD (nor PyTorch's handler); signals reach the main thread only
+        return
+    from torch.utils.data._utils import signal_handling
+
+    signal_handling._set_SIGCHLD_handler()  # PyTorch's, set once per process: installed now so that ours wraps it
+    pytorch_handler = signal.getsignal(signal.SIGCHLD)
+
+    def handler(signum: int, frame: Any) -> None:
+        if not callable(pytorch_handler):
+            return
+        try:
+            pytorch_handler(signum, frame)
+        except RuntimeError as err:
+            if not (is_worker_fault(err) and expected()):
+                raise
+            log.info("a loader worker ended with the stop: %s", " ".join(str(err).split()))
+
+    signal.signal(signal.SIGCHLD, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGCHLD) is handler:
+            signal.signal(signal.SIGCHLD, pytorch_handler)
 
 
 def kill_workers(batches: Iterator[Any]) -> None:
