@@ -67,5 +67,6 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "autotune's claimed gain, reproduced in real runs",
         "CPU amp check, the same config",
         "torch.compile, batch dimension static / dynamic up front",
+        "DDP pipeline / textbook DDP loop, 2 CPU ranks",
     ):
         assert f"| {name}" in out, name

@@ -477,6 +477,7 @@ BENCHES = {
     "amp_check": lambda sizes, work: _claims().bench_amp_check(sizes),
     "compile": lambda sizes, work: _claims().bench_compile(sizes),
     "autotune": lambda sizes, work: _claims().bench_autotune(sizes, work),
+    "ddp": lambda sizes, work: _ddp().bench_ddp(sizes, work),
 }
 
 
@@ -484,6 +485,12 @@ def _claims():
     from pipeline import bench_claims
 
     return bench_claims
+
+
+def _ddp():
+    from pipeline import bench_ddp
+
+    return bench_ddp
 
 
 def table(rows: list[Row]) -> str:
