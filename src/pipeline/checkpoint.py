@@ -8,7 +8,9 @@ and renamed over ``last.pt``: a reader sees the previous checkpoint or the new o
 of one. Beside it, ``state.json`` says in a few hundred bytes whose run it is, where it stands
 and whether that run finished, so ``resume=latest`` can choose without loading every checkpoint;
 and ``run.lock`` is held by the process training that run (the OS releases it when the process
-dies, even by SIGKILL), so two processes never train the same run. Finding and checking a
+dies, even by SIGKILL), so two processes never train the same run; it is refused on a filesystem
+whose locks only this machine sees (``pipeline.filesystems``: NFS ``nolock``, Lustre without
+``-o flock``...), while the checkpoints themselves may be on any. Finding and checking a
 checkpoint for ``resume=`` is ``pipeline.resume``'s job.
 """
 
@@ -35,6 +37,7 @@ import torch
 
 from pipeline.config import CheckpointConfig, RunConfig, TrackingConfig
 from pipeline.errors import PipelineError
+from pipeline.filesystems import check_lock_folder
 from pipeline.outputs import make_writable
 from pipeline.secrets import mask_text
 from pipeline.stopping import Stopped
@@ -157,10 +160,12 @@ def check_dir(cfg: CheckpointConfig) -> None:
 
     Raises:
         CheckpointError: the folder cannot be made or written (a file in the way, read-only, no space).
+        NetworkFilesystem: the folder is on a filesystem whose locks stay on one machine (``pipeline.filesystems``).
     """
     if not cfg.enabled:
         return
     folder = Path(cfg.dir)
+    check_lock_folder(folder.absolute(), setting=f"checkpoint.dir={cfg.dir}")  # run.lock is taken there
     try:
         make_writable(folder)
     except OSError as err:
@@ -190,6 +195,7 @@ class RunLock:
     def acquire(self) -> RunLock:
         from filelock import Timeout
 
+        check_lock_folder(self.folder.absolute())  # NetworkFilesystem is no CheckpointError: free() lets it through
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._lock.acquire()

@@ -7,9 +7,10 @@ up or made, so every process lands its run. ``retrying`` repeats a write that SQ
 with "database is locked". ``check_reachable`` fails fast, before any data is loaded, when the
 tracking URI cannot work: a server that does not answer, an unknown scheme, MLflow's retired
 file store, a SQLite path that is a folder, not a database, read-only, locked by another process,
-or on a nearly full disk, and an artifact folder (``./mlruns``) that cannot be written. Its local
-checks are a few file-system calls and one read-only look at the database's first page, cheap
-enough for every start; a server gets two requests (``/health``, then one API call with the
+on a nearly full disk or on a network filesystem (``pipeline.filesystems``), and an artifact
+folder (``./mlruns``) that cannot be written. Its local checks are a few file-system calls, a
+read of the mount table and one read-only look at the database's first page, cheap enough for
+every start; a server gets two requests (``/health``, then one API call with the
 credentials MLflow will send, which ``/health`` does not check). ``disk_full`` tells a write that
 failed for want of space (mid-run) from other errors, and ``DiskFull.explain`` names where;
 ``server_down`` tells a server that stopped answering from a write it refused.
@@ -36,6 +37,7 @@ from urllib.parse import ParseResult, quote, unquote, urlparse
 from urllib.request import url2pathname
 
 from pipeline.errors import PipelineError
+from pipeline.filesystems import sqlite_refusal
 from pipeline.secrets import mask_text
 
 log = logging.getLogger(__name__)
@@ -402,6 +404,9 @@ def _check_sqlite(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None:
         return  # in-memory: nothing on disk
+    refused = sqlite_refusal(path.absolute())  # before the folder checks: a folder made there would not help
+    if refused:
+        raise TrackingUnavailable(f"{_named(uri)}: {refused}")
     folder = path.parent
     if path.is_dir():
         raise TrackingUnavailable(

@@ -197,14 +197,19 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
         ConfigError: ``metric`` is not a ``Metric``, the experiment's name comes from the environment, or the
             sweep's folder cannot be made.
         SlurmMissing: ``hydra/launcher=slurm`` where SLURM's commands are missing.
+        SqliteUnderSlurm: ``hydra/launcher=slurm`` with an SQLite store (``pipeline.filesystems``).
         TrackingUnavailable: the store cannot work (``pipeline.store.check_reachable``).
     """
+    from pipeline.filesystems import check_slurm_store
     from pipeline.outputs import make_output_folder
     from pipeline.slurm import check_slurm_commands
 
     if metric not in get_args(Metric):
         raise ConfigError("hydra.callbacks.sweep.optimized_metric", metric, _one_of(get_args(Metric)))
-    check_slurm_commands(str(OmegaConf.select(config, "hydra.launcher._target_", default="")))
+    launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+    check_slurm_commands(launcher)
+    if OmegaConf.select(config, "tracking.enabled"):
+        check_slurm_store(launcher, str(config.tracking.uri))
     folder = make_output_folder(config.hydra, "hydra.sweep.dir")  # before the parent run: nothing left RUNNING
     specs = swept(config)
     sweep = Sweep(id=uuid.uuid4().hex, keys=tuple(specs), metric=metric)
