@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,9 +17,10 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from pipeline import outbox
+from pipeline import heartbeat, outbox
 from pipeline.config import RunConfig
-from pipeline.stale import main, process_gone
+from pipeline.heartbeat import TAG, identity_tags
+from pipeline.stale import judge, main, pid_evidence
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -28,37 +32,159 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def test_a_run_whose_process_is_gone_is_listed_and_closed_and_live_ones_are_left(
-    make_cfg: MakeCfg, store_uri: str, capsys: pytest.CaptureFixture[str]
+OTHER_BOOT = "00000000-0000-4000-8000-000000000000"  # what a twin VM, or this machine before a reboot, has
+
+
+def running_with(client: MlflowClient, run_id: str, tags: dict[str, str | None]) -> None:
+    """Make a finished run look RUNNING with ``tags`` (None deletes one): what a process left behind."""
+    for key, value in tags.items():
+        if value is None:
+            client.delete_tag(run_id, key)
+        else:
+            client.set_tag(run_id, key, value)
+    client.update_run(run_id, status="RUNNING")
+
+
+def left_running(client: MlflowClient, name: str, tags: dict[str, str]) -> str:
+    """A RUNNING run with ``tags`` and nothing else (stale reads only tags): what a process left behind."""
+    experiment = client.get_experiment_by_name("pipeline")
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment("pipeline")
+    return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+
+def here(pid: int, started: str = "1.00", **more: str | None) -> dict[str, str | None]:
+    """Process tags of a process on this machine, under this boot and in this pid namespace."""
+    process = {"process.host": socket.gethostname(), "process.pid": str(pid), "process.started": started}
+    return process | identity_tags() | more
+
+
+def beat_ago(seconds: float) -> str:
+    return f"{time.time() - seconds:.3f}"
+
+
+def test_runs_are_judged_by_heartbeat_and_only_those_whose_heartbeat_stopped_are_closed(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     client = MlflowClient(store_uri)
-    ids = [train(make_cfg(f"tracking.run_name=r{i}"), echo=False).run_id for i in range(3)]
     me = psutil.Process()
-    process = {  # what a SIGKILLed process, this live one, and another host's would have left
-        ids[0]: {"process.pid": str(dead_pid()), "process.started": "1.00"},
-        ids[1]: {"process.pid": str(me.pid), "process.started": f"{me.create_time():.2f}"},
-        ids[2]: {"process.host": "elsewhere", "process.pid": "1"},
-    }
-    for run_id, tags in process.items():
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
-        client.update_run(run_id, status="RUNNING")
+    live = here(me.pid, f"{me.create_time():.2f}")
+    twin = {"process.boot_id": OTHER_BOOT, TAG: beat_ago(11 * 60)}
+    ids = [
+        left_running(client, "r0", here(dead_pid())),  # before heartbeats (or a sweep's parent), SIGKILLed here
+        left_running(client, "r1", live | {TAG: beat_ago(3600)}),  # its store was down for an hour: its pid lives
+        left_running(client, "r2", here(me.pid, f"{me.create_time():.2f}", **twin)),  # a twin's pid is not ours
+        left_running(client, "r3", {"process.host": "elsewhere", "process.pid": "1", TAG: beat_ago(30)}),
+    ]
     assert main(["--uri", store_uri]) == 0
     out = capsys.readouterr().out
-    assert "3 RUNNING run(s)" in out and "1 whose process is gone" in out and "--close" in out
-    assert f"gone    {ids[0]}  r0" in out and f"alive   {ids[1]}  r1" in out and f"unknown {ids[2]}  r2" in out
+    assert "4 RUNNING run(s)" in out and "2 stale (no heartbeat for over 10 min" in out and "--close" in out
+    assert f"gone    {ids[0]}  r0" in out and f"alive   {ids[1]}  r1" in out
+    assert f"gone    {ids[2]}  r2" in out and f"alive   {ids[3]}  r3" in out
+    assert "last heartbeat 11 min ago" in out and "heartbeat 30 s ago" in out
     assert main(["--uri", store_uri, "--close"]) == 0
-    assert "marked 1 run(s) KILLED" in capsys.readouterr().out
+    assert "marked 2 run(s) KILLED" in capsys.readouterr().out
     statuses = [client.get_run(i).info.status for i in ids]
-    assert statuses == ["KILLED", "RUNNING", "RUNNING"]
-    assert client.get_run(ids[0]).data.tags["closed_by"].startswith("python -m pipeline.stale: pid ")
+    assert statuses == ["KILLED", "RUNNING", "KILLED", "RUNNING"]
+    assert client.get_run(ids[0]).data.tags["closed_by"].startswith("python -m pipeline.stale: no heartbeat; pid ")
+
+
+def test_a_live_run_on_a_twin_host_with_a_fresh_heartbeat_is_never_closed(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same host name, a pid that is no process here: the old rule closed it; another boot id says it is not ours."""
+    client = MlflowClient(store_uri)
+    run_id = left_running(client, "twin", here(dead_pid(), **{"process.boot_id": OTHER_BOOT, TAG: beat_ago(45)}))
+    assert main(["--uri", store_uri, "--close"]) == 0
+    out = capsys.readouterr().out
+    assert f"alive   {run_id}" in out and "heartbeat 45 s ago" in out and "marked 0 run(s) KILLED" in out
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def test_a_fresh_heartbeat_from_a_pid_gone_from_this_machine_is_not_closed_yet(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = MlflowClient(store_uri)
+    pid = dead_pid()
+    run_id = left_running(client, "killed", here(pid, **{TAG: beat_ago(5)}))
+    assert main(["--uri", store_uri, "--close"]) == 0
+    out = capsys.readouterr().out
+    assert f"recent  {run_id}" in out and f"pid {pid} on {socket.gethostname()}: no such process" in out
+    assert "closed once its heartbeat is over 10 min old" in out
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def test_runs_from_another_machine_without_a_heartbeat_are_unknown_and_never_closed() -> None:
+    older = {"process.host": socket.gethostname(), "process.pid": str(dead_pid()), "process.started": "1.00"}
+    assert judge(older, after_s=600)[0] == "unknown"  # no boot id: the same host name proves nothing
+    assert judge({**older, "process.boot_id": OTHER_BOOT}, after_s=600)[0] == "unknown"
+    assert judge({**older, **identity_tags(), "process.pid_ns": "pid:[1]"}, after_s=600)[0] == "unknown"
+    assert judge({}, after_s=600) == ("unknown", "no heartbeat and no process tags (recorded by an older pipeline)")
+
+
+def test_the_threshold_is_an_option_and_must_span_missed_beats(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = MlflowClient(store_uri)
+    run_id = left_running(client, "quiet", {"process.boot_id": OTHER_BOOT, TAG: beat_ago(11 * 60)})
+    assert main(["--uri", store_uri, "--close", "--after", "60"]) == 0
+    assert "0 stale (no heartbeat for over 60 min" in capsys.readouterr().out
+    assert client.get_run(run_id).info.status == "RUNNING"
+    with pytest.raises(SystemExit) as exited:
+        main(["--uri", store_uri, "--after", "0.5"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--after 0.5" in err and "a run beats every 60 s" in err
+
+
+def test_the_heartbeat_beats_while_a_run_trains_and_stops_before_its_end(
+    make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(heartbeat, "BEAT_EVERY_S", 0.05)
+    beats: list[float] = []
+    beat = heartbeat.Heartbeat.beat
+
+    def counted(self: heartbeat.Heartbeat) -> str | None:
+        value = beat(self)
+        if value is not None:
+            beats.append(float(value))
+        return value
+
+    monkeypatch.setattr(heartbeat.Heartbeat, "beat", counted)
+    run = MlflowClient(store_uri).get_run(train(make_cfg(), echo=False).run_id)
+    assert len(beats) >= 3 and beats == sorted(set(beats))  # it beat again and again, each later than the last
+    assert float(run.data.tags[TAG]) == beats[-1] <= run.info.end_time / 1000  # the last beat is stored, before the end
+    assert run.data.tags["process.boot_id"] == heartbeat.boot_id()
+    assert not [t for t in threading.enumerate() if t.name == "pipeline-heartbeat"]  # stopped with the run
+
+
+def test_a_heartbeat_the_store_refuses_is_skipped_quietly_and_none_is_written_after_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Down:  # a tracking server that does not answer
+        def __init__(self) -> None:
+            self.calls, self.thrice = 0, threading.Event()
+
+        def set_tag(self, run_id: str, key: str, value: str) -> None:
+            self.calls += 1
+            if self.calls == 3:
+                self.thrice.set()
+            raise ConnectionError("Connection refused")
+
+    caplog.set_level(logging.INFO)
+    client = Down()
+    beating = heartbeat.Heartbeat(client, "r", every_s=0.001).start()
+    assert client.thrice.wait(30)  # it went on beating after refusals
+    thread = beating._thread
+    beating.stop()
+    assert thread is not None and not thread.is_alive()  # stop() returned: no beat can come any more
+    assert beating.beat() is None  # a refused beat is None, never an exception
+    assert caplog.records == []  # nothing said above DEBUG: the tracker's own writes report a store that is down
 
 
 def test_a_reused_pid_is_a_gone_process() -> None:
     me = psutil.Process()
-    tags = {"process.host": os.uname().nodename, "process.pid": str(me.pid), "process.started": "12.00"}
-    assert process_gone(tags, host=os.uname().nodename)[0] == "gone"
-    assert process_gone({}, host="x") == ("unknown", "no process tags (recorded by an older pipeline)")
+    assert pid_evidence(here(me.pid, "12.00"))[0] == "gone"
+    assert pid_evidence(here(me.pid, f"{me.create_time():.2f}"))[0] == "alive"
 
 
 def test_a_store_that_cannot_be_reached_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -83,10 +209,14 @@ def test_a_sigkilled_training_process_leaves_a_run_that_stale_closes(tmp_path: P
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    (run,) = MlflowClient(uri).search_runs(experiment_ids=["1"])
+    client = MlflowClient(uri)
+    (run,) = client.search_runs(experiment_ids=["1"])
     assert run.info.status == "RUNNING"  # what SIGKILL leaves behind
+    assert main(["--uri", uri, "--close"]) == 0  # its heartbeat is fresh: not yet
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"
+    client.set_tag(run.info.run_id, TAG, beat_ago(11 * 60))  # 11 minutes later, with no beat since
     assert main(["--uri", uri, "--close"]) == 0
-    assert MlflowClient(uri).get_run(run.info.run_id).info.status == "KILLED"
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
 
 
 def test_close_leaves_a_run_with_a_pending_outbox_file_to_its_import_and_names_it(
@@ -94,8 +224,7 @@ def test_close_leaves_a_run_with_a_pending_outbox_file_to_its_import_and_names_i
 ) -> None:
     client = MlflowClient(store_uri)
     run_id = train(make_cfg(), echo=False).run_id
-    client.set_tag(run_id, "process.pid", str(dead_pid()))
-    client.update_run(run_id, status="RUNNING")  # the store was down at its end: the outbox file holds FINISHED
+    running_with(client, run_id, {"process.pid": str(dead_pid()), TAG: beat_ago(3600)})  # its store was down at its end
     run = client.get_run(run_id)
     box = outbox.Outbox(run_id, run.info.experiment_id, store_uri, "FINISHED", run.info.end_time, {}, [])
     path = outbox.save(box, outbox.fresh_path(run_id))

@@ -62,13 +62,17 @@ def source_tags() -> dict[str, str]:
 
 
 def process_tags() -> dict[str, str]:
-    """The process training the run, so a run it left RUNNING (SIGKILL) can be found: ``pipeline.stale``."""
+    """The process training the run, so a run it left RUNNING (SIGKILL) can be found: ``pipeline.stale``. The
+    boot id and pid namespace (``pipeline.heartbeat.identity_tags``) say whether its pid can be looked up."""
     import psutil
+
+    from pipeline.heartbeat import identity_tags
 
     return {
         "process.host": socket.gethostname(),
         "process.pid": str(os.getpid()),
         "process.started": f"{psutil.Process().create_time():.2f}",
+        **identity_tags(),
     }
 
 

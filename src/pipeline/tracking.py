@@ -53,6 +53,7 @@ from pipeline import outbox
 from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
 from pipeline.errors import ConfigError
+from pipeline.heartbeat import Heartbeat
 from pipeline.secrets import MASK, mask_text, mask_value
 from pipeline.stopping import Stopped
 from pipeline.store import absolute, connect, retrying, server_down, ui_base
@@ -152,6 +153,7 @@ class MlflowTracker:
         self._due = threading.Event()  # wakes the writer: the buffer passed FLUSH_AT, or the run is ending
         self._closing = threading.Event()
         self._writer: threading.Thread | None = None
+        self._heartbeat = Heartbeat(client, run_id)  # process.heartbeat from start() on: pipeline.stale reads it
         self._failing = False  # one warning per outage, not one per failed write (read under _write_lock)
         self._unsent_tags: dict[str, str] = {}  # masked tags a down server did not take; sent with the run's end
         # a resumed run's last stored step per metric, read once by ``log_only_new_steps`` (None: not read)
@@ -160,9 +162,11 @@ class MlflowTracker:
         self.background_write_s = 0.0  # seconds the writer thread spent writing
 
     def start(self) -> MlflowTracker:
-        """Start the writer thread (a daemon: a process that must exit is never held by a hung write)."""
+        """Start the writer thread and the heartbeat (daemons: a process that must exit is never held by a hung
+        write)."""
         self._writer = threading.Thread(target=self._run, name="pipeline-tracking-writer", daemon=True)
         self._writer.start()
+        self._heartbeat.start()
         return self
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -257,6 +261,7 @@ class MlflowTracker:
         """Stop the writer thread and write what is left; returns the metrics that could not be written."""
         self._closing.set()
         self._due.set()
+        self._heartbeat.stop()  # before the run's end is written: no beat lands after it
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.join(timeout=STOP_WITHIN_S)
