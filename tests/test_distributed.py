@@ -224,7 +224,7 @@ COMMON = [
 ]
 
 
-def torchrun(tmp_path: Path, *overrides: str, fault: str = "") -> subprocess.CompletedProcess[str]:
+def torchrun(tmp_path: Path, *overrides: str, fault: str = "", timeout: int = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH", "")]))
     env["PIPELINE_FAULT"] = fault
@@ -237,7 +237,7 @@ def torchrun(tmp_path: Path, *overrides: str, fault: str = "") -> subprocess.Com
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=timeout,
     )
 
 
@@ -359,3 +359,132 @@ def test_the_quiet_torchrun_ends_a_stop_in_one_line_and_the_signals_exit_status(
     assert exit_.value.code == 143 and seen == [["--standalone", "--nproc_per_node=2", "-m", "pipeline", "device=cpu"]]
     err = capsys.readouterr().err
     assert err.startswith("torchrun stopped by SIGTERM: every rank was passed the signal") and err.count("\n") == 1
+
+# --- SLURM's one GPU per task; two torchrun "nodes" on one machine ----------------------------------------------
+
+
+def fake_cuda_join(monkeypatch: pytest.MonkeyPatch, devices: int, environ: dict[str, str]) -> list[int]:
+    """A machine whose process sees ``devices`` GPUs under ``environ``; the group is joined without NCCL."""
+    import torch.distributed as dist
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dist, "new_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(os, "environ", environ)
+    return chosen
+
+
+SLURM_TASK_3 = {  # task 3 of a 4-task step on one node, started with --gpus-per-task=1: it sees its own GPU only
+    "SLURM_JOB_ID": "77",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "3",
+    "CUDA_VISIBLE_DEVICES": "0",
+}
+
+
+def test_a_slurm_task_bound_to_one_gpu_trains_on_cuda_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: LOCAL_RANK=3 with one visible device was refused, though SLURM had given the task its own GPU."""
+    from pipeline.config import DeviceConfig
+
+    chosen = fake_cuda_join(monkeypatch, devices=1, environ=dict(SLURM_TASK_3))
+    group = distributed.Group(Launch(3, 3, 4))
+    group.join(DeviceConfig("cuda"))
+    assert chosen == [0] and group.backend == "nccl"
+    assert group.place(torch.device("cuda")) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"CUDA_VISIBLE_DEVICES": "0"},  # torchrun: every process gets the same CUDA_VISIBLE_DEVICES
+        {k: v for k, v in SLURM_TASK_3.items() if k != "SLURM_STEP_ID"},  # not a step: the batch script
+        {**SLURM_TASK_3, "CUDA_VISIBLE_DEVICES": ""},  # one GPU on the node, not bound to the task
+        {**SLURM_TASK_3, "SLURM_LOCALID": "0"},  # torchrun inside a step: its 4 processes share the task's one GPU
+    ],
+)
+def test_one_gpu_shared_by_several_processes_of_a_node_is_still_refused(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]
+) -> None:
+    from pipeline.config import DeviceConfig
+
+    chosen = fake_cuda_join(monkeypatch, devices=1, environ=environ)
+    with pytest.raises(DistributedError, match=r"LOCAL_RANK=3 but this node has 1 GPU\(s\): .*--gpus-per-task=1"):
+        distributed.Group(Launch(3, 3, 4)).join(DeviceConfig("cuda"))
+    assert chosen == []
+
+
+def two_nodes(tmp_path: Path, *overrides: str, fault: str = "") -> list[tuple[int, str]]:
+    """Two torchrun "nodes" (``--nnodes=2``, one process each) on this machine, c10d rendezvous on 127.0.0.1: each
+    node's exit status and output. Node 0 hosts the rendezvous; ranks go to nodes in the order they join."""
+    from servers import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH", "")]))
+    env |= {"PIPELINE_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    port, store = free_port(), f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    nodes = []
+    for node in (0, 1):
+        launch = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d"]
+        launch += [f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_conf=is_host={int(node == 0)}"]
+        launch += ["--rdzv_id=two-nodes", "--local_addr=127.0.0.1", "--max_restarts=0"]
+        pipeline = ["-m", "pipeline", *COMMON, f"loader.batch_size={PER_RANK}", store, *overrides]
+        log = (tmp_path / f"node{node}.log").open("w")  # files, not pipes: a full pipe would stall one node
+        command = [sys.executable, "-m", "pipeline.launch", *launch, *pipeline]
+        nodes.append((subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=log), log))
+    try:
+        codes = [process.wait(timeout=300) for process, _ in nodes]
+    finally:
+        for process, log in nodes:
+            if process.poll() is None:
+                process.kill()
+            log.close()
+    return [(code, (tmp_path / f"node{node}.log").read_text()) for node, code in enumerate(codes)]
+
+
+@pytest.mark.slow
+def test_two_nodes_stop_together_when_one_nodes_torchrun_is_stopped_and_resume_ends_with_the_one_process_weights(
+    tmp_path: Path, one_process_weights: dict[str, torch.Tensor]
+) -> None:
+    nodes = two_nodes(tmp_path, fault="sigterm-torchrun:1:5")  # SIGTERM to the torchrun of rank 1's node
+    output = "\n".join(text for _, text in nodes)
+    assert sorted(code for code, _ in nodes) == [1, 143], output[-4000:]  # its node: the signal; the other: failed
+    assert "torchrun stopped by SIGTERM: every rank was passed the signal" in output
+    stops = re.findall(r"\[rank (\d)\].*stopped at step (\d+)", output)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"] and len({step for _, step in stops}) == 1, output[-4000:]
+    run = only_run(tmp_path)  # one run, rank 0's, recorded from the other node
+    assert run.info.status == "KILLED" and run.data.params["distributed.world_size"] == "2"
+    (checkpoint,) = (tmp_path / "checkpoints").rglob("last.pt")
+    assert torch.load(checkpoint, weights_only=False)["position"].step == int(stops[0][1])
+
+    resumed = two_nodes(tmp_path, f"resume={run.info.run_id}")
+    assert [code for code, _ in resumed] == [0, 0], "\n".join(text for _, text in resumed)[-4000:]
+    run = only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)
+
+
+# --- the all-reduce overlapped with backward (pipeline.overlap) ---------------------------------------------------
+
+
+class OverlappingRanks(OtherRanks):
+    """``OtherRanks`` whose all-reduce can run inside the last backward: it notes whether this rank's backward had
+    already run when each agreement was taken (it must not have, on an overlapped step)."""
+
+    can_overlap = True
+
+    def __init__(self, model: torch.nn.Module, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model, self.reduced, self.backward_before_agreement = model, 0, []
+
+    def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
+        self.backward_before_agreement.append(any(p.grad is not None for p in self.model.parameters()))
+        return super().agree(failed=failed, stop=stop)
+
+    def reduce_in_backward(self, model: torch.nn.Module, loss: torch.Tensor, *, step: int, micro: int) -> None:
+        self.reduced += 1
+        loss.backward()

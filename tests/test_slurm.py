@@ -20,15 +20,30 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
 from pipeline.config import config_dir
-from pipeline.slurm import PORT_BASE, PORT_SPAN, SlurmEnvironmentError, first_host, torch_env_from_slurm
+from pipeline.distributed import Launch, launch_from
+from pipeline.slurm import PORT_BASE, PORT_SPAN, SlurmEnvironmentError, first_host, torch_env, torch_env_from_slurm
+from servers import mlflow_server
 from test_cli import cli, run_main
 
-# One task of a 2-node, 8-rank job (node 1, its second GPU), as srun starts it.
-RANK5 = {
+# A 2-node, 8-task job's batch script: the job's variables and SLURM_PROCID=0, but no step of srun's.
+BATCH = {
     "SLURM_JOB_ID": "123456",
     "SLURM_JOB_NODELIST": "gpu[01-02]",
     "SLURM_NTASKS": "8",
     "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
+
+# One task of that job's step 0 (node 1, its second GPU), as `srun` in the batch script starts it.
+RANK5 = {
+    **BATCH,
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_STEP_NODELIST": "gpu[01-02]",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
     "SLURM_NODEID": "1",
     "SLURM_PROCID": "5",
     "SLURM_LOCALID": "1",
@@ -90,7 +105,7 @@ def test_a_task_of_a_multi_node_job_gets_torch_distributed_variables() -> None:
 )
 def test_the_master_is_the_first_host_of_a_compressed_nodelist(nodelist: str, host: str) -> None:
     assert first_host(nodelist) == host
-    assert torch_env_from_slurm({**RANK5, "SLURM_JOB_NODELIST": nodelist})["MASTER_ADDR"] == host
+    assert torch_env_from_slurm({**RANK5, "SLURM_STEP_NODELIST": nodelist})["MASTER_ADDR"] == host
 
 
 @pytest.mark.parametrize("nodelist", ["gpu[01-", "gpu[]", "gpu[a-b]", ",a1"])
@@ -110,8 +125,8 @@ def test_a_malformed_nodelist_is_an_error_naming_it(nodelist: str) -> None:
     ],
 )
 def test_the_local_world_size_is_this_nodes_task_count(per_node: dict[str, str], node: int, local_world: int) -> None:
-    environ = {k: v for k, v in RANK5.items() if k != "SLURM_TASKS_PER_NODE"}
-    environ |= {**per_node, "SLURM_NTASKS": "7", "SLURM_NODEID": str(node)}
+    environ = {k: v for k, v in RANK5.items() if k not in ("SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE")}
+    environ |= {**per_node, "SLURM_STEP_NUM_TASKS": "7", "SLURM_NODEID": str(node)}
     assert torch_env_from_slurm(environ)["LOCAL_WORLD_SIZE"] == str(local_world)
 
 
@@ -142,9 +157,12 @@ def test_no_variables_outside_a_multi_task_job_or_under_torchrun(environ: dict[s
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"SLURM_NTASKS": "eight"}, r"SLURM_NTASKS='eight' is not an integer"),
-        ({"SLURM_TASKS_PER_NODE": "4x2"}, r"SLURM_TASKS_PER_NODE='4x2' is malformed"),
-        ({"SLURM_TASKS_PER_NODE": None}, r"none of SLURM_STEP_TASKS_PER_NODE, .* is set"),
+        ({"SLURM_STEP_NUM_TASKS": "eight"}, r"SLURM_STEP_NUM_TASKS='eight' is not an integer"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "4x2"}, r"SLURM_STEP_TASKS_PER_NODE='4x2' is malformed"),
+        (
+            {"SLURM_STEP_TASKS_PER_NODE": None, "SLURM_TASKS_PER_NODE": None},
+            r"none of SLURM_STEP_TASKS_PER_NODE, .* is set",
+        ),
         ({"SLURM_LOCALID": None}, r"SLURM_LOCALID is not set: is this process a task started by srun\?"),
         ({"SLURM_JOB_ID": None}, r"SLURM_JOB_ID is not set: set MASTER_PORT"),
     ],
@@ -153,6 +171,84 @@ def test_a_missing_or_malformed_variable_is_an_error_naming_it(change: dict[str,
     environ = {k: v for k, v in {**RANK5, **change}.items() if v is not None}
     with pytest.raises(SlurmEnvironmentError, match=message):
         torch_env_from_slurm(environ)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        BATCH,  # sbatch --ntasks=8 running python itself: no step variables at all
+        {**BATCH, "SLURM_STEP_ID": "4294967291", "SLURM_STEP_NUM_TASKS": "8"},  # the batch step's id (Slurm >= 20.11)
+        {**BATCH, "SLURM_STEPID": "4294967294", "SLURM_STEP_NUM_TASKS": "8"},  # the batch step's id before 20.11
+        {**BATCH, "SLURM_STEP_ID": "batch", "SLURM_STEP_NUM_TASKS": "8"},
+    ],
+)
+def test_a_batch_script_running_python_itself_with_several_tasks_is_refused_naming_srun(
+    environ: dict[str, str],
+) -> None:
+    with pytest.raises(SlurmEnvironmentError) as refused:
+        torch_env(environ)
+    message = str(refused.value)
+    assert message.startswith("this process runs in the batch script of a SLURM job with 8 tasks (SLURM_NTASKS=8)")
+    assert "`srun python -m pipeline ...`" in message and "hydra/launcher=slurm" in message and "\n" not in message
+
+
+def test_a_step_of_fewer_tasks_than_the_job_is_that_many_ranks_and_a_one_task_batch_job_is_a_plain_run() -> None:
+    step = {**RANK5, "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "8"}  # srun -n 8 inside a 16-task allocation
+    assert torch_env(step)["WORLD_SIZE"] == "8"
+    assert torch_env({**BATCH, "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}) is None
+    assert torch_env({k: v for k, v in BATCH.items() if k != "SLURM_NTASKS"}) is None  # no task count asked for
+
+
+def test_the_batch_script_is_one_line_from_the_entry_point_before_any_group_or_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Before: the batch script's process took SLURM_NTASKS as its world size and waited 10 minutes in the group."""
+    import torch.distributed
+
+    def waits(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("joined a group whose other ranks never come")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", waits)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in BATCH.items():
+        monkeypatch.setenv(name, value)
+    assert run_main(monkeypatch, "device=cpu", "trainer.max_steps=1") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this process runs in the batch script of a SLURM job with 8 tasks") and (
+        err.count("\n") == 1
+    )
+    assert not (tmp_path / "mlflow.db").exists() and "RANK" not in os.environ
+
+
+def test_a_task_of_a_submitit_local_job_gets_torch_distributed_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = {  # what submitit's local controller sets for task 1 of 2 (submitit/local/local.py)
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_NTASKS": "2",
+        "SUBMITIT_LOCAL_NODEID": "0",
+        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+        "SUBMITIT_LOCAL_LOCALID": "1",
+        "SUBMITIT_LOCAL_GLOBALID": "1",
+        "SUBMITIT_LOCAL_JOB_ID": "31337",
+    }
+    expected = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(PORT_BASE + 31337 % PORT_SPAN),  # the controller's pid: the same for both tasks
+    }
+    assert torch_env(task) == expected
+    assert torch_env({**RANK5, **task}) == expected  # a local sweep started inside a SLURM step: submitit's tasks
+    assert torch_env({**task, "SUBMITIT_LOCAL_NTASKS": "1"}) is None
+    with pytest.raises(SlurmEnvironmentError, match="SUBMITIT_LOCAL_GLOBALID is not set: .* submitit's local"):
+        torch_env({k: v for k, v in task.items() if k != "SUBMITIT_LOCAL_GLOBALID"})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # launch_from exports the variables for the group
+    assert launch_from(task) == Launch(rank=1, local_rank=1, world_size=2)
+    assert os.environ["MASTER_PORT"] == expected["MASTER_PORT"]
 
 
 def test_the_slurm_launcher_config_exposes_the_cluster_keys_and_asks_for_sigterm_before_the_limit() -> None:
@@ -179,7 +275,7 @@ def test_the_local_launcher_config_runs_each_job_as_one_submitit_process() -> No
     launcher = hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
     assert (launcher.tasks_per_node, launcher.gpus_per_node, launcher.timeout_min) == (1, 1, 60)
-    assert launcher.submitit_folder == f"{hydra.sweep.dir}/.submitit/%j"
+    assert launcher.submitit_folder == f"{hydra.sweep.dir}/.submitit"  # no %j: the local controller made it a folder
 
 
 @pytest.mark.parametrize(
@@ -212,7 +308,9 @@ def test_the_readme_cluster_sweep_submits_one_array_task_per_job_with_the_resour
         (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(submitit.SlurmJob, "results", lambda job: [JobReturn(status=JobStatus.COMPLETED)])
-    assert run_main(monkeypatch, *CLUSTER_SWEEP) == 0
+    with mlflow_server(tmp_path / "server") as server:  # the team server the README's command records to
+        assert run_main(monkeypatch, *CLUSTER_SWEEP, f"tracking.uri={server.uri}") == 0
+        (parent,) = MlflowClient(server.uri).search_runs(experiment_ids=["1"])  # no job ran
 
     directives = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     for expected in (
@@ -231,13 +329,14 @@ def test_the_readme_cluster_sweep_submits_one_array_task_per_job_with_the_resour
         assert f"#SBATCH {expected}" in directives
     assert not any("USR2" in line for line in directives)
     (folder,) = tmp_path.glob("multirun/*/*/.submitit")
+    assert list(folder.rglob("%j")) == []  # sbatch's script names %j; submitit makes no folder of it here
     srun = next(line for line in script.read_text().splitlines() if line.startswith("srun "))
     assert srun.endswith(f"-u -m submitit.core._submit {folder}/%j")
     submitted = [DelayedSubmission.load(path).args for path in sorted(folder.glob("4242_*/*_submitted.pkl"))]
     assert [(args[0], args[2]) for args in submitted] == [  # each array task's overrides and job number
-        (["device=cuda", f"loader.batch_size={size}"], number) for number, size in enumerate((64, 128, 256))
+        (["device=cuda", f"loader.batch_size={size}", "tracking.uri=" + server.uri.replace(":", "\\:")], number)
+        for number, size in enumerate((64, 128, 256))
     ]
-    (parent,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])  # no job ran
     assert parent.data.tags["sweep.launcher"] == "slurm" and parent.data.tags["sweep.role"] == "parent"
 
 
@@ -271,7 +370,27 @@ def test_the_readme_local_sweep_runs_each_job_in_a_submitit_process_under_the_pa
     job_pids = {r.data.tags["process.pid"] for r in children}
     assert len(job_pids) == 2 and parent.data.tags["process.pid"] not in job_pids  # submitit's own processes
     (folder,) = tmp_path.glob("multirun/*/*")
-    assert len(list(folder.glob(".submitit/*/*_0_result.pkl"))) == 2  # what submitit handed back to the launcher
+    assert len(list(folder.glob(".submitit/*_0_result.pkl"))) == 2  # what submitit handed back to the launcher
+    assert list(tmp_path.rglob("%j")) == []  # before: an empty folder named %j, the template taken literally
+
+
+@pytest.mark.slow
+def test_a_local_job_of_two_tasks_trains_one_ddp_run_of_two_ranks(tmp_path: Path) -> None:
+    """Before: submitit's local tasks were not mapped to ranks, so tasks_per_node=2 trained two separate runs."""
+    two_tasks = ["hydra/launcher=local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.gpus_per_node=0"]
+    proc = cli("-m", *two_tasks, "device=cpu", "trainer.max_steps=4", "loader.batch_size=16", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parent, (job,) = sweep_runs(tmp_path / "mlflow.db")  # one run for the job: rank 0's
+    assert (parent.info.status, job.info.status) == ("FINISHED", "FINISHED")
+    p = job.data.params
+    assert (p["distributed.world_size"], p["distributed.backend"], p["distributed.global_batch_size"]) == (
+        "2",
+        "gloo",
+        "32",
+    )
+    (folder,) = tmp_path.glob("multirun/*/*/.submitit")
+    assert len(list(folder.glob("*_0_log.err"))) == len(list(folder.glob("*_1_log.err"))) == 1  # the job's 2 tasks
+    assert list(tmp_path.rglob("%j")) == []
 
 
 @pytest.mark.slow
@@ -313,7 +432,7 @@ def test_sigterm_to_a_submitit_job_stops_it_with_a_checkpoint_and_resume_through
     state = json.loads((tmp_path / "checkpoints" / killed.info.run_id / "state.json").read_text())
     assert state["status"] == "stopped"
     step = state["position"]["step"]
-    logs = [log.read_text() for log in tmp_path.glob("multirun/*/*/.submitit/*/*_0_log.err")]  # jobs' stderr
+    logs = [log.read_text() for log in tmp_path.glob("multirun/*/*/.submitit/*_0_log.err")]  # jobs' stderr
     assert len(logs) == 2
     assert sum("stopped by SIGTERM at a step boundary; resume with resume=<run id>" in log for log in logs) == 1
 

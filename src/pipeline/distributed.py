@@ -60,16 +60,19 @@ class Launch:
 
 
 def launch_from(environ: Mapping[str, str]) -> Launch | None:
-    """The launch described by torchrun's variables (or a multi-task SLURM job's), or None for a plain run.
+    """The launch described by torchrun's variables (or a multi-task SLURM job step's, or submitit's local tasks'),
+    or None for a plain run.
 
     Raises:
         DistributedError: the variables are present but inconsistent.
+        SlurmEnvironmentError: SLURM's or submitit's variables are malformed, or a SLURM batch script with several
+            tasks runs python without ``srun`` (one line, before anything waits for ranks that never come).
     """
     env: Mapping[str, str] = environ
-    if "WORLD_SIZE" not in env and "SLURM_NTASKS" in env:
-        from pipeline.slurm import torch_env_from_slurm
+    if "WORLD_SIZE" not in env and "RANK" not in env:
+        from pipeline.slurm import torch_env
 
-        env = torch_env_from_slurm(environ) or environ
+        env = torch_env(environ) or environ
         if env is not environ:
             os.environ.update({k: v for k, v in env.items() if k not in environ})  # MASTER_ADDR & co. for the group
     try:
@@ -156,7 +159,7 @@ class Group(Solo):
         step's decisions always travel over Gloo, on the CPU.
 
         Raises:
-            DistributedError: MPS (no collective backend), or fewer GPUs than processes on this node.
+            DistributedError: MPS (no collective backend), or fewer GPUs than processes on this node (``cuda_index``).
         """
         import torch.distributed as dist
 
@@ -164,22 +167,17 @@ class Group(Solo):
             raise DistributedError("torchrun with device=mps: MPS has no collective backend; train in one process")
         cuda = device.name == "cuda" or (device.name == "auto" and torch.cuda.is_available())
         if cuda:
-            count = torch.cuda.device_count()
-            if self.local_rank >= count:
-                raise DistributedError(
-                    f"LOCAL_RANK={self.local_rank} but this node has {count} GPU(s): start at most {count} "
-                    f"process(es) per node (torchrun --nproc_per_node={count}), or device=cpu"
-                )
-            torch.cuda.set_device(self.local_rank)
+            torch.cuda.set_device(cuda_index(self.local_rank))
         self.backend = "nccl" if cuda else "gloo"
         dist.init_process_group(self.backend, timeout=TIMEOUT)
         self._control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
         log.info("rank %d of %d joined the job (%s)", self.rank, self.world_size, self.backend)
 
     def place(self, device: torch.device) -> torch.device:
-        """The rank's own device: ``cuda:LOCAL_RANK`` (one GPU per process); the CPU as it is."""
+        """The rank's own device: ``cuda:LOCAL_RANK`` (one GPU per process), ``cuda:0`` where SLURM bound one GPU to
+        each task (``cuda_index``); the CPU as it is."""
         if device.type == "cuda":
-            return torch.device("cuda", self.local_rank)
+            return torch.device("cuda", cuda_index(self.local_rank))
         if self.backend == "nccl":
             raise DistributedError(f"the job joined with NCCL but this rank resolved device {device}")
         return device
@@ -310,6 +308,33 @@ def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
         size += g.numel() * g.element_size()
     if bucket:
         yield bucket
+
+
+def cuda_index(local_rank: int, environ: Mapping[str, str] | None = None) -> int:
+    """The CUDA device this rank trains on: ``LOCAL_RANK``, one GPU per process of the node; or 0 where each task of
+    a SLURM job step sees one GPU of its own (``--gpus-per-task=1``, ``--gpu-bind=single:1``: SLURM sets
+    ``CUDA_VISIBLE_DEVICES`` per task, so every rank's GPU is its ``cuda:0``).
+
+    One visible GPU and several processes on the node stay refused unless the rank is SLURM's own task
+    (``SLURM_LOCALID``): torchrun and submitit's local executor, also inside a SLURM step, hand every process they
+    start the same ``CUDA_VISIBLE_DEVICES``, so their ranks would share that GPU.
+
+    Raises:
+        DistributedError: fewer GPUs than processes on this node.
+    """
+    from pipeline.slurm import in_job_step
+
+    environ = os.environ if environ is None else environ
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return local_rank
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if count == 1 and len(visible) == 1 and in_job_step(environ) and environ.get("SLURM_LOCALID") == str(local_rank):
+        return 0
+    raise DistributedError(
+        f"LOCAL_RANK={local_rank} but this node has {count} GPU(s): start at most {count} process(es) per node "
+        f"(torchrun --nproc_per_node={count}), give each SLURM task its own GPU (--gpus-per-task=1), or device=cpu"
+    )
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Solo | Group:

@@ -1,12 +1,32 @@
-"""DDP without torchrun inside a multi-task SLURM job: torch.distributed's variables from SLURM's.
+"""DDP without torchrun: torch.distributed's variables from SLURM's job step, or from submitit's local tasks.
 
     python -m pipeline -m hydra/launcher=slurm hydra.launcher.gpus_per_node=4 hydra.launcher.tasks_per_node=4 ...
+    srun python -m pipeline ...                     # in a batch script with --ntasks-per-node=4
 
 With ``tasks_per_node=N`` the submitit launcher starts every job as N processes per node (``srun``), one per
-GPU. SLURM tells each one who it is (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``...), but
+GPU. SLURM tells each one who it is (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_STEP_NUM_TASKS``...), but
 ``torch.distributed``'s ``env://`` rendezvous reads torchrun's names (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
-``torch_env_from_slurm`` translates, without calling ``scontrol`` (one process per rank, each asking the controller,
-is what cluster admins ask us not to do); ``pipeline.distributed`` exports the result before joining the group.
+``torch_env`` translates, without calling ``scontrol`` (one process per rank, each asking the controller, is what
+cluster admins ask us not to do); ``pipeline.distributed`` exports the result before joining the group.
+
+Only the tasks of a job step are ranks. srun sets the step's variables (``SLURM_STEP_ID``, ``SLURM_STEP_NUM_TASKS``,
+``SLURM_STEP_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE``: Slurm's ``env_array_for_step`` in src/common/env.c, and the
+srun(1) man page's OUTPUT ENVIRONMENT VARIABLES). The batch script is not a step srun started: its environment
+(``env_array_for_batch_job``) has the job's ``SLURM_NTASKS`` and ``SLURM_PROCID=0`` but no ``SLURM_STEP_NUM_TASKS``,
+and its step id, where one is set, is Slurm's batch sentinel (``SLURM_BATCH_SCRIPT``: 0xfffffffb in current slurm.h,
+0xfffffffe in older releases; every special step id is above ``SLURM_MAX_NORMAL_STEP_ID``, 0xfffffff0). A python
+started there directly is one process: with several tasks asked for, it is refused in one line instead of waiting
+for ranks that never come.
+
+submitit's local executor (``hydra/launcher=local`` with ``tasks_per_node=N``) starts N processes on this machine
+with its own variables (``SUBMITIT_LOCAL_*``: submitit/local/local.py, ``Controller.start_tasks`` and
+``LocalJobEnvironment``); they are mapped the same way, so the N tasks train one DDP run.
+
+submitit's own ``helpers.TorchDistributedEnvironment`` is not used: it reads the job's ``SLURM_NTASKS`` and
+``SLURM_JOB_NODELIST`` rather than the step's, rewrites ``CUDA_VISIBLE_DEVICES`` to the local rank (wrong where the
+site already bound one GPU per task), draws ``MASTER_PORT`` from 20000-60000 (inside Linux's ephemeral ports), and
+reads ``os.environ`` only. Only the first host of a nodelist is needed, which ``first_host`` reads without
+expanding the list (no python-hostlist dependency).
 """
 
 from __future__ import annotations
@@ -21,11 +41,13 @@ PORT_BASE = 12_000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: unprivileged
 PORT_SPAN = 20_000  # ports (32768-60999), which outgoing connections take; consecutive jobs never share a port
 _TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # one item of SLURM_TASKS_PER_NODE: "4" or "4(x2)"
 _PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")  # the step's first
+MAX_NORMAL_STEP_ID = 0xFFFFFFF0  # slurm.h's SLURM_MAX_NORMAL_STEP_ID: batch, extern, interactive steps are above
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")  # one item inside a nodelist's brackets: "07" or "01-04"
 
 
 class SlurmEnvironmentError(PipelineError):
-    """A SLURM variable this module reads is missing or malformed; the message names it and its value."""
+    """SLURM's (or submitit's) variables cannot make this process a rank: one is missing or malformed (the message
+    names it and its value), or the process is the batch script of a job with several tasks (run it with srun)."""
 
 
 class SlurmMissing(PipelineError):
@@ -53,33 +75,60 @@ def check_slurm_commands(launcher_target: str) -> None:
         )
 
 
-def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str] | None:
-    """torch.distributed's variables for this process, when it is one task of a multi-task SLURM job step.
-
-    ``pipeline.distributed`` calls this when torchrun's variables are absent, so that a sweep launched with
-    ``hydra/launcher=slurm`` and ``tasks_per_node=N`` trains with DDP, one rank per task. The step's own
-    variables (``SLURM_STEP_*``, set by ``srun``) win over the job's: a step may use fewer tasks or nodes than the
-    allocation, and only its tasks join the group. A ``MASTER_ADDR`` or ``MASTER_PORT`` already set (a site's
-    setup script) is kept. Caution: a batch script that runs python itself, without ``srun``, also sees
-    ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS``: its one process would wait for ranks that never come.
+def torch_env(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """torch.distributed's variables for this process when a launcher other than torchrun started several.
 
     Args:
         environ: the process's environment (``os.environ``, or a dict in tests).
 
     Returns:
-        ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (the step's first host) and
-        ``MASTER_PORT`` (from ``SLURM_JOB_ID``, so two jobs on one node differ); None outside SLURM, in a one-task
-        job, or when torchrun's ``RANK`` / ``WORLD_SIZE`` are already there.
+        ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for one
+        task of a multi-task SLURM job step or submitit local job; None for one process, or when torchrun's ``RANK``
+        / ``WORLD_SIZE`` are already there.
 
     Raises:
-        SlurmEnvironmentError: a variable needed is missing or malformed.
+        SlurmEnvironmentError: a variable needed is missing or malformed, or a SLURM batch script with several tasks
+            runs python itself instead of through ``srun``.
+    """
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return None
+    if environ.get("SUBMITIT_EXECUTOR") == "local":  # also inside a SLURM allocation: the local tasks are the ranks
+        return torch_env_from_submitit_local(environ)
+    return torch_env_from_slurm(environ)
+
+
+def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """torch.distributed's variables for this process, when it is one task of a multi-task SLURM job step.
+
+    A sweep launched with ``hydra/launcher=slurm`` and ``tasks_per_node=N`` (or ``srun python -m pipeline`` in a
+    batch script) trains with DDP, one rank per task of the step. Only the step's variables count: a step may use
+    fewer tasks or nodes than the allocation, and only its tasks join the group. A ``MASTER_ADDR`` or
+    ``MASTER_PORT`` already set (a site's setup script) is kept.
+
+    Returns:
+        The variables (``MASTER_ADDR``: the step's first host; ``MASTER_PORT``: from ``SLURM_JOB_ID``, so two jobs
+        on one node differ); None outside SLURM, in a one-task step or job, or under torchrun.
+
+    Raises:
+        SlurmEnvironmentError: a variable needed is missing or malformed, or this process is the batch script of a
+            job with several tasks (no ``srun``).
     """
     if "RANK" in environ or "WORLD_SIZE" in environ or "SLURM_PROCID" not in environ:
         return None
-    world = _integer(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-    if world is None or world <= 1:
+    if not in_job_step(environ):
+        tasks = _integer(environ, "SLURM_NTASKS", "SLURM_NPROCS")
+        if tasks is not None and tasks > 1:
+            raise SlurmEnvironmentError(
+                f"this process runs in the batch script of a SLURM job with {tasks} tasks (SLURM_NTASKS={tasks}), "
+                "not in a job step, so it would train alone while waiting for the other ranks: start one process "
+                "per task with `srun python -m pipeline ...` in the batch script, launch the sweep with "
+                "hydra/launcher=slurm, or ask for --ntasks=1"
+            )
         return None
-    node = _integer(environ, "SLURM_NODEID") or 0
+    world = _required(environ, "SLURM_STEP_NUM_TASKS")
+    if world <= 1:
+        return None
+    node = _integer(environ, "SLURM_NODEID") or 0  # the node's index within the step
     local_world = _tasks_on_node(environ, node)
     nodelist = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     master_addr = environ.get("MASTER_ADDR") or first_host(nodelist)
@@ -97,6 +146,46 @@ def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str] | None:
         "LOCAL_WORLD_SIZE": str(local_world),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": master_port,
+    }
+
+
+def in_job_step(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a task of a job step that srun started (not the batch script, not salloc's shell).
+
+    srun sets ``SLURM_STEP_ID`` (and the older ``SLURM_STEPID``) to the step's number and ``SLURM_STEP_NUM_TASKS``;
+    the batch script has no ``SLURM_STEP_NUM_TASKS``, and a step id above ``MAX_NORMAL_STEP_ID`` (or a name such as
+    ``batch``) is one of SLURM's special steps (batch, extern, interactive), never several ranks.
+    """
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    if not step or not environ.get("SLURM_STEP_NUM_TASKS"):
+        return False
+    return step.isdigit() and int(step) < MAX_NORMAL_STEP_ID
+
+
+def torch_env_from_submitit_local(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """torch.distributed's variables for one of the ``tasks_per_node`` processes of a submitit local job.
+
+    submitit's controller starts every task with ``SUBMITIT_LOCAL_NTASKS``, ``SUBMITIT_LOCAL_GLOBALID``,
+    ``SUBMITIT_LOCAL_LOCALID`` and ``SUBMITIT_LOCAL_JOB_ID`` (the controller's pid, the same for every task of the
+    job): one machine, so the master is 127.0.0.1 and the port comes from the job id, as for SLURM.
+
+    Returns:
+        The variables; None for a one-task job.
+
+    Raises:
+        SlurmEnvironmentError: a variable needed is missing or malformed.
+    """
+    world = _integer(environ, "SUBMITIT_LOCAL_NTASKS")
+    if world is None or world <= 1:
+        return None
+    job = _required(environ, "SUBMITIT_LOCAL_JOB_ID", started_by="submitit's local executor")
+    return {
+        "RANK": str(_required(environ, "SUBMITIT_LOCAL_GLOBALID", started_by="submitit's local executor")),
+        "LOCAL_RANK": str(_required(environ, "SUBMITIT_LOCAL_LOCALID", started_by="submitit's local executor")),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),  # submitit's local executor runs one node
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or "127.0.0.1",
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(PORT_BASE + job % PORT_SPAN),
     }
 
 
@@ -162,8 +251,8 @@ def _integer(environ: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
-def _required(environ: Mapping[str, str], name: str) -> int:
+def _required(environ: Mapping[str, str], name: str, *, started_by: str = "srun") -> int:
     value = _integer(environ, name)
     if value is None:
-        raise SlurmEnvironmentError(f"{name} is not set: is this process a task started by srun?")
+        raise SlurmEnvironmentError(f"{name} is not set: is this process a task started by {started_by}?")
     return value

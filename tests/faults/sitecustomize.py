@@ -6,6 +6,11 @@ Python imports ``sitecustomize`` at start-up, before ``pipeline``; this one patc
 - ``oom:<rank>:<max samples>``: that rank's forward and backward raise CUDA's out-of-memory error for any
   micro-batch larger than ``max samples`` (a card that fits that many), every time.
 - ``sigterm:<rank>:<step>``: that rank sends itself SIGTERM once, as it finishes ``step``.
+- ``oom_backward:<rank>:<step>``: that rank's overlapped backward of ``step`` (the all-reduce inside it) raises
+  CUDA's out-of-memory error when it reaches the first parameter's gradient, the last one backward computes.
+- ``sigterm-torchrun:<rank>:<step>``: as that rank finishes ``step``, it sends SIGTERM to its torchrun (its parent
+  process, one "node" of a multi-node job) and waits until torchrun has passed the signal back to it, so that the
+  job is still training when the stop arrives.
 """
 
 from __future__ import annotations
@@ -42,3 +47,32 @@ if FAULT and RANK is not None:
                     os.kill(os.getpid(), signal.SIGTERM)
 
             loop.LossWindow.add = add
+        elif kind == "oom_backward":
+            from pipeline import overlap
+
+            real_backward = overlap.backward_reduced
+
+            def out_of_memory(grad):  # type: ignore[no-untyped-def]
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+            def backward_reduced(model, loss, *, step, **kwargs):  # type: ignore[no-untyped-def]
+                if step == int(value):
+                    next(model.parameters()).register_hook(out_of_memory)
+                return real_backward(model, loss, step=step, **kwargs)
+
+            overlap.backward_reduced = backward_reduced
+        elif kind == "sigterm-torchrun":
+            import time
+
+            real_add_ = loop.LossWindow.add
+
+            def add_(self, loss, samples, step):  # type: ignore[no-untyped-def]
+                real_add_(self, loss, samples, step)
+                if step == int(value):
+                    os.kill(os.getppid(), signal.SIGTERM)
+                    stop = signal.getsignal(signal.SIGTERM).__self__  # the run's StopRequests, which torchrun signals
+                    deadline = time.monotonic() + 60
+                    while stop.signum is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
+
+            loop.LossWindow.add = add_
