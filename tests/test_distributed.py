@@ -17,10 +17,11 @@ from mlflow import MlflowClient
 from pipeline import distributed
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
-from pipeline.distributed import DistributedError, Launch, Solo, launch_from, rank_metrics
+from pipeline.distributed import DistributedError, Launch, Solo, launch_from
 from pipeline.loop import SOLO, LossWindow, TrainState, train_epoch
 from pipeline.memory import MicroBatcher
 from pipeline.precision import PrecisionPolicy
+from pipeline.record import rank_metrics
 from pipeline.timing import WallTimer
 from pipeline.train import train
 
@@ -282,6 +283,11 @@ def test_two_ranks_record_one_run_and_end_with_the_one_process_weights(
         run.data.metrics
     )
     assert "distributed 2 ranks over gloo, batch 16 per rank, 32 in all" in proc.stdout
+    assert "FutureWarning" not in proc.stdout + proc.stderr  # no deprecated argument to DDP: no warning per rank
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
+        run.info.run_id, "time/allreduce_ms"
+    )
+    assert [m.step for m in history] == list(range(2, STEPS + 1, 2)) and all(m.value > 0 for m in history)
     assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)
 
 
@@ -359,6 +365,7 @@ def test_the_quiet_torchrun_ends_a_stop_in_one_line_and_the_signals_exit_status(
     assert exit_.value.code == 143 and seen == [["--standalone", "--nproc_per_node=2", "-m", "pipeline", "device=cpu"]]
     err = capsys.readouterr().err
     assert err.startswith("torchrun stopped by SIGTERM: every rank was passed the signal") and err.count("\n") == 1
+
 
 # --- SLURM's one GPU per task; two torchrun "nodes" on one machine ----------------------------------------------
 
@@ -488,3 +495,130 @@ class OverlappingRanks(OtherRanks):
     def reduce_in_backward(self, model: torch.nn.Module, loss: torch.Tensor, *, step: int, micro: int) -> None:
         self.reduced += 1
         loss.backward()
+
+
+def test_after_the_first_step_the_agreement_comes_before_the_backward_that_all_reduces() -> None:
+    alone, together = _state(8), _state(8)
+    _epoch(alone, SOLO)
+    group = OverlappingRanks(together.model)
+    _epoch(together, group)
+    assert group.averaged == 1 and group.reduced == 3  # the first step by hand, the others inside backward
+    assert group.backward_before_agreement == [True, False, False, False]
+    for a, b in zip(alone.model.parameters(), together.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_out_of_memory_elsewhere_on_an_overlapped_step_replays_it_by_hand_then_overlaps_again() -> None:
+    alone, together = _state(8), _state(8)
+    _epoch(alone, SOLO)
+    group = OverlappingRanks(together.model, fail_on={3})  # step 3's agreement: another rank ran out of memory
+    stats = _epoch(together, group)
+    assert stats.steps == 4 and together.micro.micro_batch == 4 and [e.step for e in together.micro.events] == [3]
+    # step 3 replayed by hand; step 4 in two micro-batches, the first one's backward local, the last one's held
+    assert group.backward_before_agreement == [True, False, False, True, True]
+    assert (group.averaged, group.reduced) == (2, 2)  # steps 1 and 3 (the replay) by hand, 2 and 4 overlapped
+    for a, b in zip(alone.model.parameters(), together.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # the replay's micro-batches sum to the whole batch's gradients
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A real process group of one rank (Gloo): DDP's reducer, its hooks and the job's store, in this process."""
+    from pipeline.config import DeviceConfig
+    from servers import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    group = distributed.Group(Launch(0, 0, 1))
+    group.join(DeviceConfig("cpu"))
+    yield group
+    group.close(clean=False)
+
+
+def test_averaging_by_hand_sends_every_trainable_parameter_with_zeros_for_a_missing_gradient(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(2, 2)})
+    wrapped = one_rank.wrap(model)
+    model["used"](torch.randn(4, 3)).sum().backward()  # a step whose forward used one layer on this rank
+    sent: list[int] = []
+    real = torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(t.numel()) or real(t, *a, **k))
+    one_rank.average_gradients(wrapped)
+    assert sent == [8 + 6]  # 2x3 + 2 used, 2x2 + 2 unused: the same sizes on every rank, whatever it used
+    assert torch.equal(model["unused"].weight.grad, torch.zeros(2, 2))
+
+
+def test_an_overlapped_step_records_its_all_reduce_time_and_a_one_process_run_records_none(one_rank: Any) -> None:
+    state = _state(8)
+    state.model = one_rank.wrap(state.model)
+    state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
+    logged: list[dict[str, float]] = []
+    torch.manual_seed(1)
+    batches = [(torch.randint(0, 255, (8, 1, 4, 4), dtype=torch.uint8), torch.randint(0, 4, (8,))) for _ in range(4)]
+    train_epoch(
+        state,
+        batches,
+        device=torch.device("cpu"),
+        policy=PrecisionPolicy("cpu", None),
+        prepare=lambda x: x.float() / 255,
+        log_every=2,
+        max_steps=4,
+        log=lambda metrics, step: logged.append(metrics),
+        timer=WallTimer(),
+        group=one_rank,
+    )
+    assert [sorted(m) for m in logged] == [["time/allreduce_ms", "train/loss"]] * 2
+    assert all(m["time/allreduce_ms"] >= 0 for m in logged) and one_rank.step_metrics() == {}  # read once
+    assert Solo().step_metrics() == {}
+
+
+def test_an_out_of_memory_error_inside_an_overlapped_backward_leaves_the_job_with_one_line_saying_what_to_do(
+    one_rank: Any,
+) -> None:
+    model = one_rank.wrap(torch.nn.Linear(3, 2))
+    model.module.weight.register_hook(lambda grad: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    with one_rank.no_sync(model):
+        loss = model(torch.randn(4, 3)).sum()
+    with pytest.raises(DistributedError) as failed:
+        one_rank.reduce_in_backward(model, loss, step=7, micro=16)
+    message = str(failed.value)
+    assert "rank 0 ran out of memory in the backward of step 7 (micro-batch 16)" in message
+    assert "loader.batch_size" in message and "oom.micro_batch_size smaller than 16" in message
+    assert not torch.distributed.is_initialized()  # the others' all-reduce fails now, not at the timeout
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_error_in_one_ranks_overlapped_backward_ends_the_job_failed_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 runs out of memory inside step 3's backward while rank 0 is already in the all-reduce: rank 1 leaves
+    the job, rank 0's all-reduce fails at once, and the run is FAILED with the reason (the group's timeout is 10
+    minutes: a hang would fail this test by its own timeout)."""
+    proc = torchrun(tmp_path, "trainer.max_steps=6", fault="oom_backward:1:3", timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    run = only_run(tmp_path)
+    assert run.info.status == "FAILED"
+    error = run.data.tags["error"]
+    assert "rank 1 ran out of memory in the backward of step 3 (micro-batch 16)" in error, error
+    assert "loader.batch_size" in error
+    assert re.search(r"error: rank 1 ran out of memory in the backward of step 3", proc.stderr), output[-4000:]
+
+
+def test_an_agreement_broken_by_a_rank_that_left_raises_the_reason_it_posted(
+    one_rank: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NCCL a peer's backward does not wait for the all-reduce: it meets the departed rank at the next agreement."""
+    from pipeline.overlap import FAILURE_KEY
+
+    torch.distributed.distributed_c10d._get_default_store().set(FAILURE_KEY, "rank 1 ran out of memory in the backward")
+
+    def closed(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:41859")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", closed)
+    with pytest.raises(DistributedError, match="^rank 1 ran out of memory in the backward$"):
+        one_rank.agree(failed=False, stop=0)

@@ -319,7 +319,20 @@ def test_micro_batch_config_is_validated(make_cfg: MakeCfg) -> None:
 
 def test_micro_batcher_chunks_cover_the_batch_exactly() -> None:
     micro = MicroBatcher(batch_size=10, micro_batch=4)
-    assert micro.chunks(10) == [(0, 4), (4, 8), (8, 10)] and micro.chunks(3) == [(0, 3)]
+    assert micro.chunks(10) == [(0, 4), (4, 7), (7, 10)] and micro.chunks(3) == [(0, 3)]  # 4 + 3 + 3, not 4 + 4 + 2
+
+
+def test_micro_batches_are_as_equal_as_tensor_split_makes_them_and_never_larger_than_asked() -> None:
+    """100 at 32 was 32 + 32 + 32 + 4: a 4-sample BatchNorm batch and one more shape for torch.compile."""
+    assert MicroBatcher(100, 32).chunks(100) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    assert MicroBatcher(1438, 16).pieces(30) == 2 and MicroBatcher(1438, 16).chunks(30) == [(0, 15), (15, 30)]
+    for n in range(1, 70):
+        for size in range(1, 40):
+            spans = MicroBatcher(n, size).chunks(n)
+            lengths = [stop - start for start, stop in spans]
+            assert spans[0][0] == 0 and spans[-1][1] == n and sum(lengths) == n
+            assert max(lengths) - min(lengths) <= 1 and len(spans) == MicroBatcher(n, size).pieces(n)
+            assert max(lengths) <= size or min(lengths) >= 2  # larger only to avoid a one-sample micro-batch
 
 
 def test_out_of_memory_at_the_minimum_later_on_keeps_the_last_checkpoint_loadable(
@@ -392,8 +405,8 @@ def test_out_of_memory_shrinking_stops_at_two_samples_for_a_model_with_batchnorm
 
 
 def test_micro_batches_never_leave_a_one_sample_tail() -> None:
-    assert MicroBatcher(1437, 718).chunks(1437) == [(0, 718), (718, 1078), (1078, 1437)]
-    assert MicroBatcher(5, 2).chunks(5) == [(0, 2), (2, 5)]  # too few to split in two of 2: one of 3
+    assert MicroBatcher(1437, 718).chunks(1437) == [(0, 479), (479, 958), (958, 1437)]  # balanced: 3 of 479
+    assert MicroBatcher(5, 2).chunks(5) == [(0, 3), (3, 5)]  # too few to split in three: two, the larger first
     assert MicroBatcher(3, 1).chunks(3) == [(0, 1), (1, 2), (2, 3)]  # a micro-batch of 1 was asked for
 
 

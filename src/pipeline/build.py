@@ -106,7 +106,8 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
     amp_probe = check_cpu_amp(policy, model, first_prepared)
     parameters = count_parameters(model)
     model = group.wrap(model)
-    if t.compile:
+    if t.compile:  # around DDP's wrapper, not inside it: dynamo's DDPOptimizer then splits the graph at DDP's buckets,
+        # so each bucket's all-reduce starts while backward still computes (one compiled backward would hold all back)
         model = compile_model(model, mode=t.compile_mode)  # compiles lazily: the first step pays
     optimizer = build_optimizer(
         t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay

@@ -10,11 +10,10 @@ on the CPU). The loop talks to either through the same few calls:
   shrinks its micro-batch and replays the step), and did any rank get a stop request (then every rank
   stops after this same step). A NaN loss is agreed too: the logged loss is the mean over ranks, so
   every rank sees the same NaN at the same step.
-- ``average_gradients(model)``: the step's one gradient all-reduce. Every micro-batch's backward runs
-  under DDP's ``no_sync()`` and the gradients are averaged once, after ``agree``: a rank that ran out
-  of memory mid-backward has then started no collective, so no rank can wait forever in an all-reduce
-  for a partner that is replaying its step. The price is the overlap of backward with communication
-  (not yet measured on GPUs: CI has none).
+- ``average_gradients(model)`` and ``reduce_in_backward(model, loss, ...)``: the step's gradient all-reduce,
+  by hand after ``agree`` while the micro-batch size is being found (no rank has started a collective when
+  another runs out of memory, so all can replay the step), then overlapped with the last micro-batch's backward
+  by DDP's own bucketed hooks, with ``agree`` taken just before that backward; see ``pipeline.overlap``.
 - ``sum(tensor)`` (evaluation: sums, not per-rank means of Python floats), ``gather(obj)`` (rank 0
   records everyone's utilisation and step-time shares), ``share(fn)`` (rank 0 decides, e.g. which
   checkpoint to resume, and every rank gets the answer or the same error).
@@ -25,7 +24,6 @@ Rank 0 alone owns the MLflow run and writes checkpoints; every rank loads them.
 from __future__ import annotations
 
 import datetime
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -42,7 +40,6 @@ from pipeline.errors import PipelineError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-BUCKET_BYTES = 25 * 2**20  # gradients all-reduced per call: DDP's default bucket size
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that never answers a collective ends the run instead of hanging it
 
 
@@ -117,8 +114,16 @@ class Solo:
     def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
         return failed, stop
 
+    can_overlap = False  # DDP's all-reduce can run inside backward (a one-process run has none)
+
     def average_gradients(self, model: nn.Module) -> None:
         pass
+
+    def reduce_in_backward(self, model: nn.Module, loss: torch.Tensor, *, step: int, micro: int) -> None:
+        loss.backward()
+
+    def step_metrics(self) -> dict[str, float]:  # time/allreduce_ms: a one-process run has no all-reduce
+        return {}
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -153,6 +158,7 @@ class Group(Solo):
         self.is_main = self.rank == 0
         self.backend = ""
         self._control: Any = None  # the Gloo group for decisions (the default group when it is Gloo already)
+        self._clock: Any = None  # pipeline.overlap.CommClock, made with the DDP wrapper
 
     def join(self, device: DeviceConfig) -> None:
         """Join the process group before anything is built: NCCL when the run is to use CUDA, else Gloo; the
@@ -182,19 +188,14 @@ class Group(Solo):
             raise DistributedError(f"the job joined with NCCL but this rank resolved device {device}")
         return device
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP around the model. Buffers are not broadcast in forward (that is a collective a replayed step
-        would unbalance): BatchNorm's running statistics are taken from rank 0 before evaluation instead."""
-        from torch.nn.parallel import DistributedDataParallel
+    can_overlap = True
 
-        device = next(model.parameters()).device
-        ids = [device.index] if device.type == "cuda" else None
-        # torch >= 2.14 names the forward pass's sync forward_sync_buffers (and warns at broadcast_buffers); it
-        # still syncs once at the wrap, where every rank is anyway: harmless
-        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        return DistributedDataParallel(
-            model, device_ids=ids, **{"forward_sync_buffers" if newer else "broadcast_buffers": False}
-        )
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP around the model, its all-reduce timed (``pipeline.overlap.wrap``)."""
+        from pipeline import overlap
+
+        self._clock = overlap.CommClock(next(model.parameters()).device)
+        return overlap.wrap(model, world_size=self.world_size, clock=self._clock)
 
     def no_sync(self, model: nn.Module) -> Any:
         inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around DDP
@@ -205,20 +206,32 @@ class Group(Solo):
         import torch.distributed as dist
 
         flags = torch.tensor([int(failed), stop], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        except RuntimeError as err:  # "connection closed": a rank that left says why (pipeline.overlap)
+            from pipeline.overlap import posted_failure
+
+            left = posted_failure()
+            if left is None:
+                raise
+            raise left from err
         return bool(flags[0]), int(flags[1])
 
     def average_gradients(self, model: nn.Module) -> None:
-        import torch.distributed as dist
+        """Every trainable parameter's gradient averaged over the ranks, after the step's agreement."""
+        from pipeline import overlap
 
-        for bucket in _buckets([p.grad for p in model.parameters() if p.grad is not None]):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat)
-            flat.div_(self.world_size)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        overlap.average_by_hand(model, world_size=self.world_size, clock=self._clock)
+
+    def reduce_in_backward(self, model: nn.Module, loss: torch.Tensor, *, step: int, micro: int) -> None:
+        """``loss.backward()``, DDP's all-reduce overlapped; an error ends the job cleanly (``pipeline.overlap``)."""
+        from pipeline import overlap
+
+        overlap.backward_reduced(model, loss, clock=self._clock, rank=self.rank, step=step, micro=micro)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``time/allreduce_ms``: the all-reduce time backward did not hide, per step since the last logged one."""
+        return self._clock.metrics() if self._clock is not None else {}
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -296,20 +309,6 @@ class Group(Solo):
         )
 
 
-def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Gradients in groups of one dtype and device, about ``BUCKET_BYTES`` each."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or size >= BUCKET_BYTES):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-    if bucket:
-        yield bucket
-
-
 def cuda_index(local_rank: int, environ: Mapping[str, str] | None = None) -> int:
     """The CUDA device this rank trains on: ``LOCAL_RANK``, one GPU per process of the node; or 0 where each task of
     a SLURM job step sees one GPU of its own (``--gpus-per-task=1``, ``--gpu-bind=single:1``: SLURM sets
@@ -355,27 +354,6 @@ def joined(device: DeviceConfig, environ: Mapping[str, str] | None = None) -> It
             clean = True
         finally:
             group.close(clean=clean)
-
-
-def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
-    """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
-    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
-    if utilisation.gpu_util_mean_pct is not None:
-        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
-    return view
-
-
-def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Rank 0's record of every rank's epoch: ``ranks/<r>/<name>`` for each, the slowest rank's data wait, and
-    the job's throughput (the sum of the ranks')."""
-    if len(per_rank) <= 1:
-        return {}
-    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
-    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
-    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
-    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
-    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
-    return metrics
 
 
 @contextmanager

@@ -104,7 +104,9 @@ def train_epoch(
     ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
 
     Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
-    (``group.agree``, one small collective), then the gradients are averaged once; see ``pipeline.distributed``.
+    (``group.agree``, one small collective), before any gradient is all-reduced: after it by hand while the
+    micro-batch size is being found, then inside the last micro-batch's backward (``pipeline.overlap``); every
+    logged step records ``time/allreduce_ms``.
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
@@ -123,10 +125,15 @@ def train_epoch(
             images = augment(images, state.step + 1)
         n = labels.shape[0]
         while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
-            failure = None
+            # DDP, once a step has fit: the last micro-batch's backward is held back and runs after the agreement,
+            # with the all-reduce inside it; until then (and in one process) every backward runs here
+            overlap = group.can_overlap and state.micro.found
+            failure, last = None, None
             try:
-                with group.no_sync(model):  # no collective inside backward: a failed rank cannot strand the others
-                    loss = forward_backward(state, images, labels, policy=policy, prepare=prepare)
+                with group.no_sync(model):  # no collective before the agreement: a failed rank strands no other
+                    loss, last = forward_backward(
+                        state, images, labels, policy=policy, prepare=prepare, hold_last=overlap
+                    )
             except Exception as err:
                 failure = state.micro.diagnose(err, device)  # here, while the failed step's memory is held
                 if failure is None:
@@ -137,6 +144,7 @@ def train_epoch(
             failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
             if not failed_somewhere:
                 break
+            last = None  # the held micro-batch's activations are freed with the rest of the attempt
             if stopped:  # a smaller retry could take minutes: the step is abandoned, a resume replays it
                 logger.warning(
                     "step %d abandoned: out of memory with micro-batch %d and a stop was requested; stopping after "
@@ -155,7 +163,11 @@ def train_epoch(
             log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
         if failed_somewhere:  # abandoned (above): not counted, nothing applied, the epoch ends at the last step
             break
-        group.average_gradients(model)
+        if last is not None:  # no error can be replayed past here: one inside ends the job cleanly on every rank
+            group.reduce_in_backward(model, scaler.scale(last), step=state.step + 1, micro=state.micro.micro_batch)
+        else:
+            group.average_gradients(model)
+        state.micro.found = True
         scaler.step(optimizer)
         scaler.update()
         if scaler.is_enabled():  # float16: the scaler already synced this step; a lower scale = a skipped step
@@ -168,7 +180,7 @@ def train_epoch(
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
         if state.step % log_every == 0:
-            log({"train/loss": window.close()}, state.step)  # host sync point; raises on NaN/inf
+            log({"train/loss": window.close(), **group.step_metrics()}, state.step)  # host sync; raises on NaN/inf
         if checkpoint_every and state.step % checkpoint_every == 0:
             window.verify()  # host sync point; raises on NaN/inf before anything is written
             save_checkpoint()
@@ -272,27 +284,36 @@ def forward_backward(
     *,
     policy: PrecisionPolicy,
     prepare: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+    hold_last: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of the batch's mean loss, summed over micro-batches; returns that loss, detached.
 
     Each micro-batch's loss is weighted by its share of the batch, so the gradients equal the
-    whole batch's (up to float rounding) and the optimizer step is unchanged.
+    whole batch's (up to float rounding) and the optimizer step is unchanged. With ``hold_last``, the last
+    micro-batch's backward is not run: its weighted loss is returned second (else None), for DDP to run it with
+    the all-reduce overlapped once the ranks have agreed that the step goes on.
     """
     state.optimizer.zero_grad(set_to_none=True)
     n = labels.shape[0]
-    chunks = state.micro.chunks(n)
-    if len(chunks) == 1:  # the common case: no accumulation, no extra ops
+    pieces = state.micro.pieces(n)
+    if pieces == 1:  # the common case: no accumulation, no extra ops
         with policy.autocast():
             loss = F.cross_entropy(state.model(prepare(images)), labels)
+        if hold_last:
+            return loss.detach(), loss
         state.scaler.scale(loss).backward()
-        return loss.detach()
+        return loss.detach(), None
     total = torch.zeros((), device=labels.device)
-    for start, stop in chunks:
+    for index, (part, part_labels) in enumerate(
+        zip(images.tensor_split(pieces), labels.tensor_split(pieces), strict=True)
+    ):
         with policy.autocast():
-            loss = F.cross_entropy(state.model(prepare(images[start:stop])), labels[start:stop]) * ((stop - start) / n)
-        state.scaler.scale(loss).backward()
+            loss = F.cross_entropy(state.model(prepare(part)), part_labels) * (part_labels.shape[0] / n)
         total += loss.detach()
-    return total
+        if hold_last and index == pieces - 1:
+            return total, loss
+        state.scaler.scale(loss).backward()
+    return total, None
 
 
 @torch.no_grad()

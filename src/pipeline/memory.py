@@ -11,7 +11,7 @@ own, so an out-of-memory error there never shrinks the training micro-batch.
 Accumulation gives the whole batch's gradients only for models whose layers treat samples
 independently: BatchNorm normalises each micro-batch with its own statistics, so such runs are
 tagged (``batchnorm_note``); and since it cannot normalise one sample, such a model's micro-batch
-never shrinks below 2 and ``chunks`` leaves no one-sample tail. An out-of-memory error the fallback
+never shrinks below 2 and ``pieces`` makes no micro-batch of one sample. An out-of-memory error the fallback
 does not handle (making the model, ``oom.enabled=false``) ends the run as ``OutOfMemory``, one line.
 """
 
@@ -143,6 +143,7 @@ class MicroBatcher:
     min_micro_batch: int = 1
     enabled: bool = True
     events: list[OomEvent] = field(default_factory=list)
+    found: bool = False  # a training step has completed at this micro-batch size (DDP may then overlap its all-reduce)
 
     @classmethod
     def from_config(cls, cfg: OomConfig, *, batch_size: int, least: int = 1) -> MicroBatcher:
@@ -173,6 +174,7 @@ class MicroBatcher:
             OutOfMemoryAtMinimum: the micro-batch is already at ``min_micro_batch``.
         """
         discard_attempt(optimizer=optimizer, scaler=scaler, device=device)
+        self.found = False
         memory_mb = failure.memory_mb
         event = OomEvent(step, self.micro_batch, memory_mb, failure.message)
         self.events.append(event)
@@ -194,18 +196,24 @@ class MicroBatcher:
         )
         return event
 
-    def chunks(self, n: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each micro-batch of an ``n``-sample batch.
+    def pieces(self, n: int) -> int:
+        """How many micro-batches an ``n``-sample batch takes: as few as fit ``micro_batch`` each, split as evenly
+        as ``torch.tensor_split`` does (100 at 32 -> 4 of 25, not 32/32/32/4: no small tail that BatchNorm
+        normalises on its own and ``torch.compile`` compiles once more).
 
-        A last micro-batch of one sample (BatchNorm cannot train on it) is avoided unless micro-batches of one were
-        asked for: the last two share their samples (718 + 1 -> 360 + 359 for 1,437 by 718), or become one of 3.
+        A micro-batch of one sample (BatchNorm cannot train on it) is avoided unless micro-batches of one were
+        asked for: then there is one micro-batch fewer, each a little over ``micro_batch`` (5 by 2 -> 3 + 2).
         """
-        spans = [(start, min(start + self.micro_batch, n)) for start in range(0, n, self.micro_batch)]
-        if len(spans) > 1 and self.micro_batch > 1 and spans[-1][1] - spans[-1][0] == 1:
-            start = spans[-2][0]
-            half = (n - start) // 2
-            spans[-2:] = [(start, n - half), (n - half, n)] if half >= 2 else [(start, n)]
-        return spans
+        count = -(-n // self.micro_batch)
+        if count > 1 and self.micro_batch > 1 and n // count < 2:
+            count = max(1, n // 2)
+        return count
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each micro-batch of an ``n``-sample batch: the spans ``tensor_split`` cuts into
+        ``pieces(n)`` (the larger ones first)."""
+        spans = torch.arange(n).tensor_split(self.pieces(n))
+        return [(int(span[0]), int(span[-1]) + 1) for span in spans]
 
 
 def discard_attempt(

@@ -157,3 +157,24 @@ def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
     mean = sum(b.step_s for b in steady) / steps
     compiling = breakdowns[0].first_step_s + sum(b.compile_steps_s for b in breakdowns)
     return max(compiling - (1 + sum(b.compile_steps for b in breakdowns)) * mean, 0.0)
+
+
+def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
+    """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
+    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
+    if utilisation.gpu_util_mean_pct is not None:
+        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
+    return view
+
+
+def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's record of every rank's epoch: ``ranks/<r>/<name>`` for each, the slowest rank's data wait, and
+    the job's throughput (the sum of the ranks')."""
+    if len(per_rank) <= 1:
+        return {}
+    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
+    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
+    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
+    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
+    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
+    return metrics

@@ -23,6 +23,7 @@ from pipeline.memory import out_of_memory_is_an_error
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.provenance import run_tags, sweep_run_name
+from pipeline.record import rank_metrics, rank_view
 from pipeline.secrets import env_values, mask_overrides, mask_tree
 from pipeline.stopping import Stopped, StopRequests, signal_name
 from pipeline.store import check_reachable
@@ -300,7 +301,7 @@ def run_epoch(
             group=setup.group,
         )
     utilisation = sampler.summary(since=since)
-    ranks = distributed.rank_metrics(setup.group.gather(distributed.rank_view(stats.breakdown, utilisation)))
+    ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
     record = EpochRecord(
         epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown, ranks
     )
