@@ -245,8 +245,9 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     jobs are recorded without a parent.
     """
     from pipeline.provenance import source_tags  # imports torch: only here, once per sweep
+    from pipeline.runs import create_run
     from pipeline.secrets import env_keys
-    from pipeline.store import absolute, check_reachable, connect, retrying
+    from pipeline.store import absolute, check_reachable, connect
 
     experiment = str(config.tracking.experiment)
     if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job
@@ -269,7 +270,7 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     }
     try:
         client, experiment_id = connect(uri, experiment)
-        run = retrying(lambda: client.create_run(experiment_id, run_name=mask_text(name)[:250], tags=tags))
+        run = create_run(client, experiment_id, run_name=mask_text(name)[:250], tags=tags)  # once, answer lost or not
     except Exception as err:  # the jobs can still run and be recorded, only not nested
         log.warning(
             "the sweep's parent run could not be created in %s (%s: %s); its jobs are recorded without one",
@@ -599,6 +600,7 @@ def _failed_run(
         return None, None
     from mlflow import MlflowClient
 
+    from pipeline.runs import create_run
     from pipeline.store import retrying
 
     client = MlflowClient(sweep.uri)
@@ -617,7 +619,7 @@ def _failed_run(
             "error": error,
             "overrides": shlex.join(mask_overrides(job.overrides)) or "(none)",
         }
-        run = retrying(lambda: client.create_run(sweep.experiment_id, run_name=name, tags=tags))
+        run = create_run(client, sweep.experiment_id, run_name=name, tags=tags)
         retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
     except Exception as err:  # the outcome file and the list at the end still record the failure
         log.warning(

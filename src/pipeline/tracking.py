@@ -54,6 +54,7 @@ from pipeline.config import TrackingConfig
 from pipeline.data.sources import DataSpec
 from pipeline.errors import ConfigError
 from pipeline.heartbeat import Heartbeat
+from pipeline.runs import create_run
 from pipeline.secrets import MASK, mask_text, mask_value
 from pipeline.stopping import Stopped
 from pipeline.store import absolute, connect, retrying, server_down, ui_base
@@ -468,7 +469,7 @@ def open_tracker(
     all_tags = {k: mask_value(k, str(v), values=secret_values) for k, v in (tags or {}).items()}
     if run_id is None:
         name = mask_text(run_name, secret_values)
-        run_id = retrying(lambda: client.create_run(experiment_id, run_name=name, tags=all_tags)).info.run_id
+        run_id = create_run(client, experiment_id, run_name=name, tags=all_tags).info.run_id  # once, answer lost or not
     else:
         run = retrying(lambda: client.get_run(run_id))
         experiment_id = run.info.experiment_id
