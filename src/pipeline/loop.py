@@ -104,9 +104,9 @@ def train_epoch(
     ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
 
     Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
-    (``group.agree``, one small collective), before any gradient is all-reduced: after it by hand while the
-    micro-batch size is being found, then inside the last micro-batch's backward (``pipeline.overlap``); every
-    logged step records ``time/allreduce_ms``.
+    (``group.agree``, one small collective): while the micro-batch size is being found, before any gradient is
+    all-reduced, then by hand; later, issued before the last micro-batch's backward, which all-reduces the
+    gradients (``pipeline.overlap``), and read after it. Every logged step records ``time/allreduce_ms``.
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
@@ -141,7 +141,15 @@ def train_epoch(
                         raise recompile_limit_error(state.step + 1) from err
                     raise
             # outside the except block: the traceback, and the failed step's tensors with it, are gone
-            failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
+            if overlap:  # the agreement is issued now and read after the backward that all-reduces: its latency
+                # hides behind that backward; a rank that failed sends zero gradients, so every rank meets the same
+                # collectives in the same order, and the agreement then discards the step everywhere
+                agreed = group.agree_async(failed=failure is not None, stop=stop_signal())
+                held = scaler.scale(last) if last is not None and failure is None else None
+                group.reduce_in_backward(model, held, step=state.step + 1, micro=state.micro.micro_batch)
+                failed_somewhere, stopped = agreed()
+            else:
+                failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
             if not failed_somewhere:
                 break
             last = None  # the held micro-batch's activations are freed with the rest of the attempt
@@ -163,9 +171,7 @@ def train_epoch(
             log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
         if failed_somewhere:  # abandoned (above): not counted, nothing applied, the epoch ends at the last step
             break
-        if last is not None:  # no error can be replayed past here: one inside ends the job cleanly on every rank
-            group.reduce_in_backward(model, scaler.scale(last), step=state.step + 1, micro=state.micro.micro_batch)
-        else:
+        if not overlap:  # the micro-batch is being found: averaged by hand, after the agreement
             group.average_gradients(model)
         state.micro.found = True
         scaler.step(optimizer)

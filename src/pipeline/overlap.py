@@ -9,9 +9,12 @@
   gradients after the step's agreement. A rank that runs out of memory has started no collective, so every rank
   can shrink and replay the step.
 - **Overlapped, on every later step**: micro-batches 1..k-1 and the last one's forward still run under
-  ``no_sync()``; the agreement (out of memory anywhere? a stop?) is taken between that forward and its backward,
-  and ``backward_reduced`` arms DDP's reducer, whose bucketed hooks all-reduce each bucket as soon as backward has
-  produced it: communication hides behind backward, as in the textbook DDP loop. An error inside that backward can
+  ``no_sync()``; the agreement (out of memory anywhere? a stop?) is issued between that forward and its backward
+  and read after it, and ``backward_reduced`` arms DDP's reducer, whose bucketed hooks all-reduce each bucket as
+  soon as backward has produced it: communication, the agreement's included, hides behind backward, as in the
+  textbook DDP loop. A rank that ran out of memory before that backward backpropagates zeros instead, so every
+  rank meets the same collectives; the agreement then discards the step everywhere and the ranks replay it smaller,
+  by hand. An error inside that backward can
   no longer be replayed (the other ranks are already in the all-reduce): the failing rank posts what happened to
   the job's key-value store and leaves the process group, so the others' collective fails at once (not at the
   group's 10-minute timeout); each rank raises one ``DistributedError`` naming the rank, the step and the remedy,
@@ -137,10 +140,12 @@ def ddp_of(model: nn.Module) -> Any:
 
 
 def backward_reduced(
-    model: nn.Module, loss: torch.Tensor, *, clock: CommClock, rank: int, step: int, micro: int
+    model: nn.Module, loss: torch.Tensor | None, *, clock: CommClock, rank: int, step: int, micro: int
 ) -> None:
     """``loss.backward()`` with DDP's all-reduce running alongside, for a last micro-batch whose forward ran under
-    ``no_sync()`` (so that the agreement could come between the two).
+    ``no_sync()`` (so that the agreement could be issued between the two). ``loss`` None: this rank failed the
+    step (out of memory before this backward); it backpropagates zeros to every parameter, so that it takes part in
+    the same all-reduces as the others, and the agreement then discards the step on every rank.
 
     Raises:
         DistributedError: this rank ran out of memory in the backward, or another rank failed in its own (every
@@ -151,6 +156,8 @@ def backward_reduced(
     ddp.reducer.prepare_for_forward()
     ddp.reducer.prepare_for_backward([])
     ddp.require_forward_param_sync = True
+    if loss is None:  # one element of each parameter, times zero: every gradient hook fires, little memory is used
+        loss = torch.stack([p.reshape(-1)[0] for p in model.parameters() if p.requires_grad]).sum() * 0.0
     try:
         loss.backward()
     except Exception as err:
@@ -159,6 +166,11 @@ def backward_reduced(
             raise
         raise failure from err
     clock.end()
+    # DDP re-orders its buckets once, after its first synced backward, with a broadcast from rank 0 that it runs at
+    # the start of the next forward. A rank that fails a step before its model's forward (the input's
+    # preparation ran out of memory) would skip that broadcast while the others wait in it: run it here, where
+    # every rank is, right after the backward they all took part in (a no-op from then on).
+    ddp.reducer._rebuild_buckets()
 
 
 def _leave(err: Exception, *, rank: int, step: int, micro: int) -> Exception:

@@ -3,8 +3,9 @@
 Python imports ``sitecustomize`` at start-up, before ``pipeline``; this one patches the loop only when
 ``PIPELINE_FAULT`` names a fault, and only on the rank it names:
 
-- ``oom:<rank>:<max samples>``: that rank's forward and backward raise CUDA's out-of-memory error for any
-  micro-batch larger than ``max samples`` (a card that fits that many), every time.
+- ``oom:<rank>:<max samples>[@<step>]``: that rank's forward and backward raise CUDA's out-of-memory error for any
+  micro-batch larger than ``max samples`` (a card that fits that many), every time, from ``step`` on (default 1:
+  the first step, where the micro-batch is being found; a later step is an overlapped one).
 - ``sigterm:<rank>:<step>``: that rank sends itself SIGTERM once, as it finishes ``step``.
 - ``oom_backward:<rank>:<step>``: that rank's overlapped backward of ``step`` (the all-reduce inside it) raises
   CUDA's out-of-memory error when it reaches the first parameter's gradient, the last one backward computes.
@@ -31,9 +32,10 @@ if FAULT and RANK is not None:
 
         if kind == "oom":
             real = loop.forward_backward
+            fits, _, first = value.partition("@")
 
             def forward_backward(state, images, labels, **kwargs):  # type: ignore[no-untyped-def]
-                if state.micro.micro_batch > int(value):
+                if state.micro.micro_batch > int(fits) and state.step + 1 >= int(first or 1):
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
                 return real(state, images, labels, **kwargs)
 
