@@ -494,10 +494,14 @@ class OverlappingRanks(OtherRanks):
         self.backward_before_agreement.append(any(p.grad is not None for p in self.model.parameters()))
         return super().agree(failed=failed, stop=stop)
 
-    def reduce_in_backward(self, model: torch.nn.Module, loss: torch.Tensor | None, *, step: int, micro: int) -> None:
+    def reduce_in_backward(
+        self, model: torch.nn.Module, loss: torch.Tensor | None, *, step: int, micro: int, failed: bool, stop: int
+    ) -> tuple[bool, int]:
         self.reduced += 1
+        answer = self.agree(failed=failed, stop=stop)  # noted before this rank's backward: as it is issued
         if loss is not None:
             loss.backward()
+        return answer
 
 
 def test_after_the_first_step_the_agreement_comes_before_the_backward_that_all_reduces() -> None:
@@ -588,7 +592,7 @@ def test_an_out_of_memory_error_inside_an_overlapped_backward_leaves_the_job_wit
     with one_rank.no_sync(model):
         loss = model(torch.randn(4, 3)).sum()
     with pytest.raises(DistributedError) as failed:
-        one_rank.reduce_in_backward(model, loss, step=7, micro=16)
+        one_rank.reduce_in_backward(model, loss, step=7, micro=16, failed=False, stop=0)
     message = str(failed.value)
     assert "rank 0 ran out of memory in the backward of step 7 (micro-batch 16)" in message
     assert "loader.batch_size" in message and "oom.micro_batch_size smaller than 16" in message
@@ -627,3 +631,32 @@ def test_an_agreement_broken_by_a_rank_that_left_raises_the_reason_it_posted(
     monkeypatch.setattr(torch.distributed, "all_reduce", closed)
     with pytest.raises(DistributedError, match="^rank 1 ran out of memory in the backward$"):
         one_rank.agree(failed=False, stop=0)
+
+
+def test_on_the_cpu_the_agreement_travels_in_the_last_buckets_all_reduce(one_rank: Any) -> None:
+    """One collective per overlapped step, not two: the flags ride in the last bucket, and the gradients that come
+    back are those DDP's own all-reduce gives."""
+    from pipeline.overlap import pack_agreement, read_agreement
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(3, 2)
+    model = one_rank.wrap(torch.nn.Linear(3, 2))
+    model.module.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 3)
+    calls: list[int] = []
+    real = torch.distributed.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    with one_rank.no_sync(model):
+        loss = model(x).sum()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.distributed, "all_reduce", counted)
+        assert one_rank.reduce_in_backward(model, loss, step=2, micro=4, failed=True, stop=15) == (True, 15)
+    assert calls == [8 + 66]  # 6 weights and 2 biases, and the agreement's flags: one all-reduce
+    plain(x).sum().backward()
+    for a, b in zip(plain.parameters(), model.module.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)  # one rank: the average is the gradient
+    assert read_agreement(pack_agreement(False, 0) + pack_agreement(False, 2) + pack_agreement(True, 15)) == (True, 15)

@@ -114,19 +114,17 @@ class Solo:
     def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
         return failed, stop
 
-    def agree_async(self, *, failed: bool, stop: int) -> Callable[[], tuple[bool, int]]:
-        """``agree``, issued now; the returned function reads its answer."""
-        answer = self.agree(failed=failed, stop=stop)
-        return lambda: answer
-
     can_overlap = False  # DDP's all-reduce can run inside backward (a one-process run has none)
 
     def average_gradients(self, model: nn.Module) -> None:
         pass
 
-    def reduce_in_backward(self, model: nn.Module, loss: torch.Tensor | None, *, step: int, micro: int) -> None:
+    def reduce_in_backward(
+        self, model: nn.Module, loss: torch.Tensor | None, *, step: int, micro: int, failed: bool, stop: int
+    ) -> tuple[bool, int]:
         if loss is not None:
             loss.backward()
+        return self.agree(failed=failed, stop=stop)
 
     def step_metrics(self) -> dict[str, float]:  # time/allreduce_ms: a one-process run has no all-reduce
         return {}
@@ -214,8 +212,8 @@ class Group(Solo):
 
     def agree_async(self, *, failed: bool, stop: int) -> Callable[[], tuple[bool, int]]:
         """``agree``, issued now (every rank issues it at the same point of the step, so collectives keep one order);
-        the returned function waits for the answer. An overlapped step reads it after its backward: the small
-        collective's latency (about 0.5 ms over Gloo on a busy 2-core machine) hides behind the all-reduce."""
+        the returned function waits for the answer. An overlapped CUDA step reads it after its backward, so the small
+        collective's latency hides behind backward."""
         import torch.distributed as dist
 
         flags = torch.tensor([int(failed), stop], dtype=torch.int64)
@@ -239,12 +237,19 @@ class Group(Solo):
 
         overlap.average_by_hand(model, world_size=self.world_size, clock=self._clock)
 
-    def reduce_in_backward(self, model: nn.Module, loss: torch.Tensor | None, *, step: int, micro: int) -> None:
-        """``loss.backward()``, DDP's all-reduce overlapped (None: this rank failed the step and sends zeros); an
-        error ends the job cleanly (``pipeline.overlap``)."""
+    def reduce_in_backward(
+        self, model: nn.Module, loss: torch.Tensor | None, *, step: int, micro: int, failed: bool, stop: int
+    ) -> tuple[bool, int]:
+        """``loss.backward()``, DDP's all-reduce overlapped (None: this rank failed the step and sends zeros), and the
+        step's agreement taken meanwhile (``agree``'s answer); an error ends the job cleanly (``pipeline.overlap``).
+        On the CPU the agreement travels in the last bucket's all-reduce; on CUDA it is issued on the Gloo group
+        before the backward and read after it, so no rank waits for its GPU to read it."""
         from pipeline import overlap
 
-        overlap.backward_reduced(model, loss, clock=self._clock, rank=self.rank, step=step, micro=micro)
+        agreement = (failed, stop) if self._control is None else self.agree_async(failed=failed, stop=stop)
+        return overlap.backward_reduced(
+            model, loss, clock=self._clock, rank=self.rank, step=step, micro=micro, agreement=agreement
+        )
 
     def step_metrics(self) -> dict[str, float]:
         """``time/allreduce_ms``: the all-reduce time backward did not hide, per step since the last logged one."""

@@ -105,8 +105,9 @@ def train_epoch(
 
     Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
     (``group.agree``, one small collective): while the micro-batch size is being found, before any gradient is
-    all-reduced, then by hand; later, issued before the last micro-batch's backward, which all-reduces the
-    gradients (``pipeline.overlap``), and read after it. Every logged step records ``time/allreduce_ms``.
+    all-reduced, then by hand; later, during the last micro-batch's backward, which all-reduces the gradients
+    (``pipeline.overlap``; on the CPU the agreement travels in the last bucket). Every logged step records
+    ``time/allreduce_ms``.
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
     model.train()
@@ -141,13 +142,18 @@ def train_epoch(
                         raise recompile_limit_error(state.step + 1) from err
                     raise
             # outside the except block: the traceback, and the failed step's tensors with it, are gone
-            if overlap:  # the agreement is issued now and read after the backward that all-reduces: its latency
-                # hides behind that backward; a rank that failed sends zero gradients, so every rank meets the same
-                # collectives in the same order, and the agreement then discards the step everywhere
-                agreed = group.agree_async(failed=failure is not None, stop=stop_signal())
+            if overlap:  # the agreement is taken during the backward that all-reduces, its cost hidden there; a
+                # rank that failed sends zero gradients, so every rank meets the same collectives in the same order,
+                # and the agreement then discards the step everywhere
                 held = scaler.scale(last) if last is not None and failure is None else None
-                group.reduce_in_backward(model, held, step=state.step + 1, micro=state.micro.micro_batch)
-                failed_somewhere, stopped = agreed()
+                failed_somewhere, stopped = group.reduce_in_backward(
+                    model,
+                    held,
+                    step=state.step + 1,
+                    micro=state.micro.micro_batch,
+                    failed=failure is not None,
+                    stop=stop_signal(),
+                )
             else:
                 failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
             if not failed_somewhere:

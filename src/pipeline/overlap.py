@@ -90,22 +90,55 @@ class CommClock:
         return {"time/allreduce_ms": total_ms / count}
 
 
-@dataclass(frozen=True)
+@dataclass
 class _HookState:
     clock: CommClock
     scale: float  # 1 / world size
+    flags: torch.Tensor | None = None  # this step's agreement to send with the last bucket (CPU, Gloo), or None
+    answer: torch.Tensor | None = None  # the agreement's sum over ranks, once the last bucket is all-reduced
+
+
+AGREEMENT = 66  # the flags sent with the last bucket: [failed, then one slot per signal number 0..64]
+
+
+def pack_agreement(failed: bool, stop: int) -> torch.Tensor:
+    """This rank's agreement as counts that summing over ranks keeps apart: failed, and one slot per signal."""
+    flags = torch.zeros(AGREEMENT)
+    flags[0] = float(failed)
+    if stop:
+        flags[1 + stop] = 1.0
+    return flags
+
+
+def read_agreement(summed: torch.Tensor) -> tuple[bool, int]:
+    """Whether any rank failed, and the highest stop signal any rank received (0 = none), as ``Group.agree``."""
+    values = summed.tolist()
+    signals = [signum for signum, count in enumerate(values[1:]) if count > 0]
+    return values[0] > 0, max(signals, default=0)
 
 
 def _allreduce_hook(state: _HookState, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
     """DDP's default all-reduce (the same arithmetic: scaled by 1/world, then summed), timed: the last bucket is
-    ready when backward has produced every gradient, so the time from here to backward's return is exposed."""
+    ready when backward has produced every gradient, so the time from here to backward's return is exposed. On the
+    CPU the step's agreement travels in the last bucket's all-reduce (one collective fewer per step)."""
     import torch.distributed as dist
 
-    if bucket.is_last():
-        state.clock.begin()
     buffer = bucket.buffer().mul_(state.scale)
-    work = dist.all_reduce(buffer, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    if not bucket.is_last():
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    state.clock.begin()
+    if state.flags is None:
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    size = buffer.numel()
+    packed = torch.cat([buffer, state.flags.to(buffer.dtype)])
+
+    def unpack(fut):  # type: ignore[no-untyped-def]
+        summed = fut.value()[0]
+        state.answer = summed[size:].clone()
+        buffer.copy_(summed[:size])
+        return buffer
+
+    return dist.all_reduce(packed, async_op=True).get_future().then(unpack)
 
 
 def wrap(model: nn.Module, *, world_size: int, clock: CommClock) -> nn.Module:
@@ -127,7 +160,9 @@ def wrap(model: nn.Module, *, world_size: int, clock: CommClock) -> nn.Module:
         gradient_as_bucket_view=True,
         **{"forward_sync_buffers" if newer else "broadcast_buffers": False},
     )
-    ddp.register_comm_hook(_HookState(clock, 1.0 / world_size), _allreduce_hook)
+    state = _HookState(clock, 1.0 / world_size)
+    ddp.register_comm_hook(state, _allreduce_hook)
+    ddp.pipeline_hook_state = state  # backward_reduced hands it the step's agreement
     return ddp
 
 
@@ -140,18 +175,32 @@ def ddp_of(model: nn.Module) -> Any:
 
 
 def backward_reduced(
-    model: nn.Module, loss: torch.Tensor | None, *, clock: CommClock, rank: int, step: int, micro: int
-) -> None:
+    model: nn.Module,
+    loss: torch.Tensor | None,
+    *,
+    clock: CommClock,
+    rank: int,
+    step: int,
+    micro: int,
+    agreement: Any,
+) -> tuple[bool, int]:
     """``loss.backward()`` with DDP's all-reduce running alongside, for a last micro-batch whose forward ran under
-    ``no_sync()`` (so that the agreement could be issued between the two). ``loss`` None: this rank failed the
-    step (out of memory before this backward); it backpropagates zeros to every parameter, so that it takes part in
-    the same all-reduces as the others, and the agreement then discards the step on every rank.
+    ``no_sync()``; returns the step's agreement (any rank failed? the stop signal), taken meanwhile.
+
+    ``agreement`` is ``(failed, stop)`` on the CPU, where it travels with the last bucket's all-reduce, or a
+    function that reads an agreement already issued on another group (``Group.agree_async``: CUDA, whose buckets
+    live on the device, where reading the flags would wait for the GPU). ``loss`` None: this rank failed the step
+    (out of memory before this backward); it backpropagates zeros to every parameter, so that it takes part in the
+    same all-reduces as the others, and the agreement then discards the step on every rank.
 
     Raises:
         DistributedError: this rank ran out of memory in the backward, or another rank failed in its own (every
             rank's process group is left: no rank waits for the others).
     """
     ddp = ddp_of(model)
+    state: _HookState = ddp.pipeline_hook_state
+    if isinstance(agreement, tuple):
+        state.flags, state.answer = pack_agreement(*agreement), None
     # what DDP's own forward does outside no_sync(): count the iteration and expect every gradient's hook
     ddp.reducer.prepare_for_forward()
     ddp.reducer.prepare_for_backward([])
@@ -165,12 +214,18 @@ def backward_reduced(
         if failure is err:
             raise
         raise failure from err
+    finally:
+        state.flags = None
     clock.end()
     # DDP re-orders its buckets once, after its first synced backward, with a broadcast from rank 0 that it runs at
     # the start of the next forward. A rank that fails a step before its model's forward (the input's
     # preparation ran out of memory) would skip that broadcast while the others wait in it: run it here, where
     # every rank is, right after the backward they all took part in (a no-op from then on).
     ddp.reducer._rebuild_buckets()
+    if isinstance(agreement, tuple):
+        assert state.answer is not None, "the last bucket carried no agreement"
+        return read_agreement(state.answer)
+    return agreement()
 
 
 def _leave(err: Exception, *, rank: int, step: int, micro: int) -> Exception:
