@@ -633,9 +633,9 @@ def test_an_agreement_broken_by_a_rank_that_left_raises_the_reason_it_posted(
         one_rank.agree(failed=False, stop=0)
 
 
-def test_on_the_cpu_the_agreement_travels_in_the_last_buckets_all_reduce(one_rank: Any) -> None:
-    """One collective per overlapped step, not two: the flags ride in the last bucket, and the gradients that come
-    back are those DDP's own all-reduce gives."""
+def test_on_the_cpu_the_agreement_travels_in_the_first_buckets_all_reduce(one_rank: Any) -> None:
+    """One collective per overlapped step, not two: the flags ride in the first bucket (DDP caps it at 1 MB),
+    and the gradients that come back are those DDP's own all-reduce gives."""
     from pipeline.overlap import pack_agreement, read_agreement
 
     torch.manual_seed(0)

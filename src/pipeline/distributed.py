@@ -242,7 +242,7 @@ class Group(Solo):
     ) -> tuple[bool, int]:
         """``loss.backward()``, DDP's all-reduce overlapped (None: this rank failed the step and sends zeros), and the
         step's agreement taken meanwhile (``agree``'s answer); an error ends the job cleanly (``pipeline.overlap``).
-        On the CPU the agreement travels in the last bucket's all-reduce; on CUDA it is issued on the Gloo group
+        On the CPU the agreement travels in the first bucket's all-reduce; on CUDA it is issued on the Gloo group
         before the backward and read after it, so no rank waits for its GPU to read it."""
         from pipeline import overlap
 

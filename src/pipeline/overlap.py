@@ -94,11 +94,11 @@ class CommClock:
 class _HookState:
     clock: CommClock
     scale: float  # 1 / world size
-    flags: torch.Tensor | None = None  # this step's agreement to send with the last bucket (CPU, Gloo), or None
-    answer: torch.Tensor | None = None  # the agreement's sum over ranks, once the last bucket is all-reduced
+    flags: torch.Tensor | None = None  # this step's agreement to send with the first bucket (CPU, Gloo), or None
+    answer: torch.Tensor | None = None  # the agreement's sum over ranks, once the first bucket is all-reduced
 
 
-AGREEMENT = 66  # the flags sent with the last bucket: [failed, then one slot per signal number 0..64]
+AGREEMENT = 66  # the flags sent with the first bucket: [failed, then one slot per signal number 0..64]
 
 
 def pack_agreement(failed: bool, stop: int) -> torch.Tensor:
@@ -120,14 +120,14 @@ def read_agreement(summed: torch.Tensor) -> tuple[bool, int]:
 def _allreduce_hook(state: _HookState, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
     """DDP's default all-reduce (the same arithmetic: scaled by 1/world, then summed), timed: the last bucket is
     ready when backward has produced every gradient, so the time from here to backward's return is exposed. On the
-    CPU the step's agreement travels in the last bucket's all-reduce (one collective fewer per step)."""
+    CPU the step's agreement travels in the first bucket's all-reduce (one collective fewer per step): DDP caps
+    that bucket at 1 MB, so the two copies that packing costs stay small whatever the model."""
     import torch.distributed as dist
 
+    if bucket.is_last():
+        state.clock.begin()
     buffer = bucket.buffer().mul_(state.scale)
-    if not bucket.is_last():
-        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
-    state.clock.begin()
-    if state.flags is None:
+    if bucket.index() != 0 or state.flags is None:
         return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
     size = buffer.numel()
     packed = torch.cat([buffer, state.flags.to(buffer.dtype)])
@@ -187,7 +187,7 @@ def backward_reduced(
     """``loss.backward()`` with DDP's all-reduce running alongside, for a last micro-batch whose forward ran under
     ``no_sync()``; returns the step's agreement (any rank failed? the stop signal), taken meanwhile.
 
-    ``agreement`` is ``(failed, stop)`` on the CPU, where it travels with the last bucket's all-reduce, or a
+    ``agreement`` is ``(failed, stop)`` on the CPU, where it travels with the first bucket's all-reduce, or a
     function that reads an agreement already issued on another group (``Group.agree_async``: CUDA, whose buckets
     live on the device, where reading the flags would wait for the GPU). ``loss`` None: this rank failed the step
     (out of memory before this backward); it backpropagates zeros to every parameter, so that it takes part in the
@@ -223,7 +223,7 @@ def backward_reduced(
     # every rank is, right after the backward they all took part in (a no-op from then on).
     ddp.reducer._rebuild_buckets()
     if isinstance(agreement, tuple):
-        assert state.answer is not None, "the last bucket carried no agreement"
+        assert state.answer is not None, "the first bucket carried no agreement"
         return read_agreement(state.answer)
     return agreement()
 
