@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from pipeline.bench import Row, Sizes, interleaved, main, table
+from pipeline.bench import BENCHES, Row, Sizes, interleaved, main, table
 from pipeline.stats import paired_ratio
 
 
@@ -54,7 +57,8 @@ def test_non_positive_thread_counts_are_refused_in_one_line(capsys: pytest.Captu
 
 @pytest.mark.slow
 def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--quick"]) == 0
+    # all but ddp, whose torchrun jobs (four processes importing torch) the next test replaces by its two workers
+    assert main(["--quick", "--only", ",".join(name for name in BENCHES if name != "ddp")]) == 0
     out = capsys.readouterr().out
     for name in (
         "pipeline / bare loop, MLP, batch 64",
@@ -67,6 +71,32 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "autotune's claimed gain, reproduced in real runs",
         "CPU amp check, the same config",
         "torch.compile, batch dimension static / dynamic up front",
-        "DDP pipeline / textbook DDP loop, 2 CPU ranks",
     ):
         assert f"| {name}" in out, name
+
+
+def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its two workers, as each rank runs them (here a job of one rank), and the row from their seconds."""
+    from pipeline import bench_ddp
+    from pipeline.bench import QUICK
+    from servers import free_port
+
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert bench_ddp.main(["textbook", "512", "64", "2", str(tmp_path / "t.json")]) == 0
+    assert bench_ddp.main(["pipeline", "512", "64", "2", str(tmp_path / "p.json")]) == 0
+    seconds = [json.loads((tmp_path / f"{v}.json").read_text())["seconds"] for v in "tp"]
+    assert all(s > 0 for s in seconds)
+
+    times = iter([2.0, 2.5, 2.0, 2.5])  # textbook, pipeline, then the other order: per-round ratios 0.8 and 1.25
+    monkeypatch.setattr(bench_ddp, "run_job", lambda variant, samples, work: next(times))
+    (row,) = bench_ddp.bench_ddp(Sizes(QUICK.samples, 2, 0), tmp_path)
+    assert row.name.startswith("DDP pipeline / textbook DDP loop, 2 CPU ranks") and row.goal == ">= 0.97"
+    assert row.measured == "1.025" and row.met is True and "per-round ratios 0.800–1.250, 2 rounds" in row.detail

@@ -214,9 +214,9 @@ def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
     ("uri", "message"),
     [
         ("http://127.0.0.1:abc", "is not a valid URI (Port could not be cast to integer value as 'abc')"),
-        (
-            "postgresql://u:pw@127.0.0.1:1/db",
-            "needs the database driver 'psycopg', which is not installed: pip install",
+        (  # a driver that is not installed (the dev extra brings psycopg and psycopg2 for the team-server tests)
+            "postgresql+pg8000://u:pw@127.0.0.1:1/db",
+            "needs the database driver 'pg8000', which is not installed: pip install pg8000",
         ),
         ("mysql://u:pw@127.0.0.1:1/db", "needs the database driver 'MySQLdb', which is not installed: pip install"),
     ],

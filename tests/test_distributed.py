@@ -187,20 +187,10 @@ def test_the_logged_loss_is_every_ranks_mean_so_all_ranks_meet_a_nan_at_the_same
         window.close()
 
 
-def test_the_run_hands_back_the_bare_model_and_leaves_the_job_after_every_rank_is_done(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_run_hands_back_the_bare_model_and_leaves_the_job_after_every_rank_is_done(one_rank: Any) -> None:
     """A run's result once held DDP's wrapper, so it outlived the process group to the interpreter's exit, where a
     rank that had trained correctly aborted (Gloo torn down mid-finalisation): the result holds the bare model."""
-    from pipeline.config import DeviceConfig
-    from servers import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    group = distributed.Group(Launch(0, 0, 1))
-    group.join(DeviceConfig("cpu"))
+    group = one_rank
     model = torch.nn.Linear(3, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # torch's deprecations are not printed once per rank

@@ -86,14 +86,21 @@ def bare_epoch(images: torch.Tensor, labels: torch.Tensor, *, batch: int) -> flo
     start = time.perf_counter()
     order = torch.randperm(len(labels), device=images.device)
     for i in range(0, len(labels), batch):
-        index = order[i : i + batch]
-        x = (images[index].float() / 255 - 0.5) / 0.2887
-        loss = F.cross_entropy(model(x), labels[index])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = bare_step(model, optimizer, images, labels, order[i : i + batch])
     loss.item()
     return time.perf_counter() - start
+
+
+def bare_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """One step of the hand-written loop on the samples at ``index``: normalise, forward, backward, step."""
+    x = (images[index].float() / 255 - 0.5) / 0.2887
+    loss = F.cross_entropy(model(x), labels[index])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
 
 
 def guides_epoch(root: Path, *, batch: int) -> float:

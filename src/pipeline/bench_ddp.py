@@ -32,10 +32,9 @@ def textbook(samples: int, batch: int, epochs: int) -> float:
     """The tutorial's DDP loop over this rank's shard of in-memory uint8 tensors; the last epoch's seconds."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from pipeline.bench import mlp
+    from pipeline.bench import bare_step, mlp
     from pipeline.config import DataConfig
     from pipeline.data.sources import load_data
 
@@ -52,12 +51,7 @@ def textbook(samples: int, batch: int, epochs: int) -> float:
         start = time.perf_counter()
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
         for i in range(0, len(labels) - batch + 1, batch):
-            index = order[i : i + batch]
-            x = (images[index].float() / 255 - 0.5) / 0.2887
-            loss = F.cross_entropy(model(x), labels[index])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            loss = bare_step(model, optimizer, images, labels, order[i : i + batch])
         loss.item()
         seconds = time.perf_counter() - start
     dist.destroy_process_group()
