@@ -50,6 +50,7 @@ RUN = [
     f"trainer.epochs={EPOCHS}",
     "trainer.progress=false",
     "monitor.plots=false",
+    "checkpoint.enabled=false",  # nothing left in the folder it runs from (a checkpoints/ of 70 runs, before)
 ]
 
 
