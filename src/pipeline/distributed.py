@@ -1,22 +1,16 @@
-"""Several processes, one training: DistributedDataParallel under ``torchrun`` (or a multi-task SLURM job).
+"""Several processes, one training: DistributedDataParallel under ``torchrun`` (or a SLURM job step, or submitit's
+local tasks, mapped by ``pipeline.slurm``).
 
-``from_env()`` reads what the launcher set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; a SLURM job with
-several tasks is mapped by ``pipeline.slurm``) and returns a ``Solo`` for a plain run, whose every
-method is free, or a ``Group`` once ``start(device)`` has joined the process group (NCCL on CUDA, Gloo
-on the CPU). The loop talks to either through the same few calls:
+``from_env()`` returns a ``Solo`` for a plain run, whose every method is free, or a ``Group`` once it has joined
+the process group (NCCL on CUDA, Gloo on the CPU). The loop talks to either through the same few calls:
 
-- ``agree(failed, stop)``: the step's decisions, taken together by one collective on the CPU (Gloo,
-  also beside NCCL, so it never waits for the GPU): did any rank run out of memory (then every rank
-  shrinks its micro-batch and replays the step), and did any rank get a stop request (then every rank
-  stops after this same step). A NaN loss is agreed too: the logged loss is the mean over ranks, so
-  every rank sees the same NaN at the same step.
-- ``average_gradients(model)`` and ``reduce_in_backward(model, loss, ...)``: the step's gradient all-reduce,
-  by hand after ``agree`` while the micro-batch size is being found (no rank has started a collective when
-  another runs out of memory, so all can replay the step), then overlapped with the last micro-batch's backward
-  by DDP's own bucketed hooks, with ``agree`` taken just before that backward; see ``pipeline.overlap``.
-- ``sum(tensor)`` (evaluation: sums, not per-rank means of Python floats), ``gather(obj)`` (rank 0
-  records everyone's utilisation and step-time shares), ``share(fn)`` (rank 0 decides, e.g. which
-  checkpoint to resume, and every rank gets the answer or the same error).
+- ``agree(failed, stop)``: did any rank run out of memory (every rank shrinks and replays the step), did any get a
+  stop request (every rank stops after this same step); one small collective on Gloo, never waiting for a GPU.
+- ``average_gradients(model)`` (by hand, after ``agree``, while the micro-batch size is being found) and
+  ``reduce_in_backward(model, loss, ...)`` (afterwards: DDP's bucketed all-reduce overlapped with the last
+  backward, the agreement taken meanwhile); see ``pipeline.overlap``.
+- ``sum``, ``mean`` (a NaN loss is seen by every rank at the same step), ``gather`` (rank 0 records every rank's
+  shares) and ``share`` (rank 0 decides, every rank gets the answer or the same error).
 
 Rank 0 alone owns the MLflow run and writes checkpoints; every rank loads them.
 """
@@ -207,7 +201,6 @@ class Group(Solo):
 
     def agree(self, *, failed: bool, stop: int) -> tuple[bool, int]:
         """Whether any rank failed this step (out of memory), and the stop signal any rank received (0 = none)."""
-
         return self.agree_async(failed=failed, stop=stop)()
 
     def agree_async(self, *, failed: bool, stop: int) -> Callable[[], tuple[bool, int]]:
