@@ -133,7 +133,7 @@ def _state(batch: int) -> TrainState:
     )
 
 
-def _epoch(state: TrainState, group: Any, steps: int = 4) -> Any:
+def _epoch(state: TrainState, group: Any, steps: int = 4, log: Any = lambda metrics, step: None) -> Any:
     torch.manual_seed(1)
     batches = [(torch.randint(0, 255, (8, 1, 4, 4), dtype=torch.uint8), torch.randint(0, 4, (8,))) for _ in range(6)]
     return train_epoch(
@@ -144,7 +144,7 @@ def _epoch(state: TrainState, group: Any, steps: int = 4) -> Any:
         prepare=lambda x: x.float() / 255,
         log_every=2,
         max_steps=steps,
-        log=lambda metrics, step: None,
+        log=log,
         timer=WallTimer(),
         group=group,
     )
@@ -555,20 +555,7 @@ def test_an_overlapped_step_records_its_all_reduce_time_and_a_one_process_run_re
     state.model = one_rank.wrap(state.model)
     state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
     logged: list[dict[str, float]] = []
-    torch.manual_seed(1)
-    batches = [(torch.randint(0, 255, (8, 1, 4, 4), dtype=torch.uint8), torch.randint(0, 4, (8,))) for _ in range(4)]
-    train_epoch(
-        state,
-        batches,
-        device=torch.device("cpu"),
-        policy=PrecisionPolicy("cpu", None),
-        prepare=lambda x: x.float() / 255,
-        log_every=2,
-        max_steps=4,
-        log=lambda metrics, step: logged.append(metrics),
-        timer=WallTimer(),
-        group=one_rank,
-    )
+    _epoch(state, one_rank, log=lambda metrics, step: logged.append(metrics))
     assert [sorted(m) for m in logged] == [["time/allreduce_ms", "train/loss"]] * 2
     assert all(m["time/allreduce_ms"] >= 0 for m in logged) and one_rank.step_metrics() == {}  # read once
     assert Solo().step_metrics() == {}
