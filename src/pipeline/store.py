@@ -202,16 +202,22 @@ def experiment_id(client: Any, name: str) -> str:
         return experiment.experiment_id
 
 
+# another writer won a race for the same row: SQLite's lock, or two runs' get-or-create of one row (MLflow's
+# datasets, logged by every run of a sweep at once) that the store's unique key refused the loser of
+RACES = ("database is locked", "duplicate key value violates unique constraint", "UNIQUE constraint failed")
+
+
 def retrying(call: Callable[[], T], *, what: str = "MLflow write") -> T:
-    """Run ``call``, repeating it while SQLite says the database is locked (``lock_wait_s`` in all)."""
+    """Run ``call``, repeating it while another writer holds the store or won a race for the same row (``RACES``;
+    ``lock_wait_s`` in all): the repeat waits for the lock, or finds the row the other writer made."""
     delay = FIRST_RETRY_S
     for attempt in range(RETRIES + 1):
         try:
             return call()
         except Exception as err:
-            if "database is locked" not in str(err) or attempt == RETRIES:
+            if not any(race in str(err) for race in RACES) or attempt == RETRIES:
                 raise
-        log.info("%s: database is locked, retrying in %.2f s", what, delay)
+        log.info("%s: another writer holds the store or won a race for a row, retrying in %.2f s", what, delay)
         time.sleep(delay)
         delay *= 2
     raise AssertionError("unreachable")

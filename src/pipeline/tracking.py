@@ -394,9 +394,9 @@ class MlflowTracker:
             ),
             profile=json.dumps({"train_samples": spec.train_size, "val_samples": spec.val_size}),
         )
-        self.client.log_inputs(
-            self.run_id, datasets=[DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])]
-        )
+        inputs = [DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])]
+        # runs starting together record the same dataset: the store may refuse the slower one's insert of its row
+        retrying(lambda: self.client.log_inputs(self.run_id, datasets=inputs), what="recording the dataset")
 
     def last_step(self, key: str) -> int | None:
         """The highest step the store holds for metric ``key`` (None if none): what a resumed run finds there.
