@@ -78,7 +78,7 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
 def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its two workers, as each rank runs them (here a job of one rank), and the row from their seconds."""
+    """Its rounds, as each rank runs them (here a job of one rank joining and leaving twice), and the row."""
     from pipeline import bench_ddp
     from pipeline.bench import QUICK
     from servers import free_port
@@ -90,13 +90,13 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
         "WORLD_SIZE": "1",
     }.items():
         monkeypatch.setenv(name, value)
-    assert bench_ddp.main(["textbook", "512", "64", "2", str(tmp_path / "t.json")]) == 0
-    assert bench_ddp.main(["pipeline", "512", "64", "2", str(tmp_path / "p.json")]) == 0
-    seconds = [json.loads((tmp_path / f"{v}.json").read_text())["seconds"] for v in "tp"]
-    assert all(s > 0 for s in seconds)
+    assert bench_ddp.main(["512", "2", "1", "64", "2", str(tmp_path / "ddp.json")]) == 0  # a warm-up round, 2 more
+    seconds = json.loads((tmp_path / "ddp.json").read_text())
+    assert sorted(seconds) == ["pipeline", "textbook"] and all(len(s) == 2 for s in seconds.values())
+    assert all(s > 0 for side in seconds.values() for s in side)
 
-    times = iter([2.0, 2.5, 2.0, 2.5])  # textbook, pipeline, then the other order: per-round ratios 0.8 and 1.25
-    monkeypatch.setattr(bench_ddp, "run_job", lambda variant, samples, work: next(times))
+    times = {"textbook": [2.0, 2.5], "pipeline": [2.5, 2.0]}  # per-round ratios 0.8 and 1.25
+    monkeypatch.setattr(bench_ddp, "run_job", lambda sizes, work: times)
     (row,) = bench_ddp.bench_ddp(Sizes(QUICK.samples, 2, 0), tmp_path)
     assert row.name.startswith("DDP pipeline / textbook DDP loop, 2 CPU ranks") and row.goal == ">= 0.97"
     assert row.measured == "1.025" and row.met is True and "per-round ratios 0.800–1.250, 2 rounds" in row.detail

@@ -536,6 +536,19 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
     group.close(clean=False)
 
 
+def test_a_run_uses_a_process_group_its_caller_joined_and_leaves_it_to_the_caller(one_rank: Any) -> None:
+    from pipeline.config import DeviceConfig
+
+    run = distributed.Group(Launch(0, 0, 1))
+    run.join(DeviceConfig("cpu"))  # the fixture's group, already joined: no second rendezvous
+    run.close()
+    assert torch.distributed.is_initialized()  # still the caller's
+    with pytest.raises(
+        DistributedError, match="already joined a gloo process group of 1 ranks; the run needs gloo with 2"
+    ):
+        distributed.Group(Launch(0, 0, 2)).join(DeviceConfig("cpu"))
+
+
 def test_averaging_by_hand_sends_every_trainable_parameter_with_zeros_for_a_missing_gradient(
     one_rank: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -553,19 +566,39 @@ def test_averaging_by_hand_sends_every_trainable_parameter_with_zeros_for_a_miss
 def test_an_overlapped_step_records_its_all_reduce_time_and_a_one_process_run_records_none(one_rank: Any) -> None:
     state = _state(8)
     state.model = one_rank.wrap(state.model)
-    state.optimizer = torch.optim.SGD(state.model.parameters(), lr=0.1)
+    state.optimizer = torch.optim.SGD(one_rank.unwrap(state.model).parameters(), lr=0.1)
     logged: list[dict[str, float]] = []
-    _epoch(state, one_rank, log=lambda metrics, step: logged.append(metrics))
+    _epoch(state, one_rank, log=lambda metrics, step: logged.append(metrics))  # steps 1-4, logged at 2 and 4
+    # step 1 (averaged by hand) is measured for the first log, step 3 (overlapped: the hook saw its last gradient)
+    # for the second; steps 2 and 4 run unwatched
     assert [sorted(m) for m in logged] == [["time/allreduce_ms", "train/loss"]] * 2
-    assert all(m["time/allreduce_ms"] >= 0 for m in logged) and one_rank.step_metrics() == {}  # read once
+    assert all(m["time/allreduce_ms"] > 0 for m in logged) and one_rank.step_metrics() == {}  # read once
     assert Solo().step_metrics() == {}
+
+
+def test_the_comm_clock_measures_one_step_per_logging_interval() -> None:
+    from pipeline.overlap import CommClock
+
+    clock = CommClock(torch.device("cpu"))
+    for _ in range(3):  # three steps between logging points: only the first is measured
+        clock.begin()
+        clock.end()
+    assert len(clock.spans) == 1 and clock.watch([torch.zeros(1, requires_grad=True)]) is None
+    assert list(clock.metrics()) == ["time/allreduce_ms"] and clock.armed and clock.spans == []
+    weight = torch.ones(2, requires_grad=True)
+    watch = clock.watch([weight])
+    assert clock.started is None
+    (weight * 3).sum().backward()
+    watch.remove()
+    assert clock.started is not None  # begun when backward produced the last watched gradient
 
 
 def test_an_out_of_memory_error_inside_an_overlapped_backward_leaves_the_job_with_one_line_saying_what_to_do(
     one_rank: Any,
 ) -> None:
     model = one_rank.wrap(torch.nn.Linear(3, 2))
-    model.module.weight.register_hook(lambda grad: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    one_rank.unwrap(model).weight.register_hook(lambda grad: (_ for _ in ()).throw(oom))
     with one_rank.no_sync(model):
         loss = model(torch.randn(4, 3)).sum()
     with pytest.raises(DistributedError) as failed:
@@ -610,30 +643,41 @@ def test_an_agreement_broken_by_a_rank_that_left_raises_the_reason_it_posted(
         one_rank.agree(failed=False, stop=0)
 
 
-def test_on_the_cpu_the_agreement_travels_in_the_first_buckets_all_reduce(one_rank: Any) -> None:
-    """One collective per overlapped step, not two: the flags ride in the first bucket (DDP caps it at 1 MB),
-    and the gradients that come back are those DDP's own all-reduce gives."""
+def test_on_the_cpu_the_agreement_travels_in_the_gradients_own_all_reduce(one_rank: Any) -> None:
+    """One collective per overlapped step, not two: the flags are the gradient of one more parameter that DDP
+    all-reduces with the others, and the gradients that come back are those DDP's own all-reduce gives."""
+    from pipeline import overlap
     from pipeline.overlap import pack_agreement, read_agreement
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(3, 2)
     model = one_rank.wrap(torch.nn.Linear(3, 2))
-    model.module.load_state_dict(plain.state_dict())
+    one_rank.unwrap(model).load_state_dict(plain.state_dict())
     x = torch.randn(4, 3)
-    calls: list[int] = []
-    real = torch.distributed.all_reduce
-
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append(tensor.numel())
-        return real(tensor, *args, **kwargs)
-
-    with one_rank.no_sync(model):
-        loss = model(x).sum()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.distributed, "all_reduce", counted)
-        assert one_rank.reduce_in_backward(model, loss, step=2, micro=4, failed=True, stop=15) == (True, 15)
-    assert calls == [8 + 66]  # 6 weights and 2 biases, and the agreement's flags: one all-reduce
+    group = torch.distributed.distributed_c10d._get_default_group()
+    collectives = []
+    for failed, stop in [(False, 0), (True, 15), (False, 0), (False, 2)]:  # the answer never leaks into a later step
+        one_rank.unwrap(model).zero_grad(set_to_none=True)
+        with one_rank.no_sync(model):
+            loss = model(x).sum()
+        before = group._get_sequence_number_for_group()  # counts this group's collectives
+        assert one_rank.reduce_in_backward(model, loss, step=2, micro=4, failed=failed, stop=stop) == (failed, stop)
+        collectives.append(group._get_sequence_number_for_group() - before)
+    assert collectives[1:] == [1, 1, 1]  # the first step also re-orders DDP's buckets (a broadcast of their sizes)
+    answer = model.module.agreement.grad  # in DDP's bucket, never the shared all-zero flags that it summed
+    assert answer.data_ptr() != overlap._NOTHING.data_ptr() and not overlap._NOTHING.any()
     plain(x).sum().backward()
-    for a, b in zip(plain.parameters(), model.module.parameters(), strict=True):
+    for a, b in zip(plain.parameters(), one_rank.unwrap(model).parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)  # one rank: the average is the gradient
     assert read_agreement(pack_agreement(False, 0) + pack_agreement(False, 2) + pack_agreement(True, 15)) == (True, 15)
+    assert read_agreement(pack_agreement(False, 0) * 2) == (False, 0)
+
+
+def test_what_ddp_wraps_is_trained_and_checkpointed_without_the_agreements_parameter(one_rank: Any) -> None:
+    from pipeline.checkpoint import module
+
+    model = torch.nn.Linear(3, 2)
+    wrapped = one_rank.wrap(model)
+    assert one_rank.unwrap(wrapped) is model and module(wrapped) is model
+    assert list(module(wrapped).state_dict()) == ["weight", "bias"]
+    assert sum(p.numel() for p in wrapped.parameters()) == 8 + 66  # DDP all-reduces the agreement too

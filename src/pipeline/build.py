@@ -109,8 +109,8 @@ def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
     if t.compile:  # around DDP's wrapper, not inside it: dynamo's DDPOptimizer then splits the graph at DDP's buckets,
         # so each bucket's all-reduce starts while backward still computes (one compiled backward would hold all back)
         model = compile_model(model, mode=t.compile_mode)  # compiles lazily: the first step pays
-    optimizer = build_optimizer(
-        t.optimizer, model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+    optimizer = build_optimizer(  # the model's own parameters: not DDP's agreement (pipeline.overlap.Agreeing)
+        t.optimizer, group.unwrap(model).parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
     )
     batch = cfg.loader.batch_size
     shard = {"rank": group.rank, "world": group.world_size}

@@ -255,8 +255,9 @@ def payload(state: Any, **extra: Any) -> dict[str, Any]:
 
 def module(model: torch.nn.Module) -> torch.nn.Module:
     """The model behind ``torch.compile``'s and DDP's wrappers: checkpoints load whatever either side wrapped."""
-    model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    from pipeline.overlap import unwrap
+
+    return unwrap(model)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -157,13 +157,16 @@ class Group(Solo):
         self.backend = ""
         self._control: Any = None  # the Gloo group for decisions (the default group when it is Gloo already)
         self._clock: Any = None  # pipeline.overlap.CommClock, made with the DDP wrapper
+        self._owned = True  # the run joined the process group itself, so it leaves it at close
 
     def join(self, device: DeviceConfig) -> None:
         """Join the process group before anything is built: NCCL when the run is to use CUDA, else Gloo; the
-        step's decisions always travel over Gloo, on the CPU.
+        step's decisions always travel over Gloo, on the CPU. A group the calling program joined already is used
+        (and left to it at ``close``).
 
         Raises:
-            DistributedError: MPS (no collective backend), or fewer GPUs than processes on this node (``cuda_index``).
+            DistributedError: MPS (no collective backend), fewer GPUs than processes on this node (``cuda_index``),
+                or a group already joined with another backend or size.
         """
         import torch.distributed as dist
 
@@ -173,7 +176,15 @@ class Group(Solo):
         if cuda:
             torch.cuda.set_device(cuda_index(self.local_rank))
         self.backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(self.backend, timeout=TIMEOUT)
+        if dist.is_initialized():  # the caller joined the job already (a script calling pipeline.train): use its group
+            if dist.get_backend() != self.backend or dist.get_world_size() != self.world_size:
+                raise DistributedError(
+                    f"this process already joined a {dist.get_backend()} process group of {dist.get_world_size()} "
+                    f"ranks; the run needs {self.backend} with {self.world_size} (device={device.name})"
+                )
+            self._owned = False
+        else:
+            dist.init_process_group(self.backend, timeout=TIMEOUT)
         self._control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
         log.info("rank %d of %d joined the job (%s)", self.rank, self.world_size, self.backend)
 
@@ -189,11 +200,11 @@ class Group(Solo):
     can_overlap = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DDP around the model, its all-reduce timed (``pipeline.overlap.wrap``)."""
+        """DDP around the model and the step's agreement (``pipeline.overlap.wrap``)."""
         from pipeline import overlap
 
         self._clock = overlap.CommClock(next(model.parameters()).device)
-        return overlap.wrap(model, world_size=self.world_size, clock=self._clock)
+        return overlap.wrap(model)
 
     def no_sync(self, model: nn.Module) -> Any:
         inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around DDP
@@ -235,7 +246,7 @@ class Group(Solo):
     ) -> tuple[bool, int]:
         """``loss.backward()``, DDP's all-reduce overlapped (None: this rank failed the step and sends zeros), and the
         step's agreement taken meanwhile (``agree``'s answer); an error ends the job cleanly (``pipeline.overlap``).
-        On the CPU the agreement travels in the first bucket's all-reduce; on CUDA it is issued on the Gloo group
+        On the CPU the agreement travels with the gradients' all-reduce; on CUDA it is issued on the Gloo group
         before the backward and read after it, so no rank waits for its GPU to read it."""
         from pipeline import overlap
 
@@ -290,10 +301,9 @@ class Group(Solo):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The model behind DDP (and ``torch.compile`` around it): what outlives the job's process group."""
-        from torch.nn.parallel import DistributedDataParallel
+        from pipeline import overlap
 
-        inner = getattr(model, "_orig_mod", model)
-        return inner.module if isinstance(inner, DistributedDataParallel) else inner
+        return overlap.unwrap(model)
 
     def close(self, *, clean: bool = True) -> None:
         """Leave the job. After a clean run every rank first waits for the others, so that no rank closes its
@@ -306,7 +316,10 @@ class Group(Solo):
             return
         if clean:
             dist.barrier(group=self._control)
-        dist.destroy_process_group()
+        if self._control is not None and not self._owned:
+            dist.destroy_process_group(self._control)
+        if self._owned:  # a group the caller joined is the caller's to leave
+            dist.destroy_process_group()
 
     def record(self, batch_size: int) -> dict[str, Any]:
         """What the run records about the job: world size, backend, the per-rank and the global batch."""

@@ -106,7 +106,7 @@ def train_epoch(
     Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
     (``group.agree``, one small collective): while the micro-batch size is being found, before any gradient is
     all-reduced, then by hand; later, during the last micro-batch's backward, which all-reduces the gradients
-    (``pipeline.overlap``; on the CPU the agreement travels in the first bucket). Every logged step records
+    (``pipeline.overlap``; on the CPU the agreement travels with the gradients). Each logging interval records
     ``time/allreduce_ms``.
     """
     model, optimizer, scaler = state.model, state.optimizer, state.scaler

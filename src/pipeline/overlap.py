@@ -1,6 +1,6 @@
 """A DDP step's gradient all-reduce: overlapped with backward once the micro-batch is known.
 
-    torchrun --nproc_per_node=2 -m pipeline device=cpu     # every logged step records time/allreduce_ms
+    torchrun --nproc_per_node=2 -m pipeline device=cpu     # each logging interval records time/allreduce_ms
 
 ``pipeline.loop.train_epoch`` averages a step's gradients in one of two ways:
 
@@ -9,24 +9,26 @@
   gradients after the step's agreement. A rank that runs out of memory has started no collective, so every rank
   can shrink and replay the step.
 - **Overlapped, on every later step**: micro-batches 1..k-1 and the last one's forward still run under
-  ``no_sync()``; the agreement (out of memory anywhere? a stop?) is issued between that forward and its backward
-  and read after it, and ``backward_reduced`` arms DDP's reducer, whose bucketed hooks all-reduce each bucket as
-  soon as backward has produced it: communication, the agreement's included, hides behind backward, as in the
-  textbook DDP loop. A rank that ran out of memory before that backward backpropagates zeros instead, so every
-  rank meets the same collectives; the agreement then discards the step everywhere and the ranks replay it smaller,
-  by hand. An error inside that backward can
-  no longer be replayed (the other ranks are already in the all-reduce): the failing rank posts what happened to
-  the job's key-value store and leaves the process group, so the others' collective fails at once (not at the
-  group's 10-minute timeout); each rank raises one ``DistributedError`` naming the rank, the step and the remedy,
-  and rank 0 records the run FAILED with it.
+  ``no_sync()``; then ``backward_reduced`` arms DDP's reducer and runs the last backward, whose bucketed hooks
+  all-reduce each bucket (DDP's own C++ all-reduce) as soon as backward has produced it: communication hides behind
+  backward, as in the textbook DDP loop. The step's agreement (out of memory anywhere? a stop?) rides along: on the
+  CPU as the gradient of one more parameter (``Agreeing``), all-reduced with the others; on CUDA as a small
+  collective on the Gloo group, issued before that backward and read after it. A rank that ran out of memory
+  before that backward backpropagates zeros instead, so every rank meets the same collectives; the agreement then
+  discards the step everywhere and the ranks replay it smaller, by hand. An error inside that backward can no
+  longer be replayed (the other ranks are already in the all-reduce): the failing rank posts what happened to the
+  job's key-value store and leaves the process group, so the others' collective fails at once (not at the group's
+  10-minute timeout); each rank raises one ``DistributedError`` naming the rank, the step and the remedy, and
+  rank 0 records the run FAILED with it.
 
-Both ways compute the same numbers: DDP multiplies every gradient by 1/world size as it copies it into its bucket,
-then sums over ranks; ``average_by_hand`` does the same, over every trainable parameter (zeros where this rank has
-no gradient, so that every rank all-reduces the same sizes).
+Both ways compute the same numbers: DDP divides every gradient by the world size and sums over ranks;
+``average_by_hand`` does the same, over every trainable parameter (zeros where this rank has no gradient, so that
+every rank all-reduces the same sizes).
 
-``time/allreduce_ms`` (``CommClock``, rank 0's, per logged step): the all-reduce time backward did not hide, from
-the moment backward produced the last bucket's gradients to its return; on a hand-averaged step, the averaging.
-A one-process run records none (there is no all-reduce).
+``time/allreduce_ms`` (``CommClock``, rank 0's): the all-reduce time backward did not hide, from the moment
+backward produced the last gradient to its return, on the first step of each logging interval (measuring every
+step would cost a Python call per parameter per step); on a hand-averaged step, the averaging. A one-process run
+records none (there is no all-reduce).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,16 +51,19 @@ FAILURE_KEY = "pipeline/backward_failure"  # in the job's store: why a rank left
 
 
 class CommClock:
-    """The all-reduce time of each step that backward did not hide; read (and reset) at logging points.
+    """The all-reduce time that backward did not hide, on one step per logging interval; read at logging points.
 
-    On CUDA the marks are events on the current stream (nothing waits for the device until ``metrics``, which
-    runs where the loop syncs anyway); elsewhere wall clocks, since Gloo's all-reduce is waited for on the host.
+    The clock is armed until it has measured a step, and ``metrics`` arms it again: between logging points every
+    other step runs with no hook and no mark. On CUDA the marks are events on the current stream (nothing waits for
+    the device until ``metrics``, which runs where the loop syncs anyway); elsewhere wall clocks, since Gloo's
+    all-reduce is waited for on the host.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.events = device.type == "cuda"
         self.spans: list[tuple[Any, Any]] = []
         self.started: Any = None
+        self.armed = True
 
     def _mark(self) -> Any:
         if self.events:
@@ -69,15 +73,26 @@ class CommClock:
         return time.perf_counter()
 
     def begin(self) -> None:
-        self.started = self._mark()
+        if self.armed:
+            self.started = self._mark()
+
+    def watch(self, params: list[torch.Tensor]) -> Any:
+        """On an armed step, a hook that calls ``begin`` once backward has produced the gradients of all of
+        ``params`` (DDP's last bucket is then all-reducing); remove it after the backward. None when not armed."""
+        if not self.armed:
+            return None
+        from torch.autograd.graph import register_multi_grad_hook
+
+        return register_multi_grad_hook(params, lambda grads: self.begin(), mode="all")
 
     def end(self) -> None:
         if self.started is not None:
             self.spans.append((self.started, self._mark()))
-            self.started = None
+            self.started, self.armed = None, False
 
     def metrics(self) -> dict[str, float]:
-        """``time/allreduce_ms``: the mean over the steps since the last call (none: nothing to report)."""
+        """``time/allreduce_ms`` of the step measured since the last call (none: nothing to report); re-arms."""
+        self.armed = True
         if not self.spans:
             return {}
         if self.events:
@@ -90,19 +105,16 @@ class CommClock:
         return {"time/allreduce_ms": total_ms / count}
 
 
-@dataclass
-class _HookState:
-    clock: CommClock
-    scale: float  # 1 / world size
-    flags: torch.Tensor | None = None  # this step's agreement to send with the first bucket (CPU, Gloo), or None
-    answer: torch.Tensor | None = None  # the agreement's sum over ranks, once the first bucket is all-reduced
+AGREEMENT = 66  # the agreement's flags: [failed, then one slot per signal number 0..64]
 
 
-AGREEMENT = 66  # the flags sent with the first bucket: [failed, then one slot per signal number 0..64]
+_NOTHING = torch.zeros(AGREEMENT)  # the usual step's flags (never written: backward only reads them)
 
 
 def pack_agreement(failed: bool, stop: int) -> torch.Tensor:
     """This rank's agreement as counts that summing over ranks keeps apart: failed, and one slot per signal."""
+    if not failed and not stop:
+        return _NOTHING
     flags = torch.zeros(AGREEMENT)
     flags[0] = float(failed)
     if stop:
@@ -113,38 +125,37 @@ def pack_agreement(failed: bool, stop: int) -> torch.Tensor:
 def read_agreement(summed: torch.Tensor) -> tuple[bool, int]:
     """Whether any rank failed, and the highest stop signal any rank received (0 = none), as ``Group.agree``."""
     values = summed.tolist()
+    if not any(values):
+        return False, 0
     signals = [signum for signum, count in enumerate(values[1:]) if count > 0]
     return values[0] > 0, max(signals, default=0)
 
 
-def _allreduce_hook(state: _HookState, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations only
-    """DDP's default all-reduce (the same arithmetic: scaled by 1/world, then summed), timed: the last bucket is
-    ready when backward has produced every gradient, so the time from here to backward's return is exposed. On the
-    CPU the step's agreement travels in the first bucket's all-reduce (one collective fewer per step): DDP caps
-    that bucket at 1 MB, so the two copies that packing costs stay small whatever the model."""
-    import torch.distributed as dist
+class Agreeing(nn.Module):
+    """What DDP wraps: the model, and the step's agreement as one more parameter that no optimizer trains.
 
-    if bucket.is_last():
-        state.clock.begin()
-    buffer = bucket.buffer().mul_(state.scale)
-    if bucket.index() != 0 or state.flags is None:
-        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
-    size = buffer.numel()
-    packed = torch.cat([buffer, state.flags.to(buffer.dtype)])
+    On the CPU an overlapped backward starts from two roots, the loss and this parameter with the flags as its
+    gradient; DDP all-reduces that gradient in its first bucket with the model's: the agreement costs no collective,
+    no op and no copy of its own (a separate all-reduce, or flags appended to a bucket by a comm hook, each cost
+    about 8% of a small MLP's step on 2 CPU ranks; see BENCHMARKS.md).
+    """
 
-    def unpack(fut):  # type: ignore[no-untyped-def]
-        summed = fut.value()[0]
-        state.answer = summed[size:].clone()
-        buffer.copy_(summed[:size])
-        return buffer
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        device = next(model.parameters()).device
+        self.agreement = nn.Parameter(torch.zeros(AGREEMENT, device=device))
+        self.no_flags = torch.zeros(AGREEMENT, device=device)  # its gradient on CUDA (not a buffer: never saved)
 
-    return dist.all_reduce(packed, async_op=True).get_future().then(unpack)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
 
 
-def wrap(model: nn.Module, *, world_size: int, clock: CommClock) -> nn.Module:
-    """DDP around ``model``: gradients are views into its buckets (no second copy of every gradient), buffers are
-    not broadcast in forward (a collective a replayed step would unbalance; BatchNorm's running statistics are
-    taken from rank 0 before evaluation instead), and its all-reduce is timed (``CommClock``)."""
+def wrap(model: nn.Module) -> nn.Module:
+    """DDP around ``model`` and the agreement (``Agreeing``): gradients are views into its buckets (no second copy
+    of every gradient), buffers are not broadcast in forward (a collective a replayed step would unbalance;
+    BatchNorm's running statistics are taken from rank 0 before evaluation instead), and its all-reduce is DDP's
+    own (a Python comm hook costs a call per bucket per step: about 95 µs on the CPU)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
@@ -155,14 +166,11 @@ def wrap(model: nn.Module, *, world_size: int, clock: CommClock) -> nn.Module:
     # broadcast_buffers; the new flag still syncs once at the wrap, where every rank is anyway: harmless
     newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     ddp = DistributedDataParallel(
-        model,
+        Agreeing(model),
         device_ids=ids,
         gradient_as_bucket_view=True,
         **{"forward_sync_buffers" if newer else "broadcast_buffers": False},
     )
-    state = _HookState(clock, 1.0 / world_size)
-    ddp.register_comm_hook(state, _allreduce_hook)
-    ddp.pipeline_hook_state = state  # backward_reduced hands it the step's agreement
     return ddp
 
 
@@ -172,6 +180,15 @@ def ddp_of(model: nn.Module) -> Any:
 
     inner = getattr(model, "_orig_mod", model)
     return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model behind ``torch.compile``'s and DDP's wrappers (``wrap``'s, or a plain DDP): what is trained,
+    checkpointed and outlives the job's process group."""
+    ddp = ddp_of(model)
+    if ddp is None:
+        return getattr(model, "_orig_mod", model)
+    return ddp.module.model if isinstance(ddp.module, Agreeing) else ddp.module
 
 
 def backward_reduced(
@@ -187,7 +204,7 @@ def backward_reduced(
     """``loss.backward()`` with DDP's all-reduce running alongside, for a last micro-batch whose forward ran under
     ``no_sync()``; returns the step's agreement (any rank failed? the stop signal), taken meanwhile.
 
-    ``agreement`` is ``(failed, stop)`` on the CPU, where it travels with the first bucket's all-reduce, or a
+    ``agreement`` is ``(failed, stop)`` on the CPU, where it travels as ``Agreeing``'s gradient, or a
     function that reads an agreement already issued on another group (``Group.agree_async``: CUDA, whose buckets
     live on the device, where reading the flags would wait for the GPU). ``loss`` None: this rank failed the step
     (out of memory before this backward); it backpropagates zeros to every parameter, so that it takes part in the
@@ -198,33 +215,37 @@ def backward_reduced(
             rank's process group is left: no rank waits for the others).
     """
     ddp = ddp_of(model)
-    state: _HookState = ddp.pipeline_hook_state
-    if isinstance(agreement, tuple):
-        state.flags, state.answer = pack_agreement(*agreement), None
-    # what DDP's own forward does outside no_sync(): count the iteration and expect every gradient's hook
+    param = ddp.module.agreement
+    param.grad = None  # the last step's answer: backward would add to it
+    # what DDP's own forward does outside no_sync(): count the iteration and expect every gradient's hook (its
+    # require_forward_param_sync matters only to the buffer broadcast, which ``wrap`` turns off)
     ddp.reducer.prepare_for_forward()
     ddp.reducer.prepare_for_backward([])
-    ddp.require_forward_param_sync = True
+    own = [p for p in unwrap(model).parameters() if p.requires_grad]
     if loss is None:  # one element of each parameter, times zero: every gradient hook fires, little memory is used
-        loss = torch.stack([p.reshape(-1)[0] for p in model.parameters() if p.requires_grad]).sum() * 0.0
-    try:
-        loss.backward()
+        loss = torch.stack([p.reshape(-1)[0] for p in own]).sum() * 0.0
+    # DDP expects every parameter's gradient, the agreement's included (on CUDA its flags stay zero: reading them
+    # would wait for the GPU, so the agreement travels on the Gloo group instead)
+    flags = pack_agreement(*agreement) if isinstance(agreement, tuple) else ddp.module.no_flags
+    watch = clock.watch(own)
+    try:  # the agreement's parameter is a second root: its gradient is the flags, with no op of its own
+        torch.autograd.backward([loss, param], [None, flags])
     except Exception as err:
         failure = _leave(err, rank=rank, step=step, micro=micro)
         if failure is err:
             raise
         raise failure from err
     finally:
-        state.flags = None
+        if watch is not None:
+            watch.remove()
     clock.end()
     # DDP re-orders its buckets once, after its first synced backward, with a broadcast from rank 0 that it runs at
     # the start of the next forward. A rank that fails a step before its model's forward (the input's
     # preparation ran out of memory) would skip that broadcast while the others wait in it: run it here, where
     # every rank is, right after the backward they all took part in (a no-op from then on).
     ddp.reducer._rebuild_buckets()
-    if isinstance(agreement, tuple):
-        assert state.answer is not None, "the first bucket carried no agreement"
-        return read_agreement(state.answer)
+    if isinstance(agreement, tuple):  # the flags' sum over ranks, times 1/world size: only zero or not matters
+        return read_agreement(param.grad)
     return agreement()
 
 
@@ -273,7 +294,7 @@ def average_by_hand(model: nn.Module, *, world_size: int, clock: CommClock) -> N
     import torch.distributed as dist
 
     clock.begin()
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]  # the agreement has no gradient here
     for p in params:
         if p.grad is None:  # unused on this rank: the others may have one, and every rank sends the same sizes
             p.grad = torch.zeros_like(p)
