@@ -42,3 +42,27 @@ def make_cfg(store_uri: str) -> Callable[..., RunConfig]:
         return load([*base, *overrides])
 
     return make
+
+
+class StepClock:
+    """The step timer's clock (``pipeline.timing``'s ``time.perf_counter``): it moves only when the fakes below say
+    they spent time, so a share of the step time is exact whatever else the machine is doing."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
+    """The step timer's clock, faked for the test (``StepClock``)."""
+    import pipeline.timing as timing_module
+
+    fake = StepClock()
+    monkeypatch.setattr(timing_module, "time", fake)
+    return fake

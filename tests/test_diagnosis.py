@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 import pipeline.build as build_module
 import pipeline.monitor as monitor
-import pipeline.timing as timing_module
+from conftest import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
 from pipeline.monitor import GpuTarget, Sample
@@ -30,27 +30,6 @@ from pipeline.train import train
 from pipeline.verdict import classify, judge
 
 MakeCfg = Callable[..., RunConfig]
-
-
-class StepClock:
-    """The step timer's clock (``pipeline.timing``'s ``time.perf_counter``): it moves only when the fakes below say
-    they spent time, so a share of the step time is exact whatever else the machine is doing."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def spend(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
-    fake = StepClock()
-    monkeypatch.setattr(timing_module, "time", fake)
-    return fake
 
 
 class SlowDataset(Dataset):
