@@ -23,7 +23,6 @@ import pickle
 import re
 import shutil
 import socket
-import tempfile
 import time
 import uuid
 import warnings
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pipeline.atomic import UnwritableFolder, write_atomic
 from pipeline.config import CheckpointConfig, RunConfig, TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.filesystems import check_lock_folder
@@ -65,34 +65,26 @@ class Position:
 
 
 def save(path: Path, payload: dict[str, Any] | bytes) -> Path:
-    """Write ``payload`` (a dict for ``torch.save``, or bytes) atomically: temporary file, fsync, rename.
+    """Write ``payload`` (a dict for ``torch.save``, or bytes) atomically (``pipeline.atomic``).
 
     Raises:
         CheckpointError: the folder cannot be written or the disk is full (the previous file stays whole).
     """
+
+    def write(f: Any) -> None:
+        if isinstance(payload, bytes):
+            f.write(payload)
+        else:
+            torch.save(payload, f)
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
+        return write_atomic(path, write)
+    except UnwritableFolder as err:
         raise CheckpointError(f"cannot write checkpoints to {path.parent}: {err.strerror or err}") from err
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(payload, bytes):
-                f.write(payload)
-            else:
-                torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except (OSError, RuntimeError) as err:
-        Path(tmp).unlink(missing_ok=True)
         if isinstance(err, RuntimeError) and not any(s in str(err) for s in WRITE_FAILURES):
             raise  # not the file system: a bug to see in full
         raise CheckpointError(f"writing {path} failed: {_why(err, path.parent)}; the previous one is intact") from err
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _why(err: BaseException, folder: Path) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import cli
+from pipeline.atomic import write_text_atomic
 from pipeline.errors import PipelineError
 from pipeline.secrets import MASK, mask_text
 from pipeline.store import absolute, check_exists, check_reachable, retrying
@@ -101,14 +102,10 @@ def command(path: Path) -> str:
 
 def save(outbox: Outbox, path: Path) -> Path:
     """Write ``outbox`` to ``path`` (folder created), atomically: a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("w", encoding="utf-8") as out:
-        out.write(json.dumps(outbox.header()) + "\n")
-        for p in outbox.points:
-            out.write(json.dumps({"key": p.key, "value": p.value, "timestamp": p.timestamp, "step": p.step}) + "\n")
-    os.replace(partial, path)
-    return path
+    lines = [json.dumps(outbox.header())]
+    for p in outbox.points:
+        lines.append(json.dumps({"key": p.key, "value": p.value, "timestamp": p.timestamp, "step": p.step}))
+    return write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def load(path: Path) -> Outbox:

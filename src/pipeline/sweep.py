@@ -46,6 +46,7 @@ from urllib.parse import urlparse
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.atomic import write_text_atomic
 from pipeline.cli import bug_line, debugging
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.secrets import mask_overrides, mask_text
@@ -667,10 +668,7 @@ def _save_outcome(job: SweepJob, outcome: JobOutcome) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Write atomically: a reader (the callback, another job) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    partial.replace(path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def _one_of(options: Sequence[str]) -> str:
