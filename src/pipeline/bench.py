@@ -501,11 +501,13 @@ def _ddp():
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| benchmark | measured | goal | met | detail |", "|---|---|---|---|---|"]
-    for r in rows:
-        met = "—" if r.met is None else ("yes" if r.met else "**no**")
-        lines.append(f"| {r.name} | {r.measured} | {r.goal} | {met} | {r.detail} |")
-    return "\n".join(lines)
+    from pipeline.markdown import markdown_table
+
+    def met(r: Row) -> str:
+        return "—" if r.met is None else ("yes" if r.met else "**no**")
+
+    body = [[r.name, r.measured, r.goal, met(r), r.detail] for r in rows]
+    return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))
 
 
 def machine() -> str:

@@ -34,7 +34,7 @@ The modules, in the order the data flows: ``selection`` (reading MLflow into ``R
 
 from pipeline.compare.charts import chart
 from pipeline.compare.cli import main
-from pipeline.compare.formats import markdown_table, table_csv, table_markdown
+from pipeline.compare.formats import table_csv, table_markdown
 from pipeline.compare.records import (
     CORE,
     DEVICE_PEAK_MB,
@@ -55,6 +55,7 @@ from pipeline.compare.reporting import ARTIFACTS, FILES, Report, attach, compare
 from pipeline.compare.rows import BOOKKEEPING, PROVENANCE, REPEAT_KEYS, SHOWN, Row, config_key, differences, group
 from pipeline.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
 from pipeline.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
+from pipeline.markdown import markdown_table
 from pipeline.store import UI_URL, ui_base
 
 __all__ = [

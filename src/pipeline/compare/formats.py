@@ -14,6 +14,7 @@ import textwrap
 from pipeline.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS, VAL_ACC
 from pipeline.compare.rows import PROVENANCE, SHOWN, Row
 from pipeline.compare.table import Line, Speedup, Table
+from pipeline.markdown import markdown_table
 from pipeline.stats import NOISY, Summary
 
 WIDTH = 100  # prose lines are wrapped to this many characters
@@ -119,15 +120,6 @@ def _cells(table: Table, line: Line) -> list[str]:
 
 def _any_unfinished(table: Table) -> bool:
     return any(r.status != "FINISHED" for line in table.lines for r in line.row.runs)
-
-
-def markdown_table(headers: list[str], body: list[list[str]]) -> list[str]:
-    """A Markdown table whose columns are padded so that it also reads as plain text."""
-    rows = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in [headers, *body]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return lines
 
 
 def table_markdown(table: Table) -> str:
