@@ -95,13 +95,21 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
         "WORLD_SIZE": "1",
     }.items():
         monkeypatch.setenv(name, value)
-    assert bench_ddp.main(["512", "2", "1", "64", "2", str(tmp_path / "ddp.json")]) == 0  # a warm-up round, 2 more
+    # whole runs: a warm-up round and 2 more; then the loops in chunks, a warm-up round and 3 more
+    assert bench_ddp.main(["512", "2", "1", "3", "64", "2", str(tmp_path / "ddp.json")]) == 0
     seconds = json.loads((tmp_path / "ddp.json").read_text())
-    assert sorted(seconds) == ["pipeline", "textbook"] and all(len(s) == 2 for s in seconds.values())
-    assert all(s > 0 for side in seconds.values() for s in side)
+    assert {kind: {side: len(s) for side, s in sides.items()} for kind, sides in seconds.items()} == {
+        "run": {"textbook": 2, "pipeline": 2},
+        "loop": {"textbook": 3, "pipeline": 3},
+    }
+    assert all(s > 0 for sides in seconds.values() for side in sides.values() for s in side)
 
-    times = {"textbook": [2.0, 2.5], "pipeline": [2.5, 2.0]}  # per-round ratios 0.8 and 1.25
-    monkeypatch.setattr(bench_ddp, "run_job", lambda sizes, work: times)
-    (row,) = bench_ddp.bench_ddp(Sizes(QUICK.samples, 2, 0), tmp_path)
-    assert row.name.startswith("DDP pipeline / textbook DDP loop, 2 CPU ranks") and row.goal == ">= 0.97"
-    assert row.measured == "1.025" and row.met is True and "per-round ratios 0.800–1.250, 2 rounds" in row.detail
+    run = {"textbook": [2.0, 2.5], "pipeline": [2.5, 2.0]}  # per-round ratios 0.8 and 1.25
+    loop = {"textbook": [1.0, 1.0, 1.0, 1.0], "pipeline": [1.0, 1.1, 1.0, 1.25]}  # 1, 1/1.1, 1, 0.8
+    monkeypatch.setattr(bench_ddp, "run_job", lambda sizes, work: {"run": run, "loop": loop})
+    looped, whole = bench_ddp.bench_ddp(Sizes(QUICK.samples, 2, 0), tmp_path)
+    assert looped.name.startswith("DDP training loop / textbook DDP loop, 2 CPU ranks") and looped.goal == ">= 0.97"
+    assert looped.measured == "0.955" and looped.met is False  # the median of 0.8, 0.909, 1, 1
+    assert "50-step chunks, 4 rounds; middle half of per-round ratios 0.909–1.000" in looped.detail
+    assert whole.name.startswith("DDP pipeline run / textbook DDP loop") and whole.measured == "1.025" and whole.met
+    assert "2 rounds; middle half of per-round ratios 0.800–1.250" in whole.detail
