@@ -22,6 +22,7 @@ run: $(STAMP) ## train with the defaults (MLP on the bundled digits, CPU or best
 test: $(STAMP) ## lint, then the whole test suite (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2
 
 test-fast: $(STAMP) ## the quick inner loop: tests not marked slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -93,3 +94,16 @@ def test_mps_requested_where_missing_is_an_error(monkeypatch: pytest.MonkeyPatch
 def test_cpu_is_always_available_and_named() -> None:
     choice = resolve_device(DeviceConfig("cpu"))
     assert choice.device == torch.device("cpu") and choice.name and choice.reason == "device=cpu requested"
+
+
+def test_a_run_asking_for_a_missing_gpu_says_the_doctors_finding(
+    monkeypatch: pytest.MonkeyPatch, make_cfg: Any
+) -> None:
+    """The engine never imports the doctor: the entry point hands its finding to ``build``."""
+    from pipeline import doctor
+    from pipeline.train import train
+
+    fake_gpus(monkeypatch)
+    monkeypatch.setattr(doctor, "main_finding", lambda facts=None: "the driver (470.57) is too old for CUDA 13")
+    with pytest.raises(DeviceError, match=r"the driver \(470.57\) is too old for CUDA 13"):
+        train(make_cfg("tracking=none", "device=cuda"), echo=False)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pipeline import doctor
 from pipeline.amp_check import AmpProbe, check_cpu_amp
 from pipeline.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.config import LoaderConfig, RunConfig
@@ -68,14 +68,18 @@ class Setup:
         return self.choice.device
 
 
-def build(cfg: RunConfig, group: Solo | Group | None = None) -> Setup:
+def build(
+    cfg: RunConfig, group: Solo | Group | None = None, *, explain_missing_gpu: Callable[[], str] = lambda: ""
+) -> Setup:
     """Device, precision, data, model, optimizer and batches, in the order that fails fastest.
 
     Under DDP (``group``, joined already), the device is the rank's own (``cuda:LOCAL_RANK``), the model is
-    wrapped in DistributedDataParallel and each loader reads this rank's share.
+    wrapped in DistributedDataParallel and each loader reads this rank's share. ``explain_missing_gpu`` adds a
+    diagnosis to the error when CUDA was asked for and is unusable (the caller's: ``pipeline.doctor.main_finding``
+    from the entry points; the engine never imports the diagnostics).
     """
     group = group or Solo()
-    choice = resolve_device(cfg.device, explain=doctor.main_finding)
+    choice = resolve_device(cfg.device, explain=explain_missing_gpu)
     device = group.place(choice.device)
     if device != choice.device:
         choice = DeviceChoice(device, torch.cuda.get_device_name(device), f"{choice.reason}; LOCAL_RANK={device.index}")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline import checkpoint, compilation, distributed, record, resume
+from pipeline import checkpoint, compilation, distributed, doctor, record, resume
 from pipeline.build import Setup, build
 from pipeline.config import RunConfig
 from pipeline.data.workers import LoaderError, deaths_expected_while, worker_faults
@@ -84,7 +84,7 @@ def _train(
     hidden = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
     resumed = resume.shared_point(cfg, recorded, group) if cfg.resume else None
     with resumed or contextlib.nullcontext():  # a resumed run stays locked to this process until it ends
-        setup = build(cfg, group)
+        setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
         if sweep is not None and not cfg.tracking.run_name:  # a sweep's jobs differ in what the name may not show
             setup = dataclasses.replace(setup, run_name=sweep_run_name(setup.run_name, sweep.values))
         if resumed is not None:

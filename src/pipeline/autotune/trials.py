@@ -107,11 +107,14 @@ class Trials:
 
     def _get(self, candidate: Candidate) -> _Live:
         if candidate not in self._live:
+            from pipeline import doctor
             from pipeline.build import build
             from pipeline.timing import make_timer
 
             oom = dataclasses.replace(self.cfg.oom, enabled=self.cfg.oom.enabled and candidate.oom_fallback)
-            setup = build(dataclasses.replace(self.cfg, loader=candidate.loader, oom=oom))
+            setup = build(
+                dataclasses.replace(self.cfg, loader=candidate.loader, oom=oom), explain_missing_gpu=doctor.main_finding
+            )
             keep = candidate.loader.num_workers == 0 or candidate.loader.persistent_workers
             self._live[candidate] = _Live(setup, make_timer(setup.device), keep)
         return self._live[candidate]
