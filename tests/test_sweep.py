@@ -218,10 +218,10 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
 
     real_build = pipeline.train.build
 
-    def build(cfg: Any, *args: Any) -> Any:  # a runtime failure, not the user's to fix: exit status 1
+    def build(cfg: Any, *args: Any, **kwargs: Any) -> Any:  # a runtime failure, not the user's to fix: exit status 1
         if cfg.loader.batch_size == 64:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_build(cfg, *args)
+        return real_build(cfg, *args, **kwargs)
 
     monkeypatch.setattr(pipeline.train, "build", build)
     logged: list[tuple[str, dict[str, Any]]] = []
@@ -322,10 +322,10 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
 
     real_build = pipeline.train.build
 
-    def build(cfg: Any, *args: Any) -> Any:  # SIGTERM arriving during job 1
+    def build(cfg: Any, *args: Any, **kwargs: Any) -> Any:  # SIGTERM arriving during job 1
         if cfg.loader.batch_size == 64:
             raise Stopped(signal.SIGTERM)
-        return real_build(cfg, *args)
+        return real_build(cfg, *args, **kwargs)
 
     monkeypatch.setattr(pipeline.train, "build", build)
     logged: list[tuple[str, dict[str, Any]]] = []
