@@ -674,10 +674,10 @@ def test_on_the_cpu_the_agreement_travels_in_the_gradients_own_all_reduce(one_ra
 
 
 def test_what_ddp_wraps_is_trained_and_checkpointed_without_the_agreements_parameter(one_rank: Any) -> None:
-    from pipeline.checkpoint import module
+    from pipeline.overlap import unwrap
 
     model = torch.nn.Linear(3, 2)
     wrapped = one_rank.wrap(model)
-    assert one_rank.unwrap(wrapped) is model and module(wrapped) is model
-    assert list(module(wrapped).state_dict()) == ["weight", "bias"]
+    assert one_rank.unwrap(wrapped) is model and unwrap(wrapped) is model
+    assert list(unwrap(wrapped).state_dict()) == ["weight", "bias"]
     assert sum(p.numel() for p in wrapped.parameters()) == 8 + 66  # DDP all-reduces the agreement too

@@ -39,6 +39,7 @@ from pipeline.config import CheckpointConfig, RunConfig, TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.filesystems import check_lock_folder
 from pipeline.outputs import make_writable
+from pipeline.overlap import unwrap
 from pipeline.secrets import mask_text
 from pipeline.stopping import Stopped
 from pipeline.store import absolute
@@ -237,19 +238,12 @@ class RunLock:
 def payload(state: Any, **extra: Any) -> dict[str, Any]:
     """What a checkpoint holds of a ``loop.TrainState``, plus ``extra`` (run id, name, config)."""
     return {
-        "model": module(state.model).state_dict(),
+        "model": unwrap(state.model).state_dict(),  # behind torch.compile's and DDP's wrappers
         "optimizer": state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),
         "micro_batch": state.micro.micro_batch,
         **extra,
     }
-
-
-def module(model: torch.nn.Module) -> torch.nn.Module:
-    """The model behind ``torch.compile``'s and DDP's wrappers: checkpoints load whatever either side wrapped."""
-    from pipeline.overlap import unwrap
-
-    return unwrap(model)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

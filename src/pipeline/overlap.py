@@ -221,7 +221,8 @@ def backward_reduced(
     # require_forward_param_sync matters only to the buffer broadcast, which ``wrap`` turns off)
     ddp.reducer.prepare_for_forward()
     ddp.reducer.prepare_for_backward([])
-    own = [p for p in unwrap(model).parameters() if p.requires_grad]
+    # the model's own trainable parameters, listed only where needed (not on every step of the hot path)
+    own = [p for p in unwrap(model).parameters() if p.requires_grad] if loss is None or clock.armed else []
     if loss is None:  # one element of each parameter, times zero: every gradient hook fires, little memory is used
         loss = torch.stack([p.reshape(-1)[0] for p in own]).sum() * 0.0
     # DDP expects every parameter's gradient, the agreement's included (on CUDA its flags stay zero: reading them

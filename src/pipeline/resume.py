@@ -27,12 +27,12 @@ from pipeline.checkpoint import (
     Position,
     RunLock,
     load,
-    module,
     read_state,
     set_rng_state,
     store_id,
 )
 from pipeline.config import RunConfig, TrainerConfig, flatten
+from pipeline.overlap import unwrap
 from pipeline.store import absolute
 
 log = logging.getLogger(__name__)
@@ -369,7 +369,7 @@ def restore(state: Any, resumed: Resumed, device: torch.device, trainer: Trainer
     """
     saved = resumed.saved
     try:
-        module(state.model).load_state_dict(saved["model"])
+        unwrap(state.model).load_state_dict(saved["model"])  # whatever either side wrapped
         state.optimizer.load_state_dict(saved["optimizer"])
     except (RuntimeError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
