@@ -114,11 +114,19 @@ class Solo:
         pass
 
     def reduce_in_backward(
-        self, model: nn.Module, loss: torch.Tensor | None, *, step: int, micro: int, failed: bool, stop: int
-    ) -> tuple[bool, int]:
+        self,
+        model: nn.Module,
+        loss: torch.Tensor | None,
+        *,
+        step: int,
+        micro: int,
+        failed: bool,
+        stop: int,
+        carry: torch.Tensor | None = None,
+    ) -> tuple[bool, int, torch.Tensor | None]:
         if loss is not None:
             loss.backward()
-        return self.agree(failed=failed, stop=stop)
+        return (*self.agree(failed=failed, stop=stop), carry)
 
     def step_metrics(self) -> dict[str, float]:  # time/allreduce_ms: a one-process run has no all-reduce
         return {}
@@ -242,15 +250,28 @@ class Group(Solo):
         overlap.average_by_hand(model, world_size=self.world_size, clock=self._clock)
 
     def reduce_in_backward(
-        self, model: nn.Module, loss: torch.Tensor | None, *, step: int, micro: int, failed: bool, stop: int
-    ) -> tuple[bool, int]:
+        self,
+        model: nn.Module,
+        loss: torch.Tensor | None,
+        *,
+        step: int,
+        micro: int,
+        failed: bool,
+        stop: int,
+        carry: torch.Tensor | None = None,
+    ) -> tuple[bool, int, torch.Tensor | None]:
         """``loss.backward()``, DDP's all-reduce overlapped (None: this rank failed the step and sends zeros), and the
         step's agreement taken meanwhile (``agree``'s answer); an error ends the job cleanly (``pipeline.overlap``).
-        On the CPU the agreement travels with the gradients' all-reduce; on CUDA it is issued on the Gloo group
-        before the backward and read after it, so no rank waits for its GPU to read it."""
+        On the CPU the agreement travels with the gradients' all-reduce, and ``carry`` (e.g. a logging interval's
+        losses) with it: the third value is its mean over ranks (None: not carried, on CUDA or when too long); on
+        CUDA the agreement is issued on the Gloo group before the backward and read after it, so no rank waits for
+        its GPU to read it."""
         from pipeline import overlap
 
-        agreement = (failed, stop) if self._control is None else self.agree_async(failed=failed, stop=stop)
+        if self._control is None:
+            agreement: Any = (failed, stop, carry if carry is not None and len(carry) <= overlap.CARRY else None)
+        else:
+            agreement = self.agree_async(failed=failed, stop=stop)
         return overlap.backward_reduced(
             model, loss, clock=self._clock, rank=self.rank, step=step, micro=micro, agreement=agreement
         )

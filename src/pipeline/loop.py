@@ -129,7 +129,7 @@ def train_epoch(
             # DDP, once a step has fit: the last micro-batch's backward is held back and runs after the agreement,
             # with the all-reduce inside it; until then (and in one process) every backward runs here
             overlap = group.can_overlap and state.micro.found
-            failure, last = None, None
+            failure, last, carried = None, None, None
             try:
                 with group.no_sync(model):  # no collective before the agreement: a failed rank strands no other
                     loss, last = forward_backward(
@@ -146,13 +146,16 @@ def train_epoch(
                 # rank that failed sends zero gradients, so every rank meets the same collectives in the same order,
                 # and the agreement then discards the step everywhere
                 held = scaler.scale(last) if last is not None and failure is None else None
-                failed_somewhere, stopped = group.reduce_in_backward(
+                # a logging step's interval losses ride along (on the CPU): a logging point needs no collective
+                logging = held is not None and (state.step + 1) % log_every == 0
+                failed_somewhere, stopped, carried = group.reduce_in_backward(
                     model,
                     held,
                     step=state.step + 1,
                     micro=state.micro.micro_batch,
                     failed=failure is not None,
                     stop=stop_signal(),
+                    carry=window.pending(loss) if logging else None,
                 )
             else:
                 failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
@@ -192,7 +195,7 @@ def train_epoch(
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
         if state.step % log_every == 0:
-            log({"train/loss": window.close(), **group.step_metrics()}, state.step)  # host sync; raises on NaN/inf
+            log({"train/loss": window.close(carried), **group.step_metrics()}, state.step)  # host sync; NaN/inf raise
         if checkpoint_every and state.step % checkpoint_every == 0:
             window.verify()  # host sync point; raises on NaN/inf before anything is written
             save_checkpoint()
@@ -260,15 +263,21 @@ class LossWindow:
         self.losses[len(self.sizes)] = loss
         self.sizes.append(samples)
 
+    def pending(self, loss: torch.Tensor) -> torch.Tensor:
+        """The losses ``close`` would reduce once ``loss`` (the step about to be added) is in: for a caller that
+        reduces them over ranks itself and hands the result to ``close``."""
+        return torch.cat([self.losses[: len(self.sizes)], loss.reshape(1).to(self.losses.dtype)])
+
     def verify(self) -> None:
         """Raise ``NonFiniteLoss`` if a step since the last ``close`` had a non-finite loss (host sync);
         the window stays open."""
         self._values()
 
-    def close(self) -> float:
+    def close(self, reduced: torch.Tensor | None = None) -> float:
+        """The window's mean (a host sync); ``reduced``: its losses reduced over ranks already (``pending``)."""
         if not self.sizes:
             return float("nan")
-        values = self._values()
+        values = self._values(reduced)
         total = samples = 0.0
         for value, n in zip(values, self.sizes, strict=True):
             if math.isfinite(value):
@@ -277,8 +286,10 @@ class LossWindow:
         self.total, self.samples = self.total + total, self.samples + int(samples)
         return total / samples if samples else float("nan")
 
-    def _values(self) -> list[float]:
-        values = self.reduce(self.losses[: len(self.sizes)].clone()).tolist()  # host sync point
+    def _values(self, reduced: torch.Tensor | None = None) -> list[float]:
+        if reduced is None:
+            reduced = self.reduce(self.losses[: len(self.sizes)].clone())
+        values = reduced.tolist()  # host sync point
         if not self.tolerate:
             for offset, value in enumerate(values):
                 if not math.isfinite(value):

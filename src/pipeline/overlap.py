@@ -106,25 +106,29 @@ class CommClock:
 
 
 AGREEMENT = 66  # the agreement's flags: [failed, then one slot per signal number 0..64]
+CARRY = 64  # then room for a logging interval's losses, averaged over ranks with the logging step's gradients
+SLOTS = AGREEMENT + CARRY
+
+_NOTHING = torch.zeros(SLOTS)  # the usual step's flags (never written: backward only reads them)
 
 
-_NOTHING = torch.zeros(AGREEMENT)  # the usual step's flags (never written: backward only reads them)
-
-
-def pack_agreement(failed: bool, stop: int) -> torch.Tensor:
-    """This rank's agreement as counts that summing over ranks keeps apart: failed, and one slot per signal."""
-    if not failed and not stop:
+def pack_agreement(failed: bool, stop: int, carry: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's agreement as counts that summing over ranks keeps apart: failed, and one slot per signal; then
+    ``carry`` (at most ``CARRY`` values, e.g. the losses since the last logging point), summed over ranks too."""
+    if not failed and not stop and carry is None:
         return _NOTHING
-    flags = torch.zeros(AGREEMENT)
+    flags = torch.zeros(SLOTS)
     flags[0] = float(failed)
     if stop:
         flags[1 + stop] = 1.0
+    if carry is not None:
+        flags[AGREEMENT : AGREEMENT + len(carry)] = carry
     return flags
 
 
 def read_agreement(summed: torch.Tensor) -> tuple[bool, int]:
     """Whether any rank failed, and the highest stop signal any rank received (0 = none), as ``Group.agree``."""
-    values = summed.tolist()
+    values = summed[:AGREEMENT].tolist()
     if not any(values):
         return False, 0
     signals = [signum for signum, count in enumerate(values[1:]) if count > 0]
@@ -137,15 +141,16 @@ class Agreeing(nn.Module):
     On the CPU an overlapped backward starts from two roots, the loss and this parameter with the flags as its
     gradient; DDP all-reduces that gradient in its first bucket with the model's: the agreement costs no collective,
     no op and no copy of its own (a separate all-reduce, or flags appended to a bucket by a comm hook, each cost
-    about 8% of a small MLP's step on 2 CPU ranks; see BENCHMARKS.md).
+    about 8% of a small MLP's step on 2 CPU ranks; see BENCHMARKS.md). On a logging step the interval's losses ride
+    along too (a blocking all-reduce of them every 10 steps cost about 2.5%).
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         device = next(model.parameters()).device
-        self.agreement = nn.Parameter(torch.zeros(AGREEMENT, device=device))
-        self.no_flags = torch.zeros(AGREEMENT, device=device)  # its gradient on CUDA (not a buffer: never saved)
+        self.agreement = nn.Parameter(torch.zeros(SLOTS, device=device))
+        self.no_flags = torch.zeros(SLOTS, device=device)  # its gradient on CUDA (not a buffer: never saved)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
@@ -200,13 +205,15 @@ def backward_reduced(
     step: int,
     micro: int,
     agreement: Any,
-) -> tuple[bool, int]:
+) -> tuple[bool, int, torch.Tensor | None]:
     """``loss.backward()`` with DDP's all-reduce running alongside, for a last micro-batch whose forward ran under
-    ``no_sync()``; returns the step's agreement (any rank failed? the stop signal), taken meanwhile.
+    ``no_sync()``; returns the step's agreement (any rank failed? the stop signal), taken meanwhile, and the mean
+    over ranks of what the agreement carried (None: nothing).
 
-    ``agreement`` is ``(failed, stop)`` on the CPU, where it travels as ``Agreeing``'s gradient, or a
-    function that reads an agreement already issued on another group (``Group.agree_async``: CUDA, whose buckets
-    live on the device, where reading the flags would wait for the GPU). ``loss`` None: this rank failed the step
+    ``agreement`` is ``(failed, stop, carry)`` on the CPU, where it travels as ``Agreeing``'s gradient with
+    ``carry`` (None, or at most ``CARRY`` values to average over ranks), or a function that reads an agreement
+    already issued on another group (``Group.agree_async``: CUDA, whose buckets live on the device, where reading
+    the flags would wait for the GPU; nothing is carried). ``loss`` None: this rank failed the step
     (out of memory before this backward); it backpropagates zeros to every parameter, so that it takes part in the
     same all-reduces as the others, and the agreement then discards the step on every rank.
 
@@ -245,9 +252,12 @@ def backward_reduced(
     # preparation ran out of memory) would skip that broadcast while the others wait in it: run it here, where
     # every rank is, right after the backward they all took part in (a no-op from then on).
     ddp.reducer._rebuild_buckets()
-    if isinstance(agreement, tuple):  # the flags' sum over ranks, times 1/world size: only zero or not matters
-        return read_agreement(param.grad)
-    return agreement()
+    if not isinstance(agreement, tuple):
+        return (*agreement(), None)
+    # the flags' sum over ranks, times 1/world size: the agreement reads zero or not, the carried values are means
+    carry = agreement[2]
+    carried = None if carry is None else param.grad[AGREEMENT : AGREEMENT + len(carry)].clone()
+    return (*read_agreement(param.grad), carried)
 
 
 def _leave(err: Exception, *, rank: int, step: int, micro: int) -> Exception:
