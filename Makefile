@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast lint format ui clean
+.PHONY: help run test test-fast docs lint format ui clean
 
 help: ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -23,10 +23,15 @@ test: $(STAMP) ## lint, then the whole test suite (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings that --strict counts
 	$(PY) -m pytest -n 2
 
 test-fast: $(STAMP) ## the quick inner loop: tests not marked slow
 	$(PY) -m pytest -m "not slow" -x -q -n 2
+
+docs: $(STAMP) ## build the documentation pages (docs/) into site/; a broken link or anchor fails
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+	@echo "open site/index.html, or serve it: .venv/bin/mkdocs serve"
 
 format: $(STAMP) ## apply ruff's formatter and safe fixes
 	$(PY) -m ruff format .
@@ -36,4 +41,4 @@ ui: $(STAMP) ## open the MLflow UI on the local store (http://127.0.0.1:5000)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
 
 clean: ## remove run outputs (MLflow store, unsent metrics, checkpoints, Hydra dirs), keep the environment
-	rm -rf mlruns mlflow.db mlflow.db.lock unsent_metrics checkpoints outputs multirun
+	rm -rf mlruns mlflow.db mlflow.db.lock unsent_metrics checkpoints outputs multirun site

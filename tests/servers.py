@@ -54,8 +54,9 @@ def free_port() -> int:
 
 
 def server_command(folder: Path, port: int, *extra: str, backend: str | None = None) -> list[str]:
-    """The command the README shows for one person's server: SQLite store (or ``backend``, e.g. a PostgreSQL URI),
-    artifacts served by the server itself (``--artifacts-destination``, uploaded over HTTP), bound to 127.0.0.1."""
+    """The command docs/team-server.md shows for one person's server: SQLite store (or ``backend``, e.g. a
+    PostgreSQL URI), artifacts served by the server itself (``--artifacts-destination``, uploaded over HTTP),
+    bound to 127.0.0.1."""
     return [
         sys.executable,
         "-m",

@@ -76,7 +76,7 @@ class DriftingMachine:
 
 
 def drifting_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, penalty: float) -> Any:
-    """``-m trainer.log_every_n_steps=100,101 trainer.seed=1,2,3,4`` (the seed typed last, as the README writes
+    """``-m trainer.log_every_n_steps=100,101 trainer.seed=1,2,3,4`` (the seed typed last, as the docs write
     sweeps, with the default sweeper): in 3 steps neither logs, so the two rows differ only by what the clock says."""
     machine = DriftingMachine(penalty)
     monkeypatch.setattr(timing_module, "time", machine)

@@ -50,7 +50,7 @@ RANK5 = {
 }
 
 
-# The README's cluster sweep: 4 GPUs, one DDP rank on each, per job; one job per batch size.
+# The cluster sweep of docs/scaling-out.md: 4 GPUs, one DDP rank on each, per job; one job per batch size.
 CLUSTER_SWEEP = [
     "-m",
     "hydra/launcher=slurm",
@@ -66,7 +66,7 @@ CLUSTER_SWEEP = [
 ]
 
 
-# The README's way to try the cluster sweep on this machine: the same launcher plugin, jobs as local processes.
+# docs/scaling-out.md's way to try the cluster sweep on this machine: the same launcher plugin, jobs as local processes.
 LOCAL_SWEEP = [
     "-m",
     "hydra/launcher=local",
@@ -294,8 +294,8 @@ def test_the_other_launchers_still_compose_under_their_own_names(choice: str, ta
 def test_the_readme_cluster_sweep_submits_one_array_task_per_job_with_the_resources_and_signal_asked_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The README's command through the real entry point, Hydra, the launcher and submitit, up to ``sbatch``: fake
-    ``srun``/``sbatch`` stand in for the cluster, and the jobs are taken as done without running."""
+    """The command of docs/scaling-out.md through the real entry point, Hydra, the launcher and submitit, up to
+    ``sbatch``: fake ``srun``/``sbatch`` stand in for the cluster, and the jobs are taken as done without running."""
     import submitit
     from hydra.core.utils import JobReturn, JobStatus
     from submitit.core.utils import DelayedSubmission
@@ -308,7 +308,7 @@ def test_the_readme_cluster_sweep_submits_one_array_task_per_job_with_the_resour
         (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(submitit.SlurmJob, "results", lambda job: [JobReturn(status=JobStatus.COMPLETED)])
-    with mlflow_server(tmp_path / "server") as server:  # the team server the README's command records to
+    with mlflow_server(tmp_path / "server") as server:  # the team server that command records to
         assert run_main(monkeypatch, *CLUSTER_SWEEP, f"tracking.uri={server.uri}") == 0
         (parent,) = MlflowClient(server.uri).search_runs(experiment_ids=["1"])  # no job ran
 
@@ -398,7 +398,7 @@ def test_sigterm_to_a_submitit_job_stops_it_with_a_checkpoint_and_resume_through
     tmp_path: Path,
 ) -> None:
     """What the time limit's SIGTERM does to a SLURM job, on this machine: a clean stop while the sweep's other job
-    runs on and is summarised, then the README's resume."""
+    runs on and is summarised, then the resume it shows."""
     store = tmp_path / "mlflow.db"
     job = ["device=cpu", "loader.batch_size=16", "monitor.plots=false", f"tracking.uri=sqlite:///{store}"]
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}

@@ -56,7 +56,7 @@ NETWORK = {
 # where flock() is seen by every client, unless the mount options below say otherwise
 SHARED_LOCKS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "fuse.ceph-fuse"})
 SHARED_LOCKS |= {"glusterfs", "fuse.glusterfs"}
-TEAM_SERVER = 'a team tracking server (tracking.uri=http://host:5000; see the README\'s "A team tracking server")'
+TEAM_SERVER = "a team tracking server (tracking.uri=http://host:5000; see docs/team-server.md)"
 
 _ESCAPE = re.compile(r"\\([0-7]{3})")  # the kernel writes a space in a mount point as \040
 
