@@ -24,16 +24,9 @@ from pipeline.config import RunConfig, flatten, load
 from pipeline.errors import ConfigError
 from pipeline.resume import check_resumable, config_changes
 from pipeline.stopping import Stopped, StopRequests, stop_signals
-from pipeline.store import (
-    TrackingUnavailable,
-    absolute,
-    check_reachable,
-    sqlite_database,
-    sqlite_file_uri,
-    sqlite_uri,
-    uri_scheme,
-)
+from pipeline.store import TrackingUnavailable, check_reachable, uri_scheme
 from pipeline.train import train
+from pipeline.uris import absolute, sqlite_database, sqlite_file_uri, sqlite_uri
 
 MakeCfg = Callable[..., RunConfig]
 WORKERS = ["loader=workers", "loader.num_workers=1"]

@@ -18,16 +18,8 @@ from mlflow import MlflowClient
 
 from pipeline.config import load
 from pipeline.secrets import mask_text
-from pipeline.store import (
-    DiskFull,
-    TrackingUnavailable,
-    check_reachable,
-    connect,
-    disk_full,
-    retrying,
-    sqlite_path,
-    store_lock,
-)
+from pipeline.store import DiskFull, TrackingUnavailable, check_reachable, connect, disk_full, retrying, store_lock
+from pipeline.uris import sqlite_path
 from test_cli import run_main
 
 HOLD_LOCK = (  # a second process: takes SQLite's exclusive lock, says so, holds it until its stdin closes

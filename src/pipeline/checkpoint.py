@@ -42,7 +42,7 @@ from pipeline.outputs import make_writable
 from pipeline.overlap import unwrap
 from pipeline.secrets import mask_text
 from pipeline.stopping import Stopped
-from pipeline.store import absolute
+from pipeline.uris import absolute
 
 LAST = "last.pt"
 STATE = "state.json"

@@ -276,7 +276,8 @@ class TrackingConfig:
                 raise ConfigError(f"{TAGS_PREFIX}{key}", value, _at_most(MAX_TAG_KEY, "tag keys"))
             if len(str(value)) > MAX_TAG_VALUE:
                 raise ConfigError(f"{TAGS_PREFIX}{key}", f"{str(value)[:40]}...", _at_most(MAX_TAG_VALUE, "tag values"))
-        from pipeline.store import sqlite_database, uri_scheme
+        from pipeline.store import uri_scheme
+        from pipeline.uris import sqlite_database
 
         if self.enabled and uri_scheme(self.uri) == "sqlite" and sqlite_database(self.uri) is None:
             raise ConfigError(

@@ -34,7 +34,8 @@ from pipeline import cli
 from pipeline.atomic import write_text_atomic
 from pipeline.errors import PipelineError
 from pipeline.secrets import MASK, mask_text
-from pipeline.store import absolute, check_exists, check_reachable, retrying
+from pipeline.store import check_exists, check_reachable, retrying
+from pipeline.uris import absolute
 
 log = logging.getLogger(__name__)
 

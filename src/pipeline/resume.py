@@ -33,7 +33,7 @@ from pipeline.checkpoint import (
 )
 from pipeline.config import RunConfig, TrainerConfig, flatten
 from pipeline.overlap import unwrap
-from pipeline.store import absolute
+from pipeline.uris import absolute
 
 log = logging.getLogger(__name__)
 

@@ -187,7 +187,7 @@ def _forms(value: str) -> set[str]:
     """``value`` as typed, and as it shows up once used: a path without its trailing slash, normalised, expanded
     and resolved (``data.root`` is recorded resolved), a ``sqlite:///`` URI made absolute and its database's path
     as typed and resolved (``tracking.uri``), and JSON-escaped (environment.json, the dataset input)."""
-    from pipeline.store import absolute, sqlite_database  # store masks with this module: imported when used
+    from pipeline.uris import absolute, sqlite_database  # store masks with this module: imported when used
 
     forms = {value, value.rstrip("/\\"), json.dumps(value)[1:-1]}
     if "://" not in value and (value.startswith(("/", ".", "~")) or "/" in value.strip("/")):

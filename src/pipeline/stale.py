@@ -32,7 +32,7 @@ from pipeline import outbox
 from pipeline.cli import Parser, command
 from pipeline.heartbeat import BEAT_EVERY_S, last_beat, same_pid_space
 from pipeline.secrets import mask_text
-from pipeline.store import absolute
+from pipeline.uris import absolute
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 AFTER_MIN = 10.0  # default threshold: ten missed beats

@@ -31,14 +31,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import ParseResult, quote, unquote, urlparse
+from urllib.parse import ParseResult, unquote, urlparse
 from urllib.request import url2pathname
 
 from pipeline.errors import PipelineError
 from pipeline.filesystems import sqlite_refusal
 from pipeline.secrets import mask_text
+from pipeline.uris import sqlite_file_uri, sqlite_path, sqlite_uri
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,17 +55,7 @@ OTHER_SCHEMES = frozenset({"http", "https", "databricks"})
 NO_SPACE = ("database or disk is full", "no space left on device", "disk quota exceeded")
 
 
-UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves
 CREDENTIALS_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"  # any account may list; one small query
-
-
-def ui_base(uri: str) -> str:
-    """The UI address for a run's links: a tracking server's own, without ``user:password@`` (the browser asks
-    for credentials itself), else where ``mlflow ui`` serves a local store."""
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("http", "https"):
-        return UI_URL
-    return parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
 
 
 class TrackingUnavailable(PipelineError):
@@ -92,64 +83,6 @@ class DiskFull(TrackingUnavailable):
             f"no space left on the device {where}: free some space there, or move tracking.uri, checkpoint.dir or "
             f"the folder you launch from (artifacts go to ./{ARTIFACTS}) to a disk with room"
         )
-
-
-def sqlite_database(uri: str) -> str | None:
-    """The database of a ``sqlite://`` URI as SQLAlchemy, and so MLflow, reads it: what follows the third slash up
-    to a ``?``, percent-decoded; None for other stores and in-memory SQLite. ``sqlite:///mlflow.db`` is
-    ``mlflow.db`` (relative), ``sqlite:////home/me/mlflow.db`` is ``/home/me/mlflow.db``, and
-    ``sqlite:///C:/Users/me/mlflow.db`` is ``C:/Users/me/mlflow.db``, a Windows path in forward slashes (which
-    Windows accepts). Not ``urlparse``: it would cut a file name at a ``#``."""
-    scheme, sep, rest = uri.partition("://")
-    if scheme.lower() != "sqlite" or not sep:
-        return None
-    _host, slash, database = rest.partition("/")
-    database = unquote(database.partition("?")[0])
-    return database if slash and database not in ("", ":memory:") else None
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI (None for other stores and in-memory SQLite)."""
-    database = sqlite_database(uri)
-    return None if database is None else Path(database)
-
-
-def sqlite_uri(path: PurePath) -> str:
-    """The ``sqlite:///`` URI of an absolute database path, as MLflow writes it on each platform: in forward
-    slashes, since a backslash is no URI character. ``/home/me/mlflow.db`` gives ``sqlite:////home/me/mlflow.db``,
-    Windows' ``C:`` drive path ``sqlite:///C:/Users/me/mlflow.db`` and a share (two leading backslashes)
-    ``sqlite://///server/share/mlflow.db``. Only ``%`` and ``?`` are escaped, the two characters SQLAlchemy would
-    read otherwise: spaces stay as typed, so the URI (and the checkpoints' record of it) reads as the path does."""
-    return "sqlite:///" + path.as_posix().replace("%", "%25").replace("?", "%3F")
-
-
-def absolute(uri: str, *, cwd: PurePath | None = None) -> str:
-    """A relative ``sqlite:///mlflow.db`` made absolute, so it names one file whatever the working directory
-    (MLflow also caches stores by URI: a relative one would follow the first directory it was used in).
-
-    Args:
-        uri: any tracking URI; only relative SQLite ones change.
-        cwd: the folder a relative path starts from; by default the working directory, symbolic links resolved.
-            A ``PureWindowsPath`` reads the URI as Windows would, on any system.
-    """
-    database = sqlite_database(uri)
-    if database is None:
-        return uri
-    path = (type(cwd) if cwd is not None else Path)(database)
-    if path.is_absolute():  # on Windows, a drive and a root: /mlflow.db is relative to the current drive
-        return uri
-    return sqlite_uri(cwd / path if cwd is not None else Path(database).resolve())
-
-
-def sqlite_file_uri(path: PurePath) -> str:
-    """SQLite's own read-only ``file:`` URI for an absolute path (``sqlite3.connect(..., uri=True)``).
-
-    Not ``Path.as_uri()``: for a Windows share that puts the server in the authority
-    (``file://server/share/mlflow.db``), which SQLite refuses; here it is ``file:////server/share/mlflow.db``,
-    ``file:///C:/Users/me/mlflow.db`` for a drive and ``file:///home/me/mlflow.db`` on POSIX.
-    """
-    posix = path.as_posix()
-    return f"file://{'' if posix.startswith('/') else '/'}{quote(posix, safe='/:')}?mode=ro"
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from pipeline.atomic import write_text_atomic
 from pipeline.cli import bug_line, debugging
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.secrets import mask_overrides, mask_text
-from pipeline.store import ui_base
+from pipeline.uris import ui_base
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -248,7 +248,8 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     from pipeline.provenance import source_tags  # imports torch: only here, once per sweep
     from pipeline.runs import create_run
     from pipeline.secrets import env_keys
-    from pipeline.store import absolute, check_reachable, connect
+    from pipeline.store import check_reachable, connect
+    from pipeline.uris import absolute
 
     experiment = str(config.tracking.experiment)
     if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job

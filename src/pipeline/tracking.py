@@ -57,7 +57,8 @@ from pipeline.heartbeat import Heartbeat
 from pipeline.runs import create_run
 from pipeline.secrets import MASK, mask_text, mask_value
 from pipeline.stopping import Stopped
-from pipeline.store import absolute, connect, retrying, server_down, ui_base
+from pipeline.store import connect, retrying, server_down
+from pipeline.uris import absolute, ui_base
 
 log = logging.getLogger(__name__)
 

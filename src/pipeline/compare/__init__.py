@@ -56,7 +56,7 @@ from pipeline.compare.rows import BOOKKEEPING, PROVENANCE, REPEAT_KEYS, SHOWN, R
 from pipeline.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
 from pipeline.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
 from pipeline.markdown import markdown_table
-from pipeline.store import UI_URL, ui_base
+from pipeline.uris import UI_URL, ui_base
 
 __all__ = [
     "ARTIFACTS",

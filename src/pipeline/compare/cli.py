@@ -16,7 +16,8 @@ from pipeline.compare.selection import open_store, select
 from pipeline.errors import PipelineError
 from pipeline.secrets import mask_text
 from pipeline.stats import MIN_EFFECT
-from pipeline.store import UI_URL, absolute, parse
+from pipeline.store import parse
+from pipeline.uris import UI_URL, absolute
 
 MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
 

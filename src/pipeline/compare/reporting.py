@@ -15,7 +15,7 @@ from pipeline.compare.records import RunRecord
 from pipeline.compare.table import Table, build
 from pipeline.secrets import mask_text
 from pipeline.stats import MIN_EFFECT
-from pipeline.store import ui_base
+from pipeline.uris import ui_base
 
 ARTIFACTS = "compare"  # the folder under the parent run that --log writes to
 FILES = ("compare.md", "compare.csv", "compare.png")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.compare.records import PARENT, ROLE, CompareError, RunRecord
-from pipeline.store import check_reachable, retrying, sqlite_path
+from pipeline.store import check_reachable, retrying
+from pipeline.uris import sqlite_path
 
 MAX_RUNS = 50_000  # MLflow's largest max_results: one page, one query
 
