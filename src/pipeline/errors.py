@@ -37,3 +37,7 @@ class DeviceError(PipelineError):
 
 class DatasetError(PipelineError):
     """A dataset cannot be read; the message names the folder and the files expected."""
+
+
+class Interruption(Exception):
+    """A run stopped on request (a signal, ``pipeline.stopping.Stopped``): recorded KILLED, not FAILED."""

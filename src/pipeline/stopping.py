@@ -20,6 +20,8 @@ import threading
 from collections.abc import Iterator
 from types import FrameType, TracebackType
 
+from pipeline.errors import Interruption
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGBREAK")  # SIGBREAK: Windows' Ctrl-Break, absent elsewhere
@@ -38,7 +40,7 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-class Stopped(Exception):
+class Stopped(Interruption):
     """Training stopped on request; ``exit_code`` is 128 + the signal number."""
 
     def __init__(self, signum: int, *, at_once: bool = False, checkpoints: bool = True) -> None:

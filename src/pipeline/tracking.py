@@ -46,19 +46,20 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from pipeline import outbox
 from pipeline.config import TrackingConfig
-from pipeline.data.sources import DataSpec
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, Interruption
 from pipeline.heartbeat import Heartbeat
 from pipeline.runs import create_run
 from pipeline.secrets import MASK, mask_text, mask_value
-from pipeline.stopping import Stopped
 from pipeline.store import connect, retrying, server_down
 from pipeline.uris import absolute, ui_base
+
+if TYPE_CHECKING:  # an annotation only: the record does not import the engine
+    from pipeline.data.sources import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +491,7 @@ def open_tracker(
     tracker.start()
     try:
         yield tracker
-    except (KeyboardInterrupt, Stopped):
+    except (KeyboardInterrupt, Interruption):
         _end_under(tracker, "KILLED")
         raise
     except BaseException as err:
