@@ -13,7 +13,7 @@ the same server with SQLite behind it for reference, then measures from this pro
   in-process run (``pipeline.train``: MLP on 60,000 synthetic samples, resident, batch 64, 2 epochs, train/loss
   every 10 steps, the utilisation sampler on), one warm-up round dropped; the speed is samples over the epochs'
   seconds plus the writes between them, and the ratio is the paired estimate with its 95% interval
-  (``pipeline.stats.compare``). The whole run's wall clock (start-up and end included) is reported beside it, and
+  (``pipeline.common.stats.compare``). The whole run's wall clock (start-up and end included) is reported beside it, and
   the tracker's own accounting of the seconds it spent writing, which the machine's noise does not blur.
 
 It prints rows in BENCHMARKS.md's format. Timing claims live here, never in the test suite.
@@ -35,8 +35,8 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the servers the tests use
 
-from pipeline.bench import Row, machine, quiet_logs, table
-from pipeline.stats import compare, summarize
+from pipeline.common.stats import compare, summarize
+from pipeline.diagnostics.bench import Row, machine, quiet_logs, table
 from servers import mlflow_server, postgres, postgres_missing
 
 SAMPLES, BATCH, EPOCHS = 60_000, 64, 2  # epochs of about 1.3 s on 2 CPUs
@@ -59,8 +59,8 @@ def points_per_s(uri: str, points: int, *, writers: int = 1) -> float:
     writing them with one ``flush()`` on its own thread; all of them counted, from the first start to the last end."""
     from mlflow import MlflowClient
 
-    from pipeline.store import experiment_id
-    from pipeline.tracking import MlflowTracker
+    from pipeline.record.store import experiment_id
+    from pipeline.record.tracking import MlflowTracker
 
     client = MlflowClient(uri)
     experiment = experiment_id(client, "points")

@@ -16,7 +16,8 @@ and nothing is left behind but the JSON file.
 The runs are ``pipeline.train.train`` in this process, with configs from ``pipeline.config.load`` and
 ``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``:
 every epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop
-reuse ``pipeline.bench``'s helpers. Every row is guarded: one that fails is an ERROR row and the rest still run.
+reuse ``pipeline.diagnostics.bench``'s helpers. Every row is guarded: one that fails is an ERROR row and the rest
+still run.
 The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the check cannot
 start (a missing package, no GPU without ``--dry-run``).
 """
@@ -47,7 +48,7 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 if sys.path[:1] != [str(CHECKOUT / "src")]:  # this checkout's pipeline, ahead of any installed copy (use_checkout)
     sys.path.insert(0, str(CHECKOUT / "src"))
 
-from pipeline.cli import Parser, command  # noqa: E402
+from pipeline.common.cli import Parser, command  # noqa: E402
 
 # module -> what to pip install. The pipeline's other dependencies are not imported by these runs.
 REQUIRED = {
@@ -302,7 +303,7 @@ def step_doctor(ctx: Context) -> list[Row]:
     """``python -m pipeline.doctor``'s checks, as one row: how many failed, and which warned or failed."""
 
     def make() -> Row:
-        from pipeline import doctor
+        from pipeline.diagnostics import doctor
 
         report = doctor.report(smoke=True)
         counts = Counter(c["status"] for c in report["checks"])
@@ -441,7 +442,7 @@ def step_resnet(ctx: Context, *, compiled: bool = False) -> list[Row]:
             if figures["peak_mb"] is not None:
                 detail += f", peak {figures['peak_mb']:,.0f} MB"
             if "compile" in key:
-                from pipeline.record import compile_seconds
+                from pipeline.report.run_record import compile_seconds
 
                 figures["compile_s"] = compile_seconds([e.breakdown for e in result.epochs])
                 if figures["compile_s"] is not None:
@@ -507,7 +508,7 @@ def bare_resnet(plan: Plan, *, amp: bool, channels_last: bool, seconds: float) -
     import torch
     import torch.nn.functional as F
 
-    from pipeline.models import resnet
+    from pipeline.engine.models import resnet
 
     device = torch.device(plan.device)
     if device.type == "cuda":
@@ -633,7 +634,7 @@ def injected_oom_above(limit: int) -> Iterator[None]:
     stand-in for a card that is too small (a CPU has no allocator cap to hit)."""
     import torch
 
-    import pipeline.build as build_module
+    import pipeline.engine.build as build_module
 
     original = build_module.build_model
 
@@ -720,9 +721,10 @@ def step_oom(ctx: Context) -> list[Row]:
 
 
 def step_sampler(ctx: Context) -> list[Row]:
-    """What one reading costs through NVML and through GPUtil (``pipeline.bench``'s sampler benchmark), and the mean
+    """What one reading costs through NVML and through GPUtil (``pipeline.diagnostics.bench``'s sampler benchmark),
+    and the mean
     utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
-    from pipeline.bench import Sizes, bench_sampler_backends
+    from pipeline.diagnostics.bench import Sizes, bench_sampler_backends
 
     plan = ctx.plan
     rows: list[Row] = []
@@ -776,17 +778,17 @@ def step_sampler(ctx: Context) -> list[Row]:
 
 def step_overhead(ctx: Context) -> list[Row]:
     """The whole pipeline (timing, sampler, loss checks) against a hand-written loop, MLP epochs on resident
-    MNIST-shaped data, interleaved rounds: ``pipeline.bench``'s comparison, on this check's device."""
+    MNIST-shaped data, interleaved rounds: ``pipeline.diagnostics.bench``'s comparison, on this check's device."""
     plan = ctx.plan
     name = f"pipeline / bare loop, MLP, batch 64, {plan.overhead_samples:,} samples, {plan.device}"
 
     def make() -> Row:
         from statistics import median
 
-        from pipeline.bench import Sizes, bare_epoch, interleaved, pipeline_epoch
+        from pipeline.common.stats import paired_ratio
         from pipeline.config import DataConfig
         from pipeline.data.sources import load_data
-        from pipeline.stats import paired_ratio
+        from pipeline.diagnostics.bench import Sizes, bare_epoch, interleaved, pipeline_epoch
 
         sizes = Sizes(samples=plan.overhead_samples, repeats=plan.overhead_repeats, warmup=0 if plan.dry else 1)
         bundle = load_data(
@@ -888,7 +890,7 @@ def table(rows: list[Row]) -> str:
 def machine() -> dict[str, Any]:
     import torch
 
-    from pipeline.devices import cpu_name
+    from pipeline.engine.devices import cpu_name
 
     facts: dict[str, Any] = {
         "python": platform.python_version(),
@@ -946,13 +948,13 @@ def main(argv: list[str] | None = None) -> int:
     use_checkout()
     import torch
 
-    from pipeline.bench import quiet_logs
+    from pipeline.diagnostics.bench import quiet_logs
 
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     if args.budget_s is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     if not plan.dry and not torch.cuda.is_available():
-        from pipeline import doctor
+        from pipeline.diagnostics import doctor
 
         finding = doctor.main_finding()
         print(

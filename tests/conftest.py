@@ -45,7 +45,8 @@ def make_cfg(store_uri: str) -> Callable[..., RunConfig]:
 
 
 class StepClock:
-    """The step timer's clock (``pipeline.timing``'s ``time.perf_counter``): it moves only when the fakes below say
+    """The step timer's clock (``pipeline.engine.timing``'s ``time.perf_counter``): it moves only when the fakes
+    below say
     they spent time, so a share of the step time is exact whatever else the machine is doing."""
 
     def __init__(self) -> None:
@@ -61,7 +62,7 @@ class StepClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
     """The step timer's clock, faked for the test (``StepClock``)."""
-    import pipeline.timing as timing_module
+    import pipeline.engine.timing as timing_module
 
     fake = StepClock()
     monkeypatch.setattr(timing_module, "time", fake)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import amp_check
-from pipeline.amp_check import AmpProbe, amp_advice, cpu_flags, probe_batch, probe_cpu_amp
 from pipeline.config import load
-from pipeline.verdict import judge
+from pipeline.engine import amp_check
+from pipeline.engine.amp_check import AmpProbe, amp_advice, cpu_flags, probe_batch, probe_cpu_amp
+from pipeline.report.verdict import judge
 
 
 def mlp() -> nn.Module:

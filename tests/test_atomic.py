@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import atomic
-from pipeline.atomic import UnwritableFolder, write_atomic, write_text_atomic
+from pipeline.common import atomic
+from pipeline.common.atomic import UnwritableFolder, write_atomic, write_text_atomic
 
 
 def test_a_file_is_replaced_whole_and_its_folder_made(tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.build as build_module
+import pipeline.engine.build as build_module
 from pipeline.config import ConfigError, DataConfig, RunConfig, load
 from pipeline.data import CropFlip, Normalize, load_data, make_augment
 from pipeline.data.augment import Draws
-from pipeline.provenance import run_name
-from pipeline.stopping import Stopped
+from pipeline.engine.provenance import run_name
+from pipeline.engine.stopping import Stopped
 from pipeline.train import train
 from test_resume import sigterm_at_step
 

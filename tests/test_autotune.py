@@ -12,10 +12,10 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from pipeline import autotune
-from pipeline.autotune import Candidate, Machine, Settings, candidates, format_report, override_line, tune
+from pipeline.common.errors import PipelineError
 from pipeline.config import RunConfig, load
-from pipeline.errors import PipelineError
+from pipeline.experiments import autotune
+from pipeline.experiments.autotune import Candidate, Machine, Settings, candidates, format_report, override_line, tune
 
 DEFAULT = load([]).loader  # conf/loader/default.yaml, as a run composes it
 CPU4 = Machine(device_type="cpu", max_workers=4, resident_fits=False)
@@ -403,8 +403,8 @@ def test_no_timed_batch_was_made_before_its_trial_began(
 
     import torch
 
-    import pipeline.build
-    import pipeline.loop
+    import pipeline.engine.build
+    import pipeline.engine.loop
     from pipeline.data.sources import tensor_bundle
 
     class Stamped(torch.utils.data.Dataset):
@@ -427,7 +427,7 @@ def test_no_timed_batch_was_made_before_its_trial_began(
 
     timed_made: list[tuple[int, list[float]]] = []  # per timed call: its trial, when each timed batch was made
     starts: list[float] = []
-    real_train_epoch = pipeline.loop.train_epoch
+    real_train_epoch = pipeline.engine.loop.train_epoch
 
     def train_epoch(state, batches, **kwargs):
         timed = kwargs["max_steps"] - state.step == 3 + 1  # the trial's timed call (steps=3, plus its first)
@@ -445,8 +445,8 @@ def test_no_timed_batch_was_made_before_its_trial_began(
             if timed:
                 timed_made.append((len(starts) - 1, made))
 
-    monkeypatch.setattr(pipeline.build, "load_data", load_data)
-    monkeypatch.setattr(pipeline.loop, "train_epoch", train_epoch)
+    monkeypatch.setattr(pipeline.engine.build, "load_data", load_data)
+    monkeypatch.setattr(pipeline.engine.loop, "train_epoch", train_epoch)
     cfg = make_cfg("loader.num_workers=2", "loader.prefetch_factor=2", "loader.persistent_workers=true")
     trials = autotune.Trials(cfg)
     with_workers, without = Candidate(cfg.loader), Candidate(dataclasses.replace(cfg.loader, num_workers=0,

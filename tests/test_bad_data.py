@@ -27,9 +27,9 @@ from files import (
     write_pickle,
     write_random_bytes,
 )
+from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import load_data, make_loader
-from pipeline.errors import DatasetError
 from test_cli import run_main
 
 

@@ -129,12 +129,12 @@ def test_a_stop_with_checkpoints_off_says_no_checkpoint_and_gives_no_resume_advi
 ) -> None:
     import signal
 
-    from pipeline.stopping import StopRequests
+    from pipeline.engine.stopping import StopRequests
     from test_resume import at_training_step
 
     with StopRequests(checkpoints=False):
         os.kill(os.getpid(), signal.SIGTERM)
-    warned = " ".join(r.getMessage() for r in caplog.records if r.name == "pipeline.stopping")
+    warned = " ".join(r.getMessage() for r in caplog.records if r.name == "pipeline.engine.stopping")
     assert "SIGTERM received" in warned and "writing a checkpoint" not in warned
     at_training_step(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
     args = ["device=cpu", "trainer.epochs=1", "trainer.max_steps=5", "checkpoint.enabled=false"]

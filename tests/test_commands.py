@@ -1,4 +1,4 @@
-"""Every command of the package keeps one contract (``pipeline.cli``): a user's error is one line on stderr and
+"""Every command of the package keeps one contract (``pipeline.common.cli``): a user's error is one line on stderr and
 exit 2; a bug is one short line and exit 1, its traceback only under ``--debug``. Run in-process through each
 command's real ``main``; a few real processes check the ``python -m`` path itself."""
 
@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 from mlflow import MlflowClient
 
-from pipeline import bench, doctor, outbox, stale
-from pipeline.autotune import cli as autotune_cli
-from pipeline.compare import cli as compare_cli
+from pipeline.diagnostics import bench, doctor
+from pipeline.experiments.autotune import cli as autotune_cli
+from pipeline.experiments.compare import cli as compare_cli
+from pipeline.record import outbox, stale
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +110,7 @@ def test_a_bug_in_a_command_is_one_short_line_and_exit_1_with_the_traceback_unde
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("a bug in selecting runs")
 
-    monkeypatch.setattr("pipeline.compare.cli.select", broken)
+    monkeypatch.setattr("pipeline.experiments.compare.cli.select", broken)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(uri).search_experiments()  # the store exists: the bug, not a missing store, ends the command
@@ -143,11 +144,12 @@ def test_compare_refuses_an_out_folder_it_cannot_write_in_one_line(
     def unwritable(result: object, folder: Path) -> list[Path]:
         raise PermissionError(13, "Permission denied", str(folder))
 
-    monkeypatch.setattr("pipeline.compare.cli.write", unwritable)
+    monkeypatch.setattr("pipeline.experiments.compare.cli.write", unwritable)
     monkeypatch.setattr(
-        "pipeline.compare.cli.select", lambda *a, **k: SimpleNamespace(runs=[], note="", objective=None, parent=None)
+        "pipeline.experiments.compare.cli.select",
+        lambda *a, **k: SimpleNamespace(runs=[], note="", objective=None, parent=None),
     )
-    monkeypatch.setattr("pipeline.compare.cli.report", lambda *a, **k: object())
+    monkeypatch.setattr("pipeline.experiments.compare.cli.report", lambda *a, **k: object())
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(uri).search_experiments()
     assert exit_code(compare_cli.main, ["--uri", uri, "--out", str(tmp_path / "ro")]) == 2
@@ -163,7 +165,7 @@ def test_a_bug_during_a_run_is_one_line_exit_1_and_the_run_is_recorded_failed(
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("a bug after training")
 
-    monkeypatch.setattr("pipeline.record.conclude", broken)
+    monkeypatch.setattr("pipeline.report.run_record.conclude", broken)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -183,7 +185,11 @@ def test_a_bug_during_a_run_is_one_line_exit_1_and_the_run_is_recorded_failed(
     ("module", "argv", "message"),
     [
         ("pipeline", ["trainer.seed=36893488147419103232", "--debug"], "error: trainer.seed=36893488147419103232"),
-        ("pipeline.compare", ["--min-effect", "nan"], "error: python -m pipeline.compare: --min-effect nan"),
+        (
+            "pipeline.compare",
+            ["--min-effect", "nan"],
+            "error: python -m pipeline.compare: --min-effect nan",
+        ),
         ("pipeline.outbox", ["missing.jsonl"], "error: "),
     ],
 )
@@ -203,7 +209,7 @@ def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
     def exhausted(self: object) -> None:
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: you tried")
 
-    monkeypatch.setattr("pipeline.autotune.cli.Trials.probe", exhausted)
+    monkeypatch.setattr("pipeline.experiments.autotune.cli.Trials.probe", exhausted)
     monkeypatch.chdir(tmp_path)
     assert exit_code(autotune_cli.main, ["device=cpu", "--no-track"]) == 2
     err = stderr(capsys)
@@ -222,7 +228,7 @@ def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
     ],
 )
 def test_a_tracking_uri_no_store_can_be_at_is_refused_before_the_run(uri: str, message: str) -> None:
-    from pipeline.store import TrackingUnavailable, check_reachable
+    from pipeline.record.store import TrackingUnavailable, check_reachable
 
     with pytest.raises(TrackingUnavailable, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         check_reachable(uri)
@@ -235,10 +241,50 @@ def test_sigterm_ends_a_command_in_one_line_with_the_signals_exit_status(
     import os
     import signal
 
-    monkeypatch.setattr("pipeline.compare.cli.select", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr("pipeline.experiments.compare.cli.select", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(uri).search_experiments()
     before = signal.getsignal(signal.SIGTERM)
     assert exit_code(compare_cli.main, ["--uri", uri]) == 143
     assert stderr(capsys) == "python -m pipeline.compare: stopped by SIGTERM\n"
     assert signal.getsignal(signal.SIGTERM) is before  # put back
+
+
+ENTRY_MODULES = {
+    "compare": "pipeline.experiments.compare.cli",
+    "autotune": "pipeline.experiments.autotune.cli",
+    "doctor": "pipeline.diagnostics.doctor",
+    "stale": "pipeline.record.stale",
+    "outbox": "pipeline.record.outbox",
+    "bench": "pipeline.diagnostics.bench",
+    "launch": "pipeline.parallel.launch",
+}
+
+
+def test_every_command_is_a_thin_module_found_as_pipeline_dot_its_name() -> None:
+    """``python -m pipeline.<command>`` finds ``commands/<command>.py``, which runs its implementation's ``main``:
+    no copy, and nothing else in the folder."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    import pipeline
+
+    folder = Path(pipeline.__file__).parent / "commands"
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(ENTRY_MODULES)
+    for name, implementation in ENTRY_MODULES.items():
+        spec = importlib.util.find_spec(f"pipeline.{name}")
+        assert spec is not None and Path(spec.origin) == folder / f"{name}.py"
+        thin = importlib.import_module(f"pipeline.{name}")
+        assert thin.main is importlib.import_module(implementation).main
+        assert len(Path(spec.origin).read_text().splitlines()) <= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ENTRY_MODULES))
+def test_every_command_answers_help_in_a_real_process(tmp_path: Path, name: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", f"pipeline.{name}", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout, proc.stdout

@@ -14,8 +14,8 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
-from pipeline import compare
-from pipeline.compare import CompareError, RunRecord, build, group, table_csv, table_markdown
+from pipeline.experiments import compare
+from pipeline.experiments.compare import CompareError, RunRecord, build, group, table_csv, table_markdown
 
 BASE = {"model.name": "mlp", "loader.batch_size": "64", "loader.num_workers": "0", "loader.resident": "false"}
 BASE |= {"data.name": "digits", "trainer.lr": "0.01", "trainer.seed": "0", "amp": "false"}

@@ -12,12 +12,12 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.build as build_module
-import pipeline.timing as timing_module
-from pipeline import compilation
+import pipeline.engine.build as build_module
+import pipeline.engine.timing as timing_module
 from pipeline.config import ConfigError, RunConfig, load
-from pipeline.record import compile_seconds
-from pipeline.timing import Breakdown
+from pipeline.engine import compilation
+from pipeline.engine.timing import Breakdown
+from pipeline.report.run_record import compile_seconds
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from pipeline.common.errors import OverrideError
 from pipeline.config import ConfigError, _build, compose, config_dir, flatten, from_dictconfig, load
-from pipeline.errors import OverrideError
 
 GROUPS = ["device", "model", "precision", "loader", "data", "trainer", "tracking"]
 # options that need another key set to be valid on their own

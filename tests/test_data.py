@@ -15,9 +15,9 @@ import torch
 import torchvision.datasets as tvd
 
 from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
+from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import DataBundle, EpochOrder, Normalize, ResidentLoader, load_data, make_loader
-from pipeline.errors import DatasetError
 
 LOADER = LoaderConfig(
     batch_size=16,

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-import pipeline.timing as timing_module
+import pipeline.engine.timing as timing_module
 import pipeline.train
-from pipeline.compare import RunRecord, build
 from pipeline.config import sweep_jobs
-from pipeline.design import interleave
+from pipeline.config.design import interleave
+from pipeline.experiments.compare import RunRecord, build
 from test_cli import run_main
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32", "monitor.enabled=false", "device=cpu"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.config import DeviceConfig
-from pipeline.devices import DeviceError, resolve_device
+from pipeline.engine.devices import DeviceError, resolve_device
 
 GIB = 2**30
 
@@ -100,7 +100,7 @@ def test_a_run_asking_for_a_missing_gpu_says_the_doctors_finding(
     monkeypatch: pytest.MonkeyPatch, make_cfg: Any
 ) -> None:
     """The engine never imports the doctor: the entry point hands its finding to ``build``."""
-    from pipeline import doctor
+    from pipeline.diagnostics import doctor
     from pipeline.train import train
 
     fake_gpus(monkeypatch)

@@ -16,18 +16,18 @@ from mlflow import MlflowClient
 from torch import nn
 from torch.utils.data import Dataset
 
-import pipeline.build as build_module
+import pipeline.engine.build as build_module
 import pipeline.monitor as monitor
 from conftest import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
+from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
+from pipeline.engine.timing import Breakdown
 from pipeline.monitor import GpuTarget, Sample
 from pipeline.monitor.gpu import GpuReading
-from pipeline.plots import step_breakdown, utilisation_timeline
-from pipeline.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.timing import Breakdown
+from pipeline.report.plots import step_breakdown, utilisation_timeline
+from pipeline.report.verdict import classify, judge
 from pipeline.train import train
-from pipeline.verdict import classify, judge
 
 MakeCfg = Callable[..., RunConfig]
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline import distributed
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
-from pipeline.distributed import DistributedError, Launch, Solo, launch_from
-from pipeline.loop import SOLO, LossWindow, TrainState, train_epoch
-from pipeline.memory import MicroBatcher
-from pipeline.precision import PrecisionPolicy
-from pipeline.record import rank_metrics
-from pipeline.timing import WallTimer
+from pipeline.engine.loop import SOLO, LossWindow, TrainState, train_epoch
+from pipeline.engine.memory import MicroBatcher
+from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.timing import WallTimer
+from pipeline.parallel import distributed
+from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from
+from pipeline.report.run_record import rank_metrics
 from pipeline.train import train
 
 FAULTS = Path(__file__).parent / "faults"  # sitecustomize.py: faults injected into one rank of a real job
@@ -351,7 +351,7 @@ def test_the_quiet_torchrun_ends_a_stop_in_one_line_and_the_signals_exit_status(
     import torch.distributed.run
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from pipeline.launch import main as launch
+    from pipeline.parallel.launch import main as launch
 
     seen: list[list[str]] = []
 
@@ -475,7 +475,7 @@ def test_two_nodes_stop_together_when_one_nodes_torchrun_is_stopped_and_resume_e
     assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)
 
 
-# --- the all-reduce overlapped with backward (pipeline.overlap) ---------------------------------------------------
+# --- the all-reduce overlapped with backward (pipeline.parallel.overlap) ----------------------------------------------
 
 
 class OverlappingRanks(OtherRanks):
@@ -593,7 +593,7 @@ def test_an_overlapped_step_records_its_all_reduce_time_and_a_one_process_run_re
 
 
 def test_the_comm_clock_measures_one_step_per_logging_interval() -> None:
-    from pipeline.overlap import CommClock
+    from pipeline.parallel.overlap import CommClock
 
     clock = CommClock(torch.device("cpu"))
     for _ in range(3):  # three steps between logging points: only the first is measured
@@ -647,7 +647,7 @@ def test_an_agreement_broken_by_a_rank_that_left_raises_the_reason_it_posted(
     one_rank: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On NCCL a peer's backward does not wait for the all-reduce: it meets the departed rank at the next agreement."""
-    from pipeline.overlap import FAILURE_KEY
+    from pipeline.parallel.overlap import FAILURE_KEY
 
     torch.distributed.distributed_c10d._get_default_store().set(FAILURE_KEY, "rank 1 ran out of memory in the backward")
 
@@ -662,8 +662,8 @@ def test_an_agreement_broken_by_a_rank_that_left_raises_the_reason_it_posted(
 def test_on_the_cpu_the_agreement_travels_in_the_gradients_own_all_reduce(one_rank: Any) -> None:
     """One collective per overlapped step, not two: the flags are the gradient of one more parameter that DDP
     all-reduces with the others, and the gradients that come back are those DDP's own all-reduce gives."""
-    from pipeline import overlap
-    from pipeline.overlap import pack_agreement, read_agreement
+    from pipeline.parallel import overlap
+    from pipeline.parallel.overlap import pack_agreement, read_agreement
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(3, 2)
@@ -717,7 +717,7 @@ def test_on_the_cpu_a_logging_steps_loss_average_travels_in_the_gradients_all_re
 
 
 def test_what_ddp_wraps_is_trained_and_checkpointed_without_the_agreements_parameter(one_rank: Any) -> None:
-    from pipeline.overlap import unwrap
+    from pipeline.parallel.overlap import unwrap
 
     model = torch.nn.Linear(3, 2)
     wrapped = one_rank.wrap(model)

@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline import amp_check, doctor
 from pipeline.config import DeviceConfig
-from pipeline.devices import DeviceError, resolve_device
-from pipeline.doctor import (
+from pipeline.diagnostics import doctor
+from pipeline.diagnostics.doctor import (
     Check,
     Facts,
     NvidiaGpu,
@@ -29,6 +28,8 @@ from pipeline.doctor import (
     report,
     wheel_for,
 )
+from pipeline.engine import amp_check
+from pipeline.engine.devices import DeviceError, resolve_device
 
 T4 = NvidiaGpu(0, "Tesla T4", "GPU-aaaa", 15360)
 
@@ -120,12 +121,12 @@ def test_devices_do_not_depend_on_the_doctor() -> None:
     import ast
     import inspect
 
-    import pipeline.devices
+    import pipeline.engine.devices
 
-    tree = ast.parse(inspect.getsource(pipeline.devices))
+    tree = ast.parse(inspect.getsource(pipeline.engine.devices))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "pipeline.doctor" not in imported and "pipeline.config" in imported
+    assert "pipeline.diagnostics.doctor" not in imported and "pipeline.config" in imported
 
 
 def test_the_doctor_reads_the_start_method_without_fixing_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,9 +139,9 @@ def test_the_doctor_reads_the_start_method_without_fixing_it(monkeypatch: pytest
 
 
 def test_a_cudnn_that_refuses_the_gpu_is_a_tag_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.devices import DeviceChoice
-    from pipeline.precision import PrecisionPolicy
-    from pipeline.provenance import run_tags
+    from pipeline.engine.devices import DeviceChoice
+    from pipeline.engine.precision import PrecisionPolicy
+    from pipeline.engine.provenance import run_tags
 
     def refuse() -> int:
         raise RuntimeError("cuDNN version 92400 is not compatible with devices with SM < 7.5")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.doctor import Check, Facts, NvidiaGpu, checks, gather, main, report
-from pipeline.platforms import (
+from pipeline.diagnostics.doctor import Check, Facts, NvidiaGpu, checks, gather, main, report
+from pipeline.diagnostics.platforms import (
     Probe,
     Ran,
     cudnn_file_version,

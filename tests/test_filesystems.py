@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import filesystems
-from pipeline.checkpoint import RunLock, check_dir
 from pipeline.config import RunConfig
-from pipeline.filesystems import NetworkFilesystem, mount_of
-from pipeline.store import TrackingUnavailable, check_reachable
+from pipeline.engine.checkpoint import RunLock, check_dir
+from pipeline.record import filesystems
+from pipeline.record.filesystems import NetworkFilesystem, mount_of
+from pipeline.record.store import TrackingUnavailable, check_reachable
 from test_cli import run_main
 
 MakeCfg = Callable[..., RunConfig]

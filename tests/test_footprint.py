@@ -12,13 +12,13 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.build as build_module
-import pipeline.footprint as footprint
-from pipeline import autotune
+import pipeline.engine.build as build_module
+import pipeline.engine.footprint as footprint
 from pipeline.config import DataConfig, RunConfig
 from pipeline.data import load_data
-from pipeline.footprint import DoesNotFit, Free, estimate
-from pipeline.memory import OutOfMemory
+from pipeline.engine.footprint import DoesNotFit, Free, estimate
+from pipeline.engine.memory import OutOfMemory
+from pipeline.experiments import autotune
 from pipeline.train import train
 from test_cli import run_main
 

@@ -267,8 +267,9 @@ def test_a_poller_keeps_its_backends_utilisation_readings_until_stopped(gpu_chec
 def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisation(
     gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The GPU path without a GPU: pipeline.bench's readings and the busy loop's pollers are stood in for."""
-    from pipeline import bench
+    """The GPU path without a GPU: pipeline.diagnostics.bench's readings and the busy loop's pollers are stood in
+    for."""
+    from pipeline.diagnostics import bench
 
     monkeypatch.setattr(
         bench,

@@ -10,10 +10,10 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.build as build_module
-import pipeline.checkpoint as checkpoint
+import pipeline.engine.build as build_module
+import pipeline.engine.checkpoint as checkpoint
 from pipeline.config import RunConfig
-from pipeline.loop import NonFiniteLoss
+from pipeline.engine.loop import NonFiniteLoss
 from pipeline.train import train
 from test_cli import run_main
 

@@ -15,10 +15,10 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import Dataset
 
-import pipeline.build as build_module
-from pipeline.checkpoint import load
+import pipeline.engine.build as build_module
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data import DataBundle, DataSpec, LoaderError
+from pipeline.engine.checkpoint import load
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -244,7 +244,7 @@ def test_a_loader_fault_while_a_stop_is_pending_is_the_stop_and_writes_no_checkp
     """A SIGTERM sent to the whole process group kills the workers too; their deaths (which PyTorch may raise in
     the middle of a step) must not turn the stop into a FAILED run, nor checkpoint a half-done step."""
     from pipeline import train as train_module
-    from pipeline.stopping import Stopped
+    from pipeline.engine.stopping import Stopped
 
     real = train_module.train_epoch
     calls = {"n": 0}
@@ -275,7 +275,7 @@ def test_workers_dying_of_the_stop_signal_after_the_last_step_leave_the_stop_cle
     import multiprocessing
 
     from pipeline import train as train_module
-    from pipeline.stopping import Stopped
+    from pipeline.engine.stopping import Stopped
 
     real_train_epoch, real_open_sampler = train_module.train_epoch, train_module.open_sampler
 

@@ -11,9 +11,9 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.build as build_module
+import pipeline.engine.build as build_module
 from pipeline.config import ConfigError, RunConfig
-from pipeline.memory import (
+from pipeline.engine.memory import (
     MicroBatcher,
     OomFailure,
     OutOfMemory,
@@ -270,7 +270,7 @@ def test_each_out_of_memory_event_records_its_own_peak_not_an_earlier_ones(monke
 
 
 def test_allocator_retries_are_counted_per_run_not_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.devices import activate
+    from pipeline.engine.devices import activate
     from pipeline.monitor import allocator_metrics
 
     gpu = torch.device("cuda", 0)
@@ -338,7 +338,7 @@ def test_micro_batches_are_as_equal_as_tensor_split_makes_them_and_never_larger_
 def test_out_of_memory_at_the_minimum_later_on_keeps_the_last_checkpoint_loadable(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path
 ) -> None:
-    from pipeline.checkpoint import load
+    from pipeline.engine.checkpoint import load
 
     calls = {"n": 0}
 
@@ -366,7 +366,7 @@ def test_a_batchnorm_model_never_trains_on_a_one_sample_last_batch(
     """9 samples in batches of 4 leave a last batch of 1; the ImageNet stem shrinks 8 px to 1 px, where BatchNorm
     would see one value per channel and fail ("Expected more than 1 value per channel")."""
     cfg = make_cfg(*TINY_IMAGES, "data.num_samples=9", "loader.batch_size=4", "model=resnet18", "model.stem=imagenet")
-    with caplog.at_level("WARNING", logger="pipeline.build"):
+    with caplog.at_level("WARNING", logger="pipeline.engine.build"):
         result = train(cfg, echo=False)
     assert result.steps == 2  # 4 + 4, the ninth sample dropped
     (warning,) = [r.getMessage() for r in caplog.records if "BatchNorm" in r.getMessage()]
@@ -418,8 +418,8 @@ def test_a_stop_during_the_out_of_memory_fallback_abandons_the_step_instead_of_r
     import os
     import signal
 
-    from pipeline.checkpoint import Position, load
-    from pipeline.stopping import Stopped
+    from pipeline.engine.checkpoint import Position, load
+    from pipeline.engine.stopping import Stopped
 
     reference = train(make_cfg("tracking=none", "trainer.max_steps=4"), echo=False)
     full_batches, seen = [0], []

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.config import ModelConfig
-from pipeline.models import build_model, count_parameters
+from pipeline.engine.models import build_model, count_parameters
 
 
 def test_mlp_is_the_guides_784_512_10_network_on_mnist_shapes() -> None:

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-import pipeline.tracking as tracking
-from pipeline import outbox
+import pipeline.record.tracking as tracking
 from pipeline.config import TrackingConfig
-from pipeline.store import connect
-from pipeline.tracking import open_tracker
+from pipeline.record import outbox
+from pipeline.record.store import connect
+from pipeline.record.tracking import open_tracker
 
 SECRET = "s3cr3t-pw"
 SERVER = f"http://alice:{SECRET}@127.0.0.1:9"  # what the run was configured with; never reached
@@ -72,7 +72,7 @@ def history(client: MlflowClient, run_id: str) -> list[tuple[str, float, int]]:
 def test_an_unreachable_store_at_the_end_leaves_an_outbox_file_and_prints_its_command(
     down: MlflowClient, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
         run_id = log_and_end()
     path = tmp_path / "unsent_metrics" / f"{run_id}.jsonl"
     text = path.read_text()

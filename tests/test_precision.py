@@ -13,7 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.config import ConfigError, PrecisionConfig, load
-from pipeline.precision import configure_backends, resolve_precision
+from pipeline.engine.precision import configure_backends, resolve_precision
 from pipeline.train import train
 
 AUTO = PrecisionConfig("auto", tf32=True)
@@ -114,7 +114,7 @@ def channels_last_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "pipeline.precision" and r.levelno == logging.WARNING and "channels_last" in r.getMessage()
+        if r.name == "pipeline.engine.precision" and r.levelno == logging.WARNING and "channels_last" in r.getMessage()
     ]
 
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.build as build_module
+import pipeline.engine.build as build_module
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
 from pipeline.data import DevicePrefetcher, ResidentLoader, make_loader, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
-from pipeline.loop import TrainState, train_epoch
-from pipeline.memory import MicroBatcher
-from pipeline.models import mlp
-from pipeline.precision import PrecisionPolicy
-from pipeline.stopping import Stopped
-from pipeline.timing import WallTimer
+from pipeline.engine.loop import TrainState, train_epoch
+from pipeline.engine.memory import MicroBatcher
+from pipeline.engine.models import mlp
+from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.stopping import Stopped
+from pipeline.engine.timing import WallTimer
 from pipeline.train import train
 from test_resume import sigterm_at_step
 

@@ -18,13 +18,13 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.build as build_module
-import pipeline.checkpoint as checkpoint
-import pipeline.resume as resume_module
-from pipeline import outbox
-from pipeline.checkpoint import CheckpointError, Position
+import pipeline.engine.build as build_module
+import pipeline.engine.checkpoint as checkpoint
+import pipeline.engine.resume as resume_module
 from pipeline.config import RunConfig
-from pipeline.stopping import Stopped
+from pipeline.engine.checkpoint import CheckpointError, Position
+from pipeline.engine.stopping import Stopped
+from pipeline.record import outbox
 from pipeline.train import train
 from test_cli import cli, run_main
 
@@ -565,7 +565,7 @@ def test_after_a_sigkill_mid_epoch_the_resumed_runs_metrics_have_no_gap(tmp_path
 
 
 def test_a_checkpoint_from_before_a_key_existed_compares_as_that_keys_old_behaviour() -> None:
-    from pipeline.resume import config_changes
+    from pipeline.engine.resume import config_changes
 
     older = {"loader.batch_size": 64}
     now = {"loader.batch_size": 64, "data.augment": "none", "data.augment_padding": 4}

@@ -11,9 +11,9 @@ from mlflow import MlflowClient
 
 from conftest import TINY
 from files import truncate, write_image, write_image_folder, write_mnist
+from pipeline.common.errors import ConfigError, PipelineError
+from pipeline.common.secrets import MASK, env_keys, env_values, is_secret_key, mask_overrides, mask_text, mask_tree
 from pipeline.config import RunConfig, compose, flatten, load
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.secrets import MASK, env_keys, env_values, is_secret_key, mask_overrides, mask_text, mask_tree
 from pipeline.train import train
 from servers import mlflow_server
 from test_cli import cli, run_main

@@ -20,8 +20,15 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
 from pipeline.config import config_dir
-from pipeline.distributed import Launch, launch_from
-from pipeline.slurm import PORT_BASE, PORT_SPAN, SlurmEnvironmentError, first_host, torch_env, torch_env_from_slurm
+from pipeline.parallel.distributed import Launch, launch_from
+from pipeline.parallel.slurm import (
+    PORT_BASE,
+    PORT_SPAN,
+    SlurmEnvironmentError,
+    first_host,
+    torch_env,
+    torch_env_from_slurm,
+)
 from servers import mlflow_server
 from test_cli import cli, run_main
 

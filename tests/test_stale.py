@@ -17,10 +17,10 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from pipeline import heartbeat, outbox
 from pipeline.config import RunConfig
-from pipeline.heartbeat import TAG, identity_tags
-from pipeline.stale import judge, main, pid_evidence
+from pipeline.record import heartbeat, outbox
+from pipeline.record.heartbeat import TAG, identity_tags
+from pipeline.record.stale import judge, main, pid_evidence
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

@@ -1,4 +1,4 @@
-"""``pipeline.stats``: the exact tests against brute force and scipy, the intervals' coverage, Holm, drift."""
+"""``pipeline.common.stats``: the exact tests against brute force and scipy, the intervals' coverage, Holm, drift."""
 
 from __future__ import annotations
 
@@ -9,8 +9,17 @@ import random
 import pytest
 from scipy import stats as scipy_stats
 
-from pipeline import stats
-from pipeline.stats import compare, drift, holm, min_p_paired, min_p_unpaired, rank_test, signed_rank_test, summarize
+from pipeline.common import stats
+from pipeline.common.stats import (
+    compare,
+    drift,
+    holm,
+    min_p_paired,
+    min_p_unpaired,
+    rank_test,
+    signed_rank_test,
+    summarize,
+)
 
 
 def brute_rank_p(a: list[float], b: list[float]) -> float:
@@ -138,7 +147,7 @@ def test_drift_needs_repeats_to_say_anything() -> None:
 
 
 def test_there_is_one_statistics_module() -> None:
-    """Tests, intervals and "noisy" are defined in pipeline.stats alone: bench, autotune, compare, the GPU check
+    """Tests, intervals and "noisy" are defined in pipeline.common.stats alone: bench, autotune, compare, the GPU check
     and the doctor import it; none of them computes a p-value, a quantile or a noise threshold of its own."""
     from pathlib import Path
 
@@ -153,8 +162,14 @@ def test_there_is_one_statistics_module() -> None:
         if pattern in path.read_text()
     ]
     assert found == []
-    users = ["bench.py", "bench_claims.py", "autotune/report.py", "compare/table.py", "amp_check.py"]
-    assert all("from pipeline.stats import" in (root / "src" / "pipeline" / u).read_text() for u in users)
+    users = [
+        "diagnostics/bench.py",
+        "diagnostics/bench_claims.py",
+        "experiments/autotune/report.py",
+        "experiments/compare/table.py",
+        "engine/amp_check.py",
+    ]
+    assert all("from pipeline.common.stats import" in (root / "src" / "pipeline" / u).read_text() for u in users)
 
 
 def test_drift_over_many_runs_uses_the_normal_approximation_and_agrees() -> None:

@@ -16,10 +16,18 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from pipeline.common.secrets import mask_text
+from pipeline.common.uris import sqlite_path
 from pipeline.config import load
-from pipeline.secrets import mask_text
-from pipeline.store import DiskFull, TrackingUnavailable, check_reachable, connect, disk_full, retrying, store_lock
-from pipeline.uris import sqlite_path
+from pipeline.record.store import (
+    DiskFull,
+    TrackingUnavailable,
+    check_reachable,
+    connect,
+    disk_full,
+    retrying,
+    store_lock,
+)
 from test_cli import run_main
 
 HOLD_LOCK = (  # a second process: takes SQLite's exclusive lock, says so, holds it until its stdin closes
@@ -49,7 +57,7 @@ def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     if os.geteuid() == 0:
         real = os.access
         monkeypatch.setattr(
-            "pipeline.store.os.access",
+            "pipeline.record.store.os.access",
             lambda path, mode: real(path, mode) and not (mode & os.W_OK and Path(path).resolve() == folder.resolve()),
         )
     return folder
@@ -75,14 +83,14 @@ def read_only_artifacts(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.Exi
 
 
 def locked(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
-    mp.setattr("pipeline.store.RETRIES", 2)  # wait 0.15 s, not MLflow's 13: the other process never lets go
+    mp.setattr("pipeline.record.store.RETRIES", 2)  # wait 0.15 s, not MLflow's 13: the other process never lets go
     stack.enter_context(locked_by_another_process(tmp / "busy.db"))
     return f"sqlite:///{tmp / 'busy.db'}"
 
 
 def full_disk(tmp: Path, mp: pytest.MonkeyPatch, stack: contextlib.ExitStack) -> str:
     real = shutil.disk_usage
-    mp.setattr("pipeline.store.shutil.disk_usage", lambda path: real(path)._replace(free=3 * 2**20))
+    mp.setattr("pipeline.record.store.shutil.disk_usage", lambda path: real(path)._replace(free=3 * 2**20))
     return f"sqlite:///{tmp / 'mlflow.db'}"
 
 
@@ -126,7 +134,7 @@ def test_a_store_that_cannot_work_is_refused_in_one_line_before_any_data_is_load
             check_reachable(resolved)
         assert "\n" not in str(info.value) and "s3cret" not in str(info.value)
 
-        monkeypatch.setattr("pipeline.build.load_data", lambda *a, **k: pytest.fail("data was loaded"))
+        monkeypatch.setattr("pipeline.engine.build.load_data", lambda *a, **k: pytest.fail("data was loaded"))
         assert run_main(monkeypatch, "device=cpu", *([f"tracking.uri={uri}"] if uri else [])) == 2
     err = capsys.readouterr().err
     assert err == f"error: {info.value}\n"
@@ -153,7 +161,7 @@ def test_an_old_file_store_is_opened_when_mlflow_is_told_to(monkeypatch: pytest.
 def test_a_lock_taken_after_the_start_check_fails_in_one_line_rather_than_a_traceback(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr("pipeline.store.RETRIES", 0)  # SQLite itself waits 5 s per attempt
+    monkeypatch.setattr("pipeline.record.store.RETRIES", 0)  # SQLite itself waits 5 s per attempt
     with (
         locked_by_another_process(tmp_path / "mlflow.db"),
         pytest.raises(TrackingUnavailable, match=r"mlflow\.db is locked by another process"),
@@ -217,7 +225,7 @@ def test_sqlite_paths_are_read_from_the_uri() -> None:
 
 
 def test_database_is_locked_is_retried_and_other_errors_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipeline.store.time.sleep", lambda s: None)
+    monkeypatch.setattr("pipeline.record.store.time.sleep", lambda s: None)
     calls: list[int] = []
 
     def flaky() -> str:
@@ -244,9 +252,9 @@ def test_a_row_another_run_inserted_first_is_retried_and_found(monkeypatch: pyte
     from types import SimpleNamespace
 
     from pipeline.data.sources import DataSpec
-    from pipeline.tracking import MlflowTracker
+    from pipeline.record.tracking import MlflowTracker
 
-    monkeypatch.setattr("pipeline.store.time.sleep", lambda s: None)
+    monkeypatch.setattr("pipeline.record.store.time.sleep", lambda s: None)
     calls: list[str] = []
 
     def log_inputs(run_id: str, datasets: list) -> None:
@@ -264,7 +272,7 @@ def test_a_row_another_run_inserted_first_is_retried_and_found(monkeypatch: pyte
 
 
 def test_a_store_that_stays_locked_gives_up_with_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipeline.store.time.sleep", lambda s: None)
+    monkeypatch.setattr("pipeline.record.store.time.sleep", lambda s: None)
 
     def locked() -> None:
         raise RuntimeError("database is locked")

@@ -14,9 +14,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
-from pipeline import sweep
 from pipeline.config import config_dir, load
-from pipeline.provenance import sweep_run_name
+from pipeline.engine.provenance import sweep_run_name
+from pipeline.experiments import sweep
 from test_cli import cli, run_main
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=2", "monitor.plots=false", "device=cpu"]  # batch size set per test
@@ -318,7 +318,7 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
     import signal
 
     import pipeline.train
-    from pipeline.stopping import Stopped
+    from pipeline.engine.stopping import Stopped
 
     real_build = pipeline.train.build
 
@@ -355,7 +355,7 @@ def test_an_optuna_search_whose_every_trial_fails_still_closes_its_parent_and_li
 
 
 def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.sweep import JOBS_DIR, Sweep, SweepJob, stopped
+    from pipeline.experiments.sweep import JOBS_DIR, Sweep, SweepJob, stopped
 
     job = SweepJob(Sweep(id="s", keys=(), metric="val/acc"), 3, ("loader.batch_size=8",), tmp_path)
     monkeypatch.setenv("RANK", "1")
@@ -367,9 +367,9 @@ def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatc
 
 
 def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() -> None:
-    from pipeline import sweep
-    from pipeline.summary import EpochRecord, RunResult, format_summary
-    from pipeline.timing import Breakdown
+    from pipeline.engine.timing import Breakdown
+    from pipeline.experiments import sweep
+    from pipeline.report.summary import EpochRecord, RunResult, format_summary
 
     steps = Breakdown(0.0, 0.0, 1.0, 9, 900, 0.1, 10, 1000)
     epoch = EpochRecord(1, 0.5, 0.4, 0.9, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})

@@ -39,7 +39,7 @@ def lose_two_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     from hydra_plugins.hydra_joblib_launcher import _core
     from joblib.externals.loky.process_executor import TerminatedWorkerError
 
-    from pipeline import sweep
+    from pipeline.experiments import sweep
 
     def launch(launcher: Any, job_overrides: Any, initial_job_idx: int) -> Any:
         folder = Path(str(launcher.config.hydra.runtime.cwd), str(launcher.config.hydra.sweep.dir))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from pipeline.common.errors import OverrideError
 from pipeline.config import sweep_jobs
-from pipeline.errors import OverrideError
 from test_cli import run_main
 
 TINY = ["device=cpu", "trainer.max_steps=1", "trainer.epochs=1"]

@@ -27,10 +27,10 @@ from mlflow import MlflowClient
 from mlflow.entities import Run, ViewType
 from mlflow.exceptions import MlflowException
 
-from pipeline import outbox
 from pipeline.config import RunConfig, flatten, load
-from pipeline.runs import create_run
-from pipeline.tracking import MlflowTracker
+from pipeline.record import outbox
+from pipeline.record.runs import create_run
+from pipeline.record.tracking import MlflowTracker
 from pipeline.train import train
 from servers import MlflowServer, answer_lost, mlflow_server, postgres, postgres_missing
 
@@ -239,7 +239,7 @@ def test_a_server_killed_and_restarted_mid_run_then_killed_again_loses_nothing_a
     crash = Crash(server, monkeypatch)
     overrides = [*SMALL, f"trainer.epochs={EPOCHS_CRASH}", f"tracking.uri={server.uri}", "tracking.experiment=crash"]
     try:
-        with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
             result = train(make_cfg(*overrides, tiny=False), echo=False)
         assert crash.events == ["killed after a write landed", "restarted", "killed"]
         assert result.steps == EPOCHS_CRASH * STEPS_PER_EPOCH and len(result.epochs) == EPOCHS_CRASH
@@ -314,7 +314,7 @@ class SearchFails:
 def test_a_server_that_stops_answering_before_the_search_for_a_twin_still_gives_the_run_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="pipeline.runs"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.record.runs"):
         run = create_run(SearchFails(), "1", run_name="once", tags={})
     assert run.info.run_id == "r1"
     assert "could not look for a second run made by a repeated request" in caplog.text

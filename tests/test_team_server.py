@@ -23,10 +23,10 @@ import requests
 from mlflow.exceptions import MlflowException
 
 import pipeline.train as train_module
-from pipeline import outbox
 from pipeline.config import RunConfig
-from pipeline.store import TrackingUnavailable, check_reachable
-from pipeline.tracking import MlflowTracker
+from pipeline.record import outbox
+from pipeline.record.store import TrackingUnavailable, check_reachable
+from pipeline.record.tracking import MlflowTracker
 from pipeline.train import train
 from servers import MlflowServer, free_port, mlflow_server
 
@@ -60,7 +60,7 @@ def test_a_down_server_costs_seconds_per_write_not_mlflows_minutes_unless_you_ch
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from pipeline.config import TrackingConfig
-    from pipeline.tracking import HTTP_RETRIES, open_tracker
+    from pipeline.record.tracking import HTTP_RETRIES, open_tracker
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", raising=False)
@@ -170,7 +170,7 @@ def test_a_server_that_drops_mid_run_loses_no_training_and_the_outbox_restores_e
 ) -> None:
     outage = Outage(server, monkeypatch)
     try:
-        with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+        with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
             result = train(make_cfg(f"tracking.uri={server.uri}", *TWO_EPOCHS, tiny=False), echo=False)
         assert outage.step == STEPS // 2 + 1 and result.steps == STEPS and len(result.epochs) == 2  # trained to the end
 
@@ -224,7 +224,7 @@ def test_tags_and_artifacts_written_while_the_server_is_down_do_not_stop_trainin
 
     open_before = set(plt.get_fignums())  # other tests in this process may have left theirs
     tracker = MlflowTracker(DownClient(), uri="http://127.0.0.1:1", experiment_id="1", experiment="e", run_id="r1")
-    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
         tracker.set_tags({"bottleneck": "compute"})
         tracker.log_text("a: 1\n", "config.yaml")
         tracker.log_figure(lambda: plt.figure(), "plots/step_time.png")

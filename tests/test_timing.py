@@ -12,13 +12,13 @@ import torch
 from conftest import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
-from pipeline.devices import activate
-from pipeline.loop import TrainState, train_epoch
-from pipeline.memory import MicroBatcher
-from pipeline.models import mlp
-from pipeline.precision import PrecisionPolicy
-from pipeline.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
-from pipeline.verdict import judge
+from pipeline.engine.devices import activate
+from pipeline.engine.loop import TrainState, train_epoch
+from pipeline.engine.memory import MicroBatcher
+from pipeline.engine.models import mlp
+from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
+from pipeline.report.verdict import judge
 
 
 def test_breakdown_splits_bookkeeping_wait_copy_and_compute_and_leaves_the_first_step_out() -> None:
@@ -234,7 +234,7 @@ def test_activate_makes_the_training_gpu_current_and_resets_its_peak_memory(monk
 def test_every_run_activates_the_device_it_trains_on(
     make_cfg: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.build as build_module
+    import pipeline.engine.build as build_module
     import pipeline.train as train_module
 
     activated: list[torch.device] = []

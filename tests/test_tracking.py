@@ -16,12 +16,12 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-import pipeline.tracking as tracking
+import pipeline.record.tracking as tracking
 import pipeline.train as train_module
 from pipeline.config import RunConfig, flatten
-from pipeline.provenance import git_tags
-from pipeline.store import connect
-from pipeline.tracking import FLUSH_AT, MlflowTracker
+from pipeline.engine.provenance import git_tags
+from pipeline.record.store import connect
+from pipeline.record.tracking import FLUSH_AT, MlflowTracker
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -324,7 +324,7 @@ def test_a_failed_write_keeps_its_metrics_for_the_next_flush_and_warns_once(
             raise ConnectionError("the tracking server is not answering")
 
     client, tracker = new_run(store_uri, down_twice)
-    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
         for step in (1, 2, 3):
             tracker.log_metrics({"train/loss": 1.0 / step}, step)
             tracker.flush()  # fails twice without raising into the loop, then writes all three
@@ -380,7 +380,7 @@ def test_a_locked_database_is_retried_within_the_same_write_without_a_warning(
 
     client, tracker = new_run(store_uri, locked_once)
     tracker.log_metrics({"train/loss": 1.0}, step=1)
-    with caplog.at_level(logging.WARNING, logger="pipeline.tracking"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
         tracker.flush()
     assert calls == [1, 1] and steps(client, tracker.run_id) == [1]
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
@@ -470,7 +470,7 @@ def test_the_trackers_own_warnings_never_show_a_secret_value(caplog: pytest.LogC
         secret_values={SECRET},
     )
     tracker.log_metrics({"train/loss": 1.0}, step=1)
-    with caplog.at_level(logging.INFO, logger="pipeline.tracking"):
+    with caplog.at_level(logging.INFO, logger="pipeline.record.tracking"):
         tracker.flush()
     assert "cannot reach" in caplog.text and SECRET not in caplog.text
 
@@ -478,8 +478,8 @@ def test_the_trackers_own_warnings_never_show_a_secret_value(caplog: pytest.LogC
 def test_open_tracker_refuses_an_experiment_named_after_a_secret_value_before_touching_the_store(
     tmp_path: Path,
 ) -> None:
+    from pipeline.common.errors import ConfigError
     from pipeline.config import TrackingConfig
-    from pipeline.errors import ConfigError
 
     cfg = TrackingConfig(enabled=True, uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment=f"team-{SECRET}")
     with (
@@ -492,8 +492,8 @@ def test_open_tracker_refuses_an_experiment_named_after_a_secret_value_before_to
 
 @pytest.mark.parametrize("uri", ["sqlite:///:memory:", "sqlite://", "sqlite:///:memory:?cache=shared"])
 def test_an_in_memory_store_is_refused_in_one_line(uri: str) -> None:
+    from pipeline.common.errors import ConfigError
     from pipeline.config import load
-    from pipeline.errors import ConfigError
 
     match = (
         r"^tracking\.uri='sqlite:.*' is not allowed: expected a database file.* records the run nowhere.*tracking=none"
@@ -516,8 +516,8 @@ def test_an_in_memory_store_is_refused_in_one_line(uri: str) -> None:
     ],
 )
 def test_blank_and_over_long_names_are_refused_before_any_data_loads(override: str, match: str) -> None:
+    from pipeline.common.errors import ConfigError
     from pipeline.config import load
-    from pipeline.errors import ConfigError
 
     with pytest.raises(ConfigError, match=match) as err:
         load([override])
@@ -537,8 +537,8 @@ def test_the_length_limits_are_mlflows_own() -> None:
 
 
 def test_an_override_key_too_long_for_a_file_name_is_one_line() -> None:
+    from pipeline.common.errors import OverrideError
     from pipeline.config import load
-    from pipeline.errors import OverrideError
 
     with pytest.raises(OverrideError, match=r"^\+foo\.x+\.\.\.: not a config key \(too long\)$"):
         load(["+foo." + "x" * 300 + "=1"])

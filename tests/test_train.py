@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.build as build_module
+import pipeline.engine.build as build_module
 from files import write_image_folder, write_mnist
 from pipeline.config import RunConfig
-from pipeline.models import build_model
-from pipeline.precision import PrecisionPolicy
-from pipeline.provenance import run_name
+from pipeline.engine.models import build_model
+from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.provenance import run_name
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -206,7 +206,7 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 ) -> None:
     from mlflow import MlflowClient
 
-    import pipeline.amp_check as amp_check
+    import pipeline.engine.amp_check as amp_check
 
     timed: list[tuple[int, torch.dtype]] = []
 
@@ -214,7 +214,7 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
         timed.append((len(images), dtype))
         return amp_check.AmpProbe(1.7, 17.0, 0.1, batch=4, pairs=5, dtype="bf16", amx=False)
 
-    import pipeline.record as record
+    import pipeline.report.run_record as record
 
     judged: list[object] = []
     real_judge = record.judge
@@ -231,8 +231,8 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 
 
 def test_float32_runs_and_gpu_runs_are_not_checked(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.amp_check as amp_check
-    from pipeline.precision import PrecisionPolicy
+    import pipeline.engine.amp_check as amp_check
+    from pipeline.engine.precision import PrecisionPolicy
 
     def never(*args, **kwargs):
         raise AssertionError("the amp check ran")

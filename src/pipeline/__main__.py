@@ -11,7 +11,7 @@ SIGTERM / Ctrl-C (checkpoint written, run KILLED), 1 for anything else (a bug, o
 machine: one line, the run recorded FAILED; ``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback).
 A sweep (``-m``) is checked job by job before the first job starts; a job that fails while it
 runs is recorded and the others still run, then the sweep exits 2 (every failure the user's to
-fix) or 1, listing the failed jobs (see ``pipeline.sweep``).
+fix) or 1, listing the failed jobs (see ``pipeline.experiments.sweep``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, NoReturn
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.cli import DEBUG_FLAG
+from pipeline.common.cli import DEBUG_FLAG
+from pipeline.common.errors import PipelineError
 from pipeline.config import RunConfig, config_dir, from_dictconfig, load, sweep_jobs
-from pipeline.errors import PipelineError
-from pipeline.stopping import Stopped
+from pipeline.engine.stopping import Stopped
 
 if TYPE_CHECKING:
-    from pipeline.summary import RunResult
-    from pipeline.sweep import SweepJob
+    from pipeline.experiments.sweep import SweepJob
+    from pipeline.report.summary import RunResult
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
@@ -49,7 +49,7 @@ def run(cfg: DictConfig) -> float | None:
     except Stopped as stop:
         _stop(stop)
     except Exception as err:  # a bug, or a fault of the machine: the run is recorded FAILED with it already
-        from pipeline.cli import debugging, report_bug
+        from pipeline.common.cli import debugging, report_bug
 
         if debugging():
             raise  # Hydra prints the whole traceback (HYDRA_FULL_ERROR=1 is set by --debug)
@@ -59,7 +59,8 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def run_sweep_job(cfg: DictConfig) -> float | None:
-    """One job of a sweep. Its failure is recorded (``pipeline.sweep.failed``) and returned as None, so that the
+    """One job of a sweep. Its failure is recorded (``pipeline.experiments.sweep.failed``) and returned as None, so
+    that the
     next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here would
     end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run, except in a
     submitit job, whose process is its own: there the other jobs run on and the sweep ends KILLED after them.
@@ -67,7 +68,7 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
     Returns:
         The sweep's ``optimized_metric`` for this job (what Optuna maximises), None when it failed.
     """
-    from pipeline import sweep
+    from pipeline.experiments import sweep
 
     job = sweep.current_job()
     if sweep.stop_requested(job.folder):  # a stopped parallel sweep: this job was still queued in a worker
@@ -107,7 +108,7 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     try:
         return train(run_cfg, overrides=list(HydraConfig.get().overrides.task), quiet=job is not None, sweep=job)
     except Exception as err:
-        from pipeline.store import DiskFull, disk_full
+        from pipeline.record.store import DiskFull, disk_full
 
         if not disk_full(err):
             raise
@@ -132,7 +133,7 @@ def main() -> None:
     try:
         run()
     finally:  # a sweep Hydra ended early (a stop request, a sweeper's error) still gets its parent run closed
-        from pipeline.sweep import end_unfinished
+        from pipeline.experiments.sweep import end_unfinished
 
         end_unfinished()
 
@@ -162,7 +163,7 @@ def check_sweep(args: list[str]) -> None:
         try:
             load(job)
         except PipelineError as err:
-            from pipeline.secrets import mask_overrides
+            from pipeline.common.secrets import mask_overrides
 
             raise PipelineError(
                 f"sweep job {number} of {len(jobs)} ({' '.join(mask_overrides(job))}): {err}; no job was started"

@@ -14,25 +14,28 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline import checkpoint, compilation, distributed, doctor, record, resume
-from pipeline.build import Setup, build
+from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.config import RunConfig
 from pipeline.data.workers import LoaderError, deaths_expected_while, worker_faults
-from pipeline.loop import evaluate, train_epoch
-from pipeline.memory import out_of_memory_is_an_error
+from pipeline.diagnostics import doctor
+from pipeline.engine import checkpoint, compilation, resume
+from pipeline.engine.build import Setup, build
+from pipeline.engine.loop import evaluate, train_epoch
+from pipeline.engine.memory import out_of_memory_is_an_error
+from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
+from pipeline.engine.provenance import run_tags, sweep_run_name
+from pipeline.engine.stopping import Stopped, StopRequests, signal_name
+from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
-from pipeline.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.provenance import run_tags, sweep_run_name
-from pipeline.record import rank_metrics, rank_view
-from pipeline.secrets import env_values, mask_overrides, mask_tree
-from pipeline.stopping import Stopped, StopRequests, signal_name
-from pipeline.store import check_reachable
-from pipeline.summary import EpochRecord, RunResult, format_summary
-from pipeline.timing import launch_metrics, make_timer
-from pipeline.tracking import Tracker, open_tracker
+from pipeline.parallel import distributed
+from pipeline.record.store import check_reachable
+from pipeline.record.tracking import Tracker, open_tracker
+from pipeline.report import run_record as record
+from pipeline.report.run_record import rank_metrics, rank_view
+from pipeline.report.summary import EpochRecord, RunResult, format_summary
 
 if TYPE_CHECKING:
-    from pipeline.sweep import SweepJob
+    from pipeline.experiments.sweep import SweepJob
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,8 @@ def train(
         overrides: the command-line overrides as typed, for the record.
         echo: print the summary at the end.
         quiet: no progress bar (sweep jobs).
-        sweep: the sweep job this run is (``pipeline.sweep.current_job``): the run is nested under the sweep's
+        sweep: the sweep job this run is (``pipeline.experiments.sweep.current_job``): the run is nested under the
+        sweep's
             parent run, tagged with the sweep, and named after its swept values unless ``tracking.run_name`` is set.
 
     Raises:

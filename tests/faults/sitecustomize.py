@@ -28,7 +28,7 @@ if FAULT and RANK is not None:
 
         import torch
 
-        from pipeline import loop
+        from pipeline.engine import loop
 
         if kind == "oom":
             real = loop.forward_backward
@@ -50,7 +50,7 @@ if FAULT and RANK is not None:
 
             loop.LossWindow.add = add
         elif kind == "oom_backward":
-            from pipeline import overlap
+            from pipeline.parallel import overlap
 
             real_backward = overlap.backward_reduced
 

@@ -1,4 +1,4 @@
-"""``hydra/sweeper=interleaved``: Hydra's basic sweeper with a sweep's repeats interleaved (``pipeline.design``).
+"""``hydra/sweeper=interleaved``: Hydra's basic sweeper with a sweep's repeats interleaved (``pipeline.config.design``).
 
 It lists the same jobs as the basic sweeper (comma lists, ``range()``, ``glob()``, ``hydra.sweeper.params``) and
 hands them to whatever launcher is configured; only their order differs, and it writes which round each job is
@@ -15,11 +15,11 @@ from hydra.core.override_parser.types import Override
 
 
 class InterleavedSweeper(BasicSweeper):
-    """The basic sweeper, repeats interleaved round by round; see ``pipeline.design``."""
+    """The basic sweeper, repeats interleaved round by round; see ``pipeline.config.design``."""
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:  # type: ignore[override]
-        from pipeline.design import interleave
-        from pipeline.sweep import save_design
+        from pipeline.config.design import interleave
+        from pipeline.experiments.sweep import save_design
 
         plan = interleave(axes(overrides))
         if self.config is not None:

@@ -2,7 +2,8 @@
 
 When every trial failed (or returned no finite value), Optuna has no best trial and Hydra's sweeper raises
 ``ValueError: No trials are completed yet`` after the last one, in a traceback. This sweeper closes the sweep as
-any other ends (``pipeline.sweep.end_sweep``: the parent FAILED, each failed trial listed in one line) and exits 2
+any other ends (``pipeline.experiments.sweep.end_sweep``: the parent FAILED, each failed trial listed in one line)
+and exits 2
 when every failure was the user's to fix, else 1.
 """
 
@@ -28,7 +29,7 @@ class OptunaSearchSweeper(OptunaSweeper):
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> None:
-        from pipeline import sweep
+        from pipeline.experiments import sweep
 
         try:
             return super().sweep(arguments)

@@ -3,7 +3,8 @@
 When one of loky's worker processes dies (``kill -9``, the OOM killer, a crash in native code), loky kills every
 other worker too and joblib raises ``TerminatedWorkerError``: the healthy jobs beside it die mid-run, the queued
 ones never start, and Hydra's launcher ends the sweep in a traceback with runs left RUNNING. This launcher records
-the batch instead (``pipeline.sweep.lost``: the jobs that were running FAILED, their runs too; the others not
+the batch instead (``pipeline.experiments.sweep.lost``: the jobs that were running FAILED, their runs too; the
+others not
 run), closes the sweep's parent FAILED with the list, and exits 1 with one ``error:`` line.
 
 A stop request to the launching process (SIGTERM, Ctrl-C) would otherwise kill it alone: its parent run left
@@ -32,8 +33,8 @@ class ParallelLauncher(JoblibLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from joblib.externals.loky.process_executor import TerminatedWorkerError
 
-        from pipeline import sweep
-        from pipeline.stopping import stop_signals
+        from pipeline.engine.stopping import stop_signals
+        from pipeline.experiments import sweep
 
         assert self.config is not None  # set by setup() before any launch
         folder = Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir))
@@ -73,8 +74,8 @@ class StopSweep:
         self.workers: list[int] = []
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        from pipeline import sweep
-        from pipeline.stopping import signal_name
+        from pipeline.engine.stopping import signal_name
+        from pipeline.experiments import sweep
 
         if self.signum is not None:
             print(f"{signal_name(signum)} received: the sweep is already stopping (kill -9 abandons it)", flush=True)
@@ -103,8 +104,8 @@ class StopSweep:
     def end(self) -> None:
         """Stop loky's workers (idle by now, or dropping a queued job), record the jobs left, end the parent KILLED,
         exit 128 + the signal's number."""
-        from pipeline import sweep
-        from pipeline.stopping import signal_name
+        from pipeline.engine.stopping import signal_name
+        from pipeline.experiments import sweep
 
         assert self.signum is not None
         stop_workers(self.workers)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.errors import DatasetError
+from pipeline.common.errors import DatasetError
 
 Split = tuple[torch.Tensor, torch.Tensor]  # uint8 images [N, C, H, W], int64 labels [N]
 

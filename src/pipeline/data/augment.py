@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipeline.common.errors import ConfigError
 from pipeline.config import DataConfig
-from pipeline.errors import ConfigError
 
 # data.augment -> (random crop, horizontal flip). Flipping is wrong for digits and text (a mirrored 2 is no 2).
 AUGMENTS = {"none": (False, False), "crop": (True, False), "flip": (False, True), "crop_flip": (True, True)}

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import DatasetError
+from pipeline.common.errors import DatasetError
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from pipeline.common.errors import ConfigError
 from pipeline.config import LoaderConfig
 from pipeline.data.workers import (
     WATCHDOG_GRACE_S,
@@ -26,7 +27,6 @@ from pipeline.data.workers import (
     kill_workers,
     leave_ctrl_c_to_the_trainer,
 )
-from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

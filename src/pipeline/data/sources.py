@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig
 from pipeline.data.archives import read_published
 from pipeline.data.images import image_folder
-from pipeline.errors import DatasetError
-from pipeline.footprint import FLOAT32, check_data
+from pipeline.engine.footprint import FLOAT32, check_data
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ def load_data(cfg: DataConfig) -> DataBundle:
 
 
 def _check_room(cfg: DataConfig) -> None:
-    """Refuse data the config makes too large for the host's memory, before it is made (``pipeline.footprint``)."""
+    """Refuse data the config makes too large for the host's memory, before it is made
+    (``pipeline.engine.footprint``)."""
     if cfg.name == "digits":
         side = cfg.image_size or DIGITS_SIDE
         needs = DIGITS_SAMPLES * side * side * (FLOAT32 + 1)  # the upsampled floats, then the uint8 images

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
 
 log = logging.getLogger(__name__)
 

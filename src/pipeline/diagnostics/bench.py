@@ -1,0 +1,552 @@
+"""The benchmark suite: what the pipeline costs, measured side by side in one process.
+
+    python -m pipeline.bench                 # everything, 7 repeats (about 5 minutes on 2 CPUs)
+    python -m pipeline.bench --quick         # a smoke run with tiny sizes (numbers meaningless)
+    python -m pipeline.bench --only overhead,resident --repeats 7
+
+Variants of one comparison are interleaved (A B, B A, ...), one warm-up round is discarded,
+ratios are medians of per-round ratios (``pipeline.common.stats.paired_ratio``: a round's variants run
+back to back, so the machine's slow drifts cancel), and torch's thread count is fixed. The markdown table
+it prints is what BENCHMARKS.md records. Nothing here is asserted in tests: timing claims live
+here, not in the test suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.common.cli import Parser, command
+from pipeline.common.stats import paired_ratio
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    measured: str
+    goal: str
+    met: bool | None  # None: informational, no goal
+    detail: str
+
+
+@dataclass(frozen=True)
+class Sizes:
+    samples: int  # MNIST-shaped training samples
+    repeats: int
+    warmup: int
+
+
+FULL = Sizes(samples=60_000, repeats=7, warmup=1)
+QUICK = Sizes(samples=2_000, repeats=1, warmup=0)
+
+
+def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[str, list[float]]:
+    """Seconds per variant per round; rounds alternate the order and the warm-up round is dropped."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(sizes.warmup + sizes.repeats):
+        order = names if round_ % 2 == 0 else names[::-1]
+        for name in order:
+            seconds = variants[name]()
+            if round_ >= sizes.warmup:
+                times[name].append(seconds)
+    return times
+
+
+# ---------------------------------------------------------------------------------------------
+# What is compared
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def bare_epoch(images: torch.Tensor, labels: torch.Tensor, *, batch: int) -> float:
+    """A hand-written loop over in-memory uint8 tensors: the fastest honest baseline, on the tensors' device."""
+    torch.manual_seed(0)
+    model = mlp().to(images.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if images.is_cuda:
+        torch.cuda.synchronize(images.device)  # the timed epoch starts with nothing queued
+    start = time.perf_counter()
+    order = torch.randperm(len(labels), device=images.device)
+    for i in range(0, len(labels), batch):
+        loss = bare_step(model, optimizer, images, labels, order[i : i + batch])
+    loss.item()
+    return time.perf_counter() - start
+
+
+def bare_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """One step of the hand-written loop on the samples at ``index``: normalise, forward, backward, step."""
+    x = (images[index].float() / 255 - 0.5) / 0.2887
+    loss = F.cross_entropy(model(x), labels[index])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def guides_epoch(root: Path, *, batch: int) -> float:
+    """The guides' recipe: torchvision MNIST + ToTensor + DataLoader, one training epoch."""
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    dataset = datasets.MNIST(str(root), train=True, download=False, transform=transforms.ToTensor())
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True)
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    start = time.perf_counter()
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    loss.item()
+    return time.perf_counter() - start
+
+
+def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None = None) -> float:
+    """One epoch of ``python -m pipeline`` in-process: the epoch's wall time plus its metric writes.
+
+    ``writes`` collects each run's share of that time spent writing metrics.
+    """
+    from pipeline.config import load
+    from pipeline.train import train
+
+    cfg = load(
+        [
+            "device=cpu",
+            "trainer.epochs=1",
+            "trainer.progress=false",
+            f"tracking.uri=sqlite:///{store}",
+            "tracking.experiment=bench",
+            "monitor.plots=false",
+            *overrides,
+        ]
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train(cfg, echo=False, quiet=True)
+    seconds = result.epochs[0].seconds + result.tracking_write_s  # the writes between epochs count too
+    if writes is not None:  # the writer thread's writes, if any, ran during the epoch: its seconds hold them
+        writes.append((result.tracking_write_s + result.tracking_background_write_s) / seconds)
+    return seconds
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmarks
+
+
+def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
+    """Pipeline (tracking, sampler, timing) vs a bare loop; sampler on/off; tracking cost."""
+    from pipeline.config import DataConfig
+    from pipeline.data.sources import load_data
+
+    data = ["data=synthetic", f"data.num_samples={sizes.samples}", "data.val_samples=500", "loader=resident"]
+    bundle = load_data(
+        DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=sizes.samples, val_samples=500)
+    )
+    images, labels = bundle.train.tensors
+    rows = []
+    for batch in (64, 512):
+        store = work / f"overhead{batch}.db"
+        writes: list[float] = []
+        base = [*data, f"loader.batch_size={batch}"]
+        variants = {
+            "bare": lambda batch=batch: bare_epoch(images, labels, batch=batch),
+            "full": lambda base=base, store=store, writes=writes: pipeline_epoch(base, store, writes),
+        }
+        if batch == 64:
+            variants["no_sampler"] = lambda base=base, store=store: pipeline_epoch(
+                [*base, "monitor.enabled=false"], store
+            )
+            variants["no_tracking"] = lambda base=base, store=store: pipeline_epoch([*base, "tracking=none"], store)
+        t = interleaved(variants, sizes)
+        ratio = paired_ratio(t["bare"], t["full"])
+        rows.append(
+            Row(
+                f"pipeline / bare loop, MLP, batch {batch}",
+                f"{ratio:.3f}",
+                ">= 0.98",
+                ratio >= 0.98,
+                f"median epoch {median(t['full']):.2f} s vs {median(t['bare']):.2f} s "
+                f"({sizes.samples:,} samples, resident)",
+            )
+        )
+        if batch == 64:
+            on_off = paired_ratio(t["no_sampler"], t["full"])
+            rows.append(
+                Row(
+                    "sampler on / off (speed ratio)",
+                    f"{on_off:.3f}",
+                    ">= 0.99",
+                    on_off >= 0.99,
+                    f"median epoch {median(t['full']):.2f} s with, {median(t['no_sampler']):.2f} s without "
+                    "(interval 0.5 s)",
+                )
+            )
+            on_off = 100 * (paired_ratio(t["full"], t["no_tracking"]) - 1)
+            direct = 100 * median(writes[sizes.warmup :] or writes)
+            rows.append(
+                Row(
+                    "tracking cost, % of step time",
+                    f"{direct:.2f}%",
+                    "<= 1%",
+                    direct <= 1.0,
+                    f"time spent writing metrics / epoch time; on vs off by wall clock {on_off:+.2f}% "
+                    f"(median epoch {median(t['full']):.2f} s tracked, {median(t['no_tracking']):.2f} s untracked)",
+                )
+            )
+    rows.append(tracking_call_cost(work / "calls.db"))
+    return rows
+
+
+def tracking_call_cost(store: Path) -> Row:
+    """The tracker's own price on the training thread: buffered calls and the per-epoch hand-off."""
+    from mlflow import MlflowClient
+
+    from pipeline.record.store import experiment_id
+    from pipeline.record.tracking import MlflowTracker
+
+    client = MlflowClient(f"sqlite:///{store}")
+    experiment = experiment_id(client, "calls")
+    run = client.create_run(experiment)
+    tracker = MlflowTracker(
+        client, uri=f"sqlite:///{store}", experiment_id=experiment, experiment="calls", run_id=run.info.run_id
+    )
+    calls = 200
+    start = time.perf_counter()
+    for step in range(calls):
+        tracker.log_metrics({"train/loss": 1.0 / (step + 1)}, step)
+    buffered_us = 1e6 * (time.perf_counter() - start) / calls
+    start = time.perf_counter()
+    tracker.flush()
+    write_ms = 1e3 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    client.log_metric(run.info.run_id, "sync", 1.0)
+    sync_ms = 1e3 * (time.perf_counter() - start)
+    client.set_terminated(run.info.run_id)
+    return Row(
+        "tracking, per buffered call",
+        f"{buffered_us:.1f} µs",
+        "(info)",
+        None,
+        f"a buffered log_metrics call; writing {calls} buffered metrics in one batch {write_ms:.1f} ms; "
+        f"one unbuffered log_metric {sync_ms:.1f} ms",
+    )
+
+
+def bench_sampler_backends(sizes: Sizes) -> list[Row]:
+    """Microseconds per reading of each backend that works here."""
+    from pipeline.monitor import Sampler, gpu_targets
+    from pipeline.monitor.gpu import GputilBackend, NvmlBackend
+
+    rows = []
+    n = 50 if sizes is QUICK else 500
+
+    def per_read_us(sampler: Sampler) -> float:
+        sampler.read()
+        start = time.perf_counter()
+        for _ in range(n):
+            sampler.read()
+        return 1e6 * (time.perf_counter() - start) / n
+
+    alone, family = per_read_us(Sampler(interval_s=1.0)), per_read_us(Sampler(interval_s=1.0, children=True))
+    rows.append(
+        Row(
+            "sampler reading, psutil (CPU, RAM)",
+            f"{alone:.0f} µs",
+            "(info)",
+            None,
+            f"per reading, on the sampler thread; {family:.0f} µs with loader workers (psutil scans /proc for them)",
+        )
+    )
+    gpus = gpu_targets(torch.device("cuda", 0)) if torch.cuda.is_available() else []
+    for name, make in (("nvml", lambda: NvmlBackend(gpus)), ("gputil", lambda: GputilBackend(gpus, timeout_s=5))):
+        if not gpus:
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, "no CUDA device on this machine"))
+            continue
+        try:
+            backend = make()
+        except Exception as err:  # report, do not fail the suite
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, f"{type(err).__name__}: {err}"))
+            continue
+        reads = 20 if name == "gputil" else n
+        start = time.perf_counter()
+        for _ in range(reads):
+            backend.read()
+        rows.append(
+            Row(
+                f"sampler reading, {name}",
+                f"{1e6 * (time.perf_counter() - start) / reads:.0f} µs",
+                "(info)",
+                None,
+                "per reading of one GPU",
+            )
+        )
+        backend.close()
+    return rows
+
+
+def bench_resident(sizes: Sizes, work: Path) -> list[Row]:
+    """loader.resident=true vs the guides' torchvision + ToTensor + DataLoader recipe, batch 64."""
+    import numpy as np
+
+    root = work / "mnist"
+    write_idx_mnist(root / "MNIST" / "raw", sizes.samples, np.random.default_rng(0))
+    variants = {
+        "guides": lambda: guides_epoch(root, batch=64),
+        "resident": lambda: pipeline_epoch(
+            ["data=mnist", f"data.root={root}", "data.download=false", "loader=resident", "loader.batch_size=64"],
+            work / "resident.db",
+        ),
+    }
+    t = interleaved(variants, sizes)
+    speedup = paired_ratio(t["guides"], t["resident"])
+    return [
+        Row(
+            "loader.resident=true vs guides' DataLoader recipe, batch 64",
+            f"{speedup:.2f}x faster",
+            ">= 3x",
+            speedup >= 3.0,
+            f"median epoch {median(t['resident']):.2f} s vs {median(t['guides']):.2f} s ({sizes.samples:,} samples)",
+        )
+    ]
+
+
+def write_idx_mnist(raw: Path, n: int, rng) -> None:
+    import numpy as np
+
+    raw.mkdir(parents=True, exist_ok=True)
+
+    def idx(array: np.ndarray) -> bytes:
+        header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+        return header + array.astype(np.uint8).tobytes()
+
+    for prefix, count in (("train", n), ("t10k", max(n // 6, 100))):
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(idx(rng.integers(0, 256, (count, 28, 28))))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(idx(rng.integers(0, 10, count)))
+
+
+def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
+    """Process start to the end of the first training step, vs the bare imports every such run pays."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+
+    def imports() -> float:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, torchvision, mlflow, hydra"], check=True, env=env)
+        return time.perf_counter() - start
+
+    def first_step() -> float:
+        from mlflow import MlflowClient
+
+        store = work / "launch.db"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "trainer.epochs=1",
+                "trainer.max_steps=1",
+                "device=cpu",
+                f"tracking.uri=sqlite:///{store}",
+                "tracking.experiment=launch",
+                "monitor.plots=false",
+                f"hydra.run.dir={work / 'outputs'}",
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            cwd=work,
+        )
+        client = MlflowClient(f"sqlite:///{store}")
+        run = client.search_runs(
+            [client.get_experiment_by_name("launch").experiment_id],
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )[0]
+        return run.data.metrics["time/launch_to_first_step_s"]
+
+    first_step()  # creates the store, so its one-off migration is not counted
+    t = interleaved({"imports": imports, "first_step": first_step}, sizes)
+    return [
+        Row(
+            "launch to first training step",
+            f"{median(t['first_step']):.2f} s",
+            "(info)",
+            None,
+            f"bare `import torch, torchvision, mlflow, hydra` {median(t['imports']):.2f} s; the rest is composing the "
+            f"config, loading the data, building the model and opening the MLflow run",
+        )
+    ]
+
+
+def bench_amp(sizes: Sizes, work: Path) -> list[Row]:
+    """amp=true against float32 on this machine's training device (bfloat16 on CPUs), for the MLP's epochs
+    and for ResNet-50's convolutions, with what the run's own start-up check estimates beside it."""
+    return [*bench_amp_mlp(sizes, work), *bench_amp_resnet(sizes)]
+
+
+def bench_amp_resnet(sizes: Sizes) -> list[Row]:
+    """One ResNet-50 training step (small stem, 28 px, batch 16) in float32 and under autocast, interleaved,
+    against the run's start-up check (``amp_check.probe_cpu_amp``) at its own batch."""
+    from pipeline.engine.amp_check import probe_cpu_amp
+    from pipeline.engine.models import resnet
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return []
+    torch.manual_seed(0)
+    model = resnet("resnet50", in_channels=1, image_px=28, num_classes=10, stem="small").train()
+    batch = 4 if sizes is QUICK else 16
+    images, labels = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+
+    def step(dtype: torch.dtype | None) -> float:
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        return time.perf_counter() - start
+
+    t = interleaved({"fp32": lambda: step(None), "bf16": lambda: step(torch.bfloat16)}, sizes)
+    speed = paired_ratio(t["fp32"], t["bf16"])
+    probe = probe_cpu_amp(model, images, labels, dtype=torch.bfloat16)
+    return [
+        Row(
+            f"bf16 autocast / float32 speed, ResNet-50 step, batch {batch}, cpu",
+            f"{speed:.2f}",
+            "(info)",
+            None,
+            f"median step {median(t['bf16']):.2f} s with amp, {median(t['fp32']):.2f} s without; the run's start-up "
+            f"check: {probe.describe()}",
+        )
+    ]
+
+
+def bench_amp_mlp(sizes: Sizes, work: Path) -> list[Row]:
+    """amp=true against float32 for the MLP's epochs on this machine's training device."""
+    data = ["data=synthetic", f"data.num_samples={sizes.samples}", "data.val_samples=500", "loader=resident"]
+    variants = {
+        "fp32": lambda: pipeline_epoch(data, work / "amp.db"),
+        "amp": lambda: pipeline_epoch([*data, "amp=true"], work / "amp.db"),
+    }
+    t = interleaved(variants, sizes)
+    speed = paired_ratio(t["fp32"], t["amp"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [
+        Row(
+            f"amp=true / float32 speed, MLP, batch 64, {device}",
+            f"{speed:.2f}",
+            "(info)",
+            None,
+            f"median epoch {median(t['amp']):.2f} s with amp, {median(t['fp32']):.2f} s without; below 1 = amp "
+            "is slower here",
+        )
+    ]
+
+
+BENCHES = {
+    "overhead": lambda sizes, work: bench_overhead(sizes, work),
+    "sampler": lambda sizes, work: bench_sampler_backends(sizes),
+    "resident": lambda sizes, work: bench_resident(sizes, work),
+    "launch": lambda sizes, work: bench_launch(sizes, work),
+    "amp": lambda sizes, work: bench_amp(sizes, work),
+    "amp_check": lambda sizes, work: _claims().bench_amp_check(sizes),
+    "compile": lambda sizes, work: _claims().bench_compile(sizes),
+    "autotune": lambda sizes, work: _claims().bench_autotune(sizes, work),
+    "ddp": lambda sizes, work: _ddp().bench_ddp(sizes, work),
+}
+
+
+def _claims():
+    from pipeline.diagnostics import bench_claims
+
+    return bench_claims
+
+
+def _ddp():
+    from pipeline.diagnostics import bench_ddp
+
+    return bench_ddp
+
+
+def table(rows: list[Row]) -> str:
+    from pipeline.common.markdown import markdown_table
+
+    def met(r: Row) -> str:
+        return "—" if r.met is None else ("yes" if r.met else "**no**")
+
+    body = [[r.name, r.measured, r.goal, met(r), r.detail] for r in rows]
+    return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))
+
+
+def machine() -> str:
+    from pipeline.engine.devices import cpu_name
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu_name()}, {os.cpu_count()} CPUs, {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+    )
+
+
+@command("python -m pipeline.bench")
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a measurement")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {', '.join(BENCHES)}")
+    parser.add_argument("--repeats", type=int, default=None, help="measured rounds per comparison (default 5)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (fixed for every variant)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats must be >= 1")
+        sizes = Sizes(sizes.samples, args.repeats, sizes.warmup)
+    if args.threads < 1:  # torch.set_num_threads would raise a RuntimeError with a traceback
+        parser.error("--threads must be >= 1")
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
+    torch.set_num_threads(args.threads)
+    command = "python -m pipeline.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"# pipeline benchmarks\n\n{datetime.date.today()} · `{command.strip()}`\n\n{machine()}\n", flush=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp, quiet_logs():
+        for name in names:
+            started = time.perf_counter()
+            rows += BENCHES[name](sizes, Path(tmp))
+            print(f"<!-- {name}: {time.perf_counter() - started:.0f} s -->", file=sys.stderr, flush=True)
+    print(table(rows))
+    return 0

@@ -1,0 +1,178 @@
+"""Benchmarks of the pipeline's own claims: does what it tells a user hold up when measured again?
+
+    python -m pipeline.bench --only autotune,amp_check,compile
+
+- ``autotune``: the loader tuner's suggestion and the gain it claims, then real training runs of the suggested
+  command against the current one, interleaved: the claim should reproduce within 1.5× of its gain, never slower.
+- ``amp_check``: the CPU amp check run again and again on one model: one verdict, ratios within ±15%.
+- ``compile``: torch.compile with the batch dimension static (the last, smaller batch recompiles once and is
+  left out of the steady state) against ``dynamic=True`` up front (no recompile, a dynamic graph for every step).
+
+``bench`` registers them (``BENCHES``); the numbers go to BENCHMARKS.md, never into a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.common.stats import ALPHA, MIN_EFFECT, compare, paired_ratio, summarize
+from pipeline.diagnostics.bench import QUICK, Row, Sizes, interleaved
+
+CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
+
+
+def _quick(sizes: Sizes) -> bool:
+    """``--quick`` (compared by value: run as ``python -m pipeline.bench``, bench's own ``Sizes`` is another class)."""
+    return (sizes.samples, sizes.warmup) == (QUICK.samples, QUICK.warmup)
+
+
+def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
+    """``python -m pipeline.autotune`` on MNIST-shaped synthetic data, then its suggestion against the current
+    setting in real ``python -m pipeline`` runs (two epochs each, the second's steady samples/s), interleaved."""
+    from pipeline.config import load
+    from pipeline.experiments.autotune import (
+        Machine,
+        Settings,
+        Trials,
+        override_line,
+        resident_fits,
+        suggestion,
+        tune,
+        worker_limit,
+    )
+
+    samples = 2_000 if _quick(sizes) else 20_000
+    base = ["device=cpu", "data=synthetic", f"data.num_samples={samples}", "data.val_samples=500"]
+    base += ["tracking=none", "monitor.enabled=false", "trainer.progress=false"]
+    cfg = load(base)
+    trials = Trials(cfg)
+    try:
+        setup = trials.probe()
+        machine = Machine(setup.device.type, worker_limit(), resident_fits(setup.spec, setup.device))
+        settings = Settings(budget_s=6, rounds=1, confirm=1) if _quick(sizes) else Settings(budget_s=90)
+        outcome = tune(cfg.loader, measure=trials.measure, machine=machine, settings=settings, release=trials.release)
+    finally:
+        trials.close()
+    suggested = suggestion(outcome) or outcome.current  # what the tuner prints to paste
+    winner, current = outcome.confirmation(suggested), outcome.confirmation(outcome.current)
+    claim = 1.0  # "keep your current setting", or a gain never confirmed: no gain claimed
+    if suggested != outcome.current and winner is not None and current is not None:
+        claim = winner.median / current.median
+    command = override_line(base, outcome.current.loader, suggested.loader)
+    extra = [w for w in command.split() if w.startswith("loader.")]
+    t = interleaved(
+        {
+            "current": lambda: _epoch_rate([*base, "trainer.epochs=2"], work),
+            "suggested": lambda: _epoch_rate([*base, "trainer.epochs=2", *extra], work),
+        },
+        sizes,
+    )
+    pairs = list(zip(t["current"], t["suggested"], strict=True))
+    real = compare(t["current"], t["suggested"], pairs=pairs)  # paired by round: 7 rounds can reach p < 0.05
+    gain = claim - 1
+    if gain <= 0:  # "keep your setting": the real runs must show no real difference
+        holds = real.p >= ALPHA or abs(real.ratio - 1) < MIN_EFFECT
+    else:  # the real gain's interval must reach the claim within CLAIM_FACTOR, and never be all below 1
+        holds = real.high - 1 >= gain / CLAIM_FACTOR and real.low - 1 <= gain * CLAIM_FACTOR
+    return [
+        Row(
+            f"autotune's claimed gain, reproduced in real runs (synthetic {samples:,}, cpu)",
+            f"{real.ratio:.2f}× [{real.low:.2f}–{real.high:.2f}] real vs {claim:.2f}× claimed",
+            f"within {CLAIM_FACTOR}× of the claimed gain, never slower",
+            holds and real.high >= 1,
+            f"suggested `{' '.join(extra) or 'the current setting'}`; real: {len(pairs)} interleaved pairs of "
+            f"2-epoch runs ({statistics.median(t['suggested']):,.0f} vs {statistics.median(t['current']):,.0f} "
+            f"samples/s; {real.sizes}, p={real.p:.2g})",
+        )
+    ]
+
+
+def _epoch_rate(overrides: list[str], work: Path) -> float:
+    from pipeline.config import load
+    from pipeline.train import train
+
+    cfg = load([*overrides, f"checkpoint.dir={work / 'checkpoints'}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(cfg, echo=False, quiet=True).epochs[-1].samples_per_s
+
+
+def bench_amp_check(sizes: Sizes) -> list[Row]:
+    """The CPU amp check (``pipeline.engine.amp_check.probe_cpu_amp``) run ``repeats + 2`` times on the same model and
+    batch: does it give one verdict, and ratios within ±15% of their median?"""
+    from pipeline.engine.amp_check import probe_cpu_amp
+    from pipeline.engine.models import mlp, resnet
+
+    torch.manual_seed(0)
+    images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    models = {"MLP 784-512-10": mlp(784, [512], 10)}
+    if not _quick(sizes):
+        models["ResNet-18, 28 px"] = resnet("resnet18", in_channels=1, image_px=28, num_classes=10, stem="small")
+    rows = []
+    for name, model in models.items():
+        probes = [probe_cpu_amp(model, images, labels, dtype=torch.bfloat16) for _ in range(sizes.repeats + 2)]
+        speeds = [p.speed for p in probes if p.measured]
+        middle = statistics.median(speeds) if speeds else math.nan
+        verdicts = sorted({p.verdict for p in probes})
+        spread = max(max(speeds) / middle, middle / min(speeds)) if speeds else math.inf
+        rows.append(
+            Row(
+                f"CPU amp check, the same config {len(probes)} times: {name}",
+                f"{min(speeds, default=math.nan):.2f}–{max(speeds, default=math.nan):.2f}×",
+                "one verdict, each ratio within ±15% of the median",
+                len(verdicts) == 1 and spread <= 1.15,
+                f"verdict(s): {', '.join(verdicts)}; batch {probes[0].batch}, "
+                f"{statistics.median(p.pairs for p in probes):.0f} pairs a check; median {middle:.2f}×",
+            )
+        )
+    return rows
+
+
+def bench_compile(sizes: Sizes) -> list[Row]:
+    """The MLP's steady step under torch.compile: batch dimension static (the pipeline's choice) or dynamic from
+    the start. Each variant compiles first (untimed, the 30-sample last batch included), then times full steps."""
+    steps = 20 if _quick(sizes) else 200
+
+    def run(dynamic: bool) -> float:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.compile(nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)),
+                              dynamic=dynamic)  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(n: int) -> None:
+            loss = F.cross_entropy(model(torch.randn(n, 1, 28, 28)), torch.randint(0, 10, (n,)))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        for n in (64, 64, 30, 64):  # compile both shapes before the clock starts
+            step(n)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(64)
+        return steps * 64 / (time.perf_counter() - start)
+
+    t = interleaved({"static": lambda: run(False), "dynamic": lambda: run(True)}, sizes)
+    ratio = paired_ratio(t["static"], t["dynamic"])
+    spread = summarize(t["static"])
+    return [
+        Row(
+            "torch.compile, batch dimension static / dynamic up front (MLP steady step, cpu)",
+            f"{ratio:.2f}",
+            "(info)",
+            None,
+            f"{statistics.median(t['static']):,.0f} vs {statistics.median(t['dynamic']):,.0f} samples/s, median of "
+            f"{len(t['static'])} interleaved rounds of {steps} steps at batch 64"
+            + (" (noisy)" if spread and spread.noisy else "")
+            + "; above 1: the pipeline's choice (static, the recompiling step left out) runs faster",
+        )
+    ]

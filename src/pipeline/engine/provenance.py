@@ -1,0 +1,201 @@
+"""Where a run came from, and what it is called: versions, device, git commit, the overrides as typed.
+
+These become MLflow tags, using MLflow's own system tag names where they exist so the UI's
+Source, commit and description fields fill in. Reading them has no side effects: a cuDNN that
+refuses the GPU is recorded as such (the doctor's report explains it), not raised.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import os
+import platform
+import re
+import shlex
+import socket
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipeline import __version__
+from pipeline.config import RunConfig
+from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
+from pipeline.engine.devices import DeviceChoice, cudnn_version
+from pipeline.engine.precision import PrecisionPolicy
+
+
+def run_tags(
+    choice: DeviceChoice, policy: PrecisionPolicy, overrides: Sequence[str], backends: dict[str, str]
+) -> dict[str, str]:
+    """The tags every run carries."""
+    tags = {
+        **source_tags(),
+        "pipeline.version": __version__,
+        "overrides": shlex.join(overrides) if overrides else "(none)",
+        "device.type": choice.type,
+        "device.name": choice.name,
+        "device.reason": choice.reason,
+        "precision": policy.label,
+        "tf32": backends["tf32"],
+        "cudnn_benchmark": backends["cudnn_benchmark"],
+        "python.version": platform.python_version(),
+        "torch.version": torch.__version__,
+        "torch.cuda": torch.version.cuda or "none (CPU-only build)",
+        "torch.cudnn": _cudnn(),
+        "platform": platform.platform(terse=True),
+    }
+    return tags
+
+
+def source_tags() -> dict[str, str]:
+    """Who started a run, from where, in which process and checkout: the tags a sweep's parent run shares."""
+    return {
+        "mlflow.source.name": "python -m pipeline",
+        "mlflow.source.type": "LOCAL",
+        "mlflow.user": _user(),
+        **process_tags(),
+        **git_tags(),
+    }
+
+
+def process_tags() -> dict[str, str]:
+    """The process training the run, so a run it left RUNNING (SIGKILL) can be found: ``pipeline.record.stale``. The
+    boot id and pid namespace (``pipeline.record.heartbeat.identity_tags``) say whether its pid can be looked up."""
+    import psutil
+
+    from pipeline.record.heartbeat import identity_tags
+
+    return {
+        "process.host": socket.gethostname(),
+        "process.pid": str(os.getpid()),
+        "process.started": f"{psutil.Process().create_time():.2f}",
+        **identity_tags(),
+    }
+
+
+def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[str, str]:
+    """The key facts of the doctor's report as tags: driver, its CUDA, cuDNN, the device's compute capability."""
+    facts = environment["facts"]
+    tags = {"driver.version": facts["driver_version"] or "none", "driver.cuda": facts["driver_cuda"] or "none"}
+    if device.type == "cuda":
+        gpu = next(g for g in facts["torch_gpus"] if g["index"] == (device.index or 0))
+        tags["device.capability"] = "sm_{}{}".format(*gpu["capability"])
+        tags["torch.cudnn"] = str(facts["cudnn"] or f"error: {facts['cudnn_error']}")
+    return tags
+
+
+# Where a swept key's value shows in the derived name (``run_name``): the part it moves to the front.
+SHOWN_AS = {
+    "model": "model",
+    "model.name": "model",
+    "data": "data",
+    "data.name": "data",
+    "device": "device",  # unless auto, which the name shows resolved (device=auto and device=cpu both say cpu)
+    "device.name": "device",
+    "amp": "precision",
+    "precision": "precision",
+    "precision.dtype": "precision",
+    "loader.batch_size": "batch",
+    "loader.num_workers": "loader",
+    "loader.resident": "loader",
+}
+NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+DERIVED = re.compile(
+    r"^(?P<model>[^-]+)-(?P<data>[^-]+)-(?P<device>[^-]+)(?:-(?P<precision>amp-[^-]+))?-(?P<batch>bs\d+)"
+    r"-(?P<loader>w\d+|resident)$"
+)
+
+
+def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
+    """A readable name that differs wherever comparable runs differ: ``resnet50-cifar10-cuda-amp-bf16-bs128-w4``."""
+    parts = [cfg.model.name, cfg.data.name, device_type]
+    if precision != "fp32":
+        parts.append(precision)
+    parts.append(f"bs{cfg.loader.batch_size}")
+    parts.append("resident" if cfg.loader.resident else f"w{cfg.loader.num_workers}")
+    return "-".join(parts)
+
+
+def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
+    """``name`` with what the sweep varies first, so that jobs differ in the first characters the UI shows.
+
+    ``mlp-digits-cpu-bs32-w0`` with ``trainer.lr=0.01`` and ``loader.batch_size=32`` swept becomes
+    ``bs32-lr0.01-mlp-digits-cpu-w0``: each swept value in the order typed (the seed and other repeat keys last),
+    as the derived name shows it (``bs32``, ``amp-bf16`` or ``fp32``) or as ``lr0.01`` / ``optimizer=adamw``, then
+    the rest of the name; a long number is cut to 6 significant digits (``lr0.00298138``).
+
+    Args:
+        name: the derived name (``run_name``).
+        swept: the swept keys (dotted, or a group's name) and this job's value of each, as typed.
+    """
+    shown = DERIVED.match(name)
+    parts = shown.groupdict() if shown else {}
+    parts["precision"] = parts.get("precision") or ("fp32" if shown else None)
+    leaves = [key.rsplit(".", 1)[-1] for key in swept]
+    front, moved = [], set()
+    for key in sorted(swept, key=lambda k: k.lstrip("+~") in REPEAT_KEYS):  # stable: the order typed otherwise
+        value, where = swept[key], SHOWN_AS.get(key.lstrip("+~"))
+        if where and parts.get(where) and not (where == "device" and value == "auto"):
+            if where not in moved:
+                front.append(parts[where])
+                moved.add(where)
+            continue
+        leaf = key.rsplit(".", 1)[-1]
+        label = leaf if leaves.count(leaf) == 1 else key  # trainer.lr and other.lr both swept: the full keys
+        front.append(f"{label}{_short(value)}" if NUMBER.fullmatch(value) else f"{label}={value}")
+    rest = [parts[p] for p in DERIVED.groupindex if p not in moved and parts.get(p) and parts[p] != "fp32"]
+    return "-".join([*front, *(rest if shown else [name])])
+
+
+def _short(number: str) -> str:
+    """A number as typed, or to 6 significant digits when longer (Optuna's ``0.0029813770307052724``)."""
+    return number if len(number) <= 8 else f"{float(number):.6g}"
+
+
+def describe_loader(cfg: RunConfig) -> str:
+    if cfg.loader.resident:
+        return f"resident, batch {cfg.loader.batch_size}"
+    return f"DataLoader, {cfg.loader.num_workers} worker(s), batch {cfg.loader.batch_size}"
+
+
+def _cudnn() -> str:
+    version, error = cudnn_version()
+    if error:
+        return f"error: {error}"[:500]
+    return str(version) if version is not None else "none"
+
+
+def git_tags(cwd: str | None = None) -> dict[str, str]:
+    """The commit of the checkout the run was launched from, whether it had local changes, and which: ``git.diff``
+    is a hash of them (the diff against the commit and the untracked files' names), so that runs of one commit
+    with different edits are never taken for repeats of each other (``pipeline.experiments.compare``)."""
+    commit = _git(["rev-parse", "HEAD"], cwd)
+    if commit is None:
+        return {}
+    status = _git(["status", "--porcelain"], cwd)
+    tags = {"mlflow.source.git.commit": commit, "git.dirty": str(bool(status)).lower()}
+    if status:
+        diff = _git(["diff", "HEAD", "--binary"], cwd) or ""
+        tags["git.diff"] = hashlib.sha256(f"{diff}\n{status}".encode()).hexdigest()[:12]
+    branch = _git(["rev-parse", "--abbrev-ref", "HEAD"], cwd)
+    if branch and branch != "HEAD":
+        tags["mlflow.source.git.branch"] = branch
+    return tags
+
+
+def _git(args: list[str], cwd: str | None) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"

@@ -1,0 +1,265 @@
+"""What the tuner says: the table, the winner line, the command to paste, the plot and the MLflow run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.common.errors import PipelineError
+from pipeline.common.stats import summarize
+from pipeline.config import LoaderConfig, RunConfig
+from pipeline.experiments.autotune.candidates import Candidate, describe
+from pipeline.experiments.autotune.search import Outcome, Settings, Tally
+
+
+def gain(a: Tally, b: Tally) -> float:
+    """How much faster ``a`` is than ``b``: the ratio of the medians the table prints, less 1."""
+    return a.median / b.median - 1
+
+
+def pct(value: float) -> str:
+    gain_pct = 100 * value
+    return f"{gain_pct:+.1f}%" if abs(gain_pct) < 10 else f"{gain_pct:+.0f}%"
+
+
+def override_line(overrides: Sequence[str], current: LoaderConfig, winner: LoaderConfig) -> str:
+    """``python -m pipeline`` with the user's overrides and the loader keys the winner changes (and num_workers,
+    always), each stated once: the user's override of a key restated here is left out."""
+    keys = [f.name for f in dataclasses.fields(LoaderConfig) if getattr(winner, f.name) != getattr(current, f.name)]
+    keys = keys if "num_workers" in keys else ["num_workers", *keys]
+    stated = {f"loader.{key}" for key in keys}
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in stated]
+    loader = [f"loader.{key}={_yaml(getattr(winner, key))}" for key in keys]
+    return shlex.join(["python", "-m", "pipeline", *kept, *loader])
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def table(outcome: Outcome) -> str:
+    """The timed candidates fastest first: samples/s (median and range over the search's rounds), and each row's
+    gain over the current setting and over the next row, as the ratios of those medians."""
+    ranking, current = outcome.ranking(), outcome.tally(outcome.current)
+    rows = [("candidate", "samples/s", "min–max", "rounds", "vs current", "vs next")]
+    for i, tally in enumerate(ranking):
+        name = describe(tally.candidate, outcome.current) + (" (current)" if tally is current else "")
+        versus = "—" if current is None or tally is current else pct(gain(tally, current))
+        following = pct(gain(tally, ranking[i + 1])) if i + 1 < len(ranking) else "—"
+        noisy = " noisy" if (s := summarize(tally.by_round.values())) is not None and s.noisy else ""
+        spread = f"{_rate(tally.low)}–{_rate(tally.high)}{noisy}"
+        rows.append((name, _rate(tally.median), spread, str(len(tally.by_round)), versus, following))
+    lines = _aligned(rows)
+    lines += [f"{describe(t.candidate, outcome.current)}: {t.stopped}" for t in outcome.tallies if not t.measured]
+    return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def suggestion(outcome: Outcome) -> Candidate | None:
+    """The setting the tuner suggests: the search's fastest, unless the confirmation rounds found it no faster
+    than the current setting (then the current one); None when nothing was measured."""
+    ranking = outcome.ranking()
+    if not ranking:
+        return None
+    chosen = ranking[0].candidate
+    winner, current = outcome.confirmation(chosen), outcome.confirmation(outcome.current)
+    if winner is not None and current is not None and chosen != outcome.current and winner.median <= current.median:
+        return outcome.current
+    return chosen
+
+
+def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
+    """The suggestion and what it gains, from the confirmation rounds run after the search chose it (the search's
+    own rounds would overstate the margin), with the numbers the percentages are ratios of; the command to paste."""
+    suggested = suggestion(outcome)  # what the record's autotune.command holds too
+    if suggested is None:
+        return ["nothing was measured: the budget ran out before the first trial; raise --budget-s"]
+    chosen = outcome.ranking()[0]
+    name = describe(chosen.candidate, outcome.current)
+    winner, current = outcome.confirmation(chosen.candidate), outcome.confirmation(outcome.current)
+    if winner is None:
+        lines = [f"fastest in the search: {name} (not confirmed: {outcome.unconfirmed})"]
+        if chosen.candidate != outcome.current and (mine := outcome.tally(outcome.current)):
+            lines[0] += (
+                f"; {_rate(chosen.median)} vs {_rate(mine.median)} samples/s for your current setting in the search's "
+                "own rounds, an optimistic margin"
+            )
+    else:
+        rounds = len(winner.by_round)
+        said = [f"{_rate(winner.median)} samples/s"]
+        if current is not None and chosen.candidate != outcome.current:
+            said.append(f"{pct(gain(winner, current))} on your current setting ({_rate(current.median)})")
+        runner = next((t for t in outcome.confirmed if t.candidate not in (chosen.candidate, outcome.current)), None)
+        if runner is not None:
+            said.append(
+                f"{pct(gain(winner, runner))} on {describe(runner.candidate, outcome.current)} ({_rate(runner.median)})"
+            )
+        where = f"medians of {rounds} confirmation round(s) run after the search chose it"
+        if chosen.candidate == outcome.current:
+            lines = [f"fastest: your current setting ({name}): {', '.join(said)}; {where}"]
+        elif suggested == outcome.current and current is not None:
+            lines = [
+                f"keep your current setting: the search's fastest, {name}, was not faster in the confirmation rounds "
+                f"({_rate(winner.median)} vs {_rate(current.median)} samples/s; {where})"
+            ]
+        else:
+            lines = [f"fastest: {name}: {', '.join(said)}; {where}"]
+        if any(s.noisy for t in outcome.confirmed if (s := summarize(t.by_round.values())) is not None):
+            lines.append("  (noisy: the confirmation rounds disagreed by 10% or more; rerun on a quieter machine)")
+    lines.append("  " + override_line(overrides, outcome.current.loader, suggested.loader))
+    if suggested.loader.batch_size != outcome.current.loader.batch_size:
+        lines.append("  (a larger batch changes the optimisation: scale trainer.lr with it and check val/acc)")
+    return lines
+
+
+def format_report(outcome: Outcome, overrides: Sequence[str], *, title: str) -> str:
+    timed = sum(t.measured for t in outcome.tallies)
+    lines = [
+        f"autotune: {title} · {timed} of {len(outcome.tallies)} candidates timed · {outcome.rounds} round(s) · "
+        f"{outcome.elapsed_s:.1f} s of a {outcome.budget_s:g} s budget",
+        f"search stopped: {outcome.stop_reason}",
+    ]
+    if outcome.batch_sizes:
+        tried = ", ".join(f"{b}: {'out of memory' if v is None else _rate(v) + '/s'}" for b, v in outcome.batch_sizes)
+        lines.append(f"batch sizes tried (micro-batch fallback off): {tried}; kept {outcome.batch_size}")
+    lines += ["", table(outcome), "", *verdict(outcome, overrides)]
+    if outcome.cut_short:
+        lines.append("cut short by the time budget: the ranking uses what was measured (see rounds); raise --budget-s")
+    if any((s := summarize(t.by_round.values())) is not None and s.noisy for t in outcome.tallies if t.measured):
+        lines.append(
+            "noisy: some candidate's rounds differed by 10% or more (other work on this machine?); the ranking may "
+            "not hold: rerun with more --rounds on a quiet machine"
+        )
+    return "\n".join(lines)
+
+
+def workers_figure(outcome: Outcome, *, title: str) -> Any:
+    """Samples/s against num_workers (median, whiskers min–max), one line per pin/prefetch/batch setting;
+    resident as a dashed line over its range, the current setting starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    measured = [t for t in outcome.tallies if t.measured]
+    loaders = [t for t in measured if not t.candidate.loader.resident]
+    xs = sorted({t.candidate.loader.num_workers for t in loaders})
+    families: dict[tuple[Any, ...], list[Tally]] = {}
+    for tally in sorted(loaders, key=lambda t: t.candidate.loader.num_workers):
+        loader = tally.candidate.loader
+        families.setdefault((loader.pin_memory, loader.prefetch_factor or 2, loader.batch_size), []).append(tally)
+    for family in families.values():
+        name = describe(family[-1].candidate, outcome.current)  # the most workers: prefetch shows there
+        label = " ".join(p for p in name.split() if not p.startswith(("workers=", "not-persistent"))) or "DataLoader"
+        ax.errorbar(
+            [xs.index(t.candidate.loader.num_workers) for t in family],
+            [t.median for t in family],
+            yerr=[[t.median - t.low for t in family], [t.high - t.median for t in family]],
+            fmt="o-",
+            capsize=4,
+            label=label,
+        )
+    for tally in measured:
+        if tally.candidate.loader.resident:
+            ax.axhline(tally.median, color="tab:green", linestyle="--", label="resident")
+            ax.axhspan(tally.low, tally.high, color="tab:green", alpha=0.15)
+        elif tally.candidate == outcome.current:
+            x = xs.index(tally.candidate.loader.num_workers)
+            ax.plot([x], [tally.median], marker="*", markersize=14, color="black", linestyle="", label="current")
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    ax.set_xlabel("loader.num_workers")
+    ax.set_ylabel("samples/s (median; min–max)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+class NothingMeasured(PipelineError):
+    """The budget ended before any trial was timed: there is no result to record or suggest."""
+
+    @classmethod
+    def within(cls, outcome: Outcome) -> NothingMeasured:
+        why = f"{outcome.budget_s:g} s budget ({outcome.stop_reason})"
+        return cls(f"nothing was measured in the {why}: raise --budget-s")
+
+
+def record(
+    cfg: RunConfig, outcome: Outcome, report: str, *, overrides: Sequence[str], settings: Settings, name: str
+) -> list[str]:
+    """An MLflow run with the settings, the report, every trial, the plot and the winner; returns where it is."""
+    from pipeline.common.secrets import env_values, mask_tree
+    from pipeline.config import flatten
+    from pipeline.record.tracking import open_tracker
+
+    ranking, current = outcome.ranking(), outcome.tally(outcome.current)
+    tags = {
+        **cfg.tracking.tags,
+        "autotune": "true",
+        "mlflow.source.name": "python -m pipeline.autotune",
+        "overrides": shlex.join(overrides) if overrides else "(none)",
+        "autotune.stopped": outcome.stop_reason,
+        "autotune.cut_short": str(outcome.cut_short).lower(),
+    }
+    metrics = {"autotune/elapsed_s": outcome.elapsed_s, "autotune/trials": float(len(outcome.trials))}
+    if ranking:
+        winner = ranking[0]
+        suggested = suggestion(outcome) or winner.candidate
+        tags["autotune.winner"] = describe(winner.candidate, outcome.current)  # the search's fastest
+        tags["autotune.suggested"] = describe(suggested, outcome.current)  # after the confirmation rounds
+        tags["autotune.command"] = override_line(overrides, outcome.current.loader, suggested.loader)  # as printed
+        metrics["autotune/best_samples_per_s"] = winner.median
+        if len(ranking) > 1:
+            metrics["autotune/vs_next_pct"] = 100 * gain(winner, ranking[1])
+        if current is not None:
+            metrics["autotune/current_samples_per_s"] = current.median
+            metrics["autotune/vs_current_pct"] = 100 * gain(winner, current)
+        confirmed, mine = outcome.confirmation(winner.candidate), outcome.confirmation(outcome.current)
+        if confirmed is not None and mine is not None:  # what the verdict claims, from the fresh rounds
+            metrics["autotune/confirmed_vs_current_pct"] = 100 * gain(confirmed, mine)
+    trials = [
+        {
+            "candidate": describe(t.candidate, outcome.current),
+            "loader": dataclasses.asdict(t.candidate.loader),
+            "round": t.round,
+            "phase": "confirm" if t.confirm else "search",
+            "samples_per_s": t.samples_per_s,
+            "seconds": round(t.seconds, 3),
+        }
+        for t in outcome.trials
+    ]
+    with open_tracker(cfg.tracking, run_name=name, tags=tags, secret_values=env_values(cfg)) as tracker:
+        params = {f"autotune.{k}": v for k, v in dataclasses.asdict(settings).items()}
+        tracker.log_params({**params, **flatten(mask_tree(cfg.to_dict(), cfg.env_keys))})
+        tracker.log_metrics(metrics, step=0)
+        tracker.log_text(report + "\n", "autotune/report.txt")
+        tracker.log_text(json.dumps(trials, indent=2), "autotune/trials.json")
+        if not ranking:  # the run ends FAILED with this as its error: a FINISHED run would claim a result
+            raise NothingMeasured.within(outcome)
+        tracker.log_figure(lambda: workers_figure(outcome, title=name), "autotune/workers.png")
+        return tracker.describe()

@@ -1,0 +1,146 @@
+"""The real trials: each candidate built with ``pipeline.engine.build.build`` and timed over real training steps."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import LoaderConfig, RunConfig
+from pipeline.experiments.autotune.candidates import Candidate
+
+
+@dataclass
+class _Live:
+    setup: Any  # pipeline.engine.build.Setup
+    timer: Any
+    keep_batches: bool  # persistent workers (or none): the iterator lives across rounds, as across epochs
+    batches: Iterator[Any] | None = None
+
+    def close_batches(self) -> None:
+        if self.batches is not None:
+            self.batches.close()  # a non-persistent loader's workers stop here
+            self.batches = None
+
+
+MIN_TIMED_S = 0.5  # a trial times at least this long (whole calls of --steps steps)
+
+
+def queue_depth(loader: LoaderConfig, *, prefetched: bool = False) -> int:
+    """How many batches a loader can have made ahead of the step that asks for them: each worker's
+    ``prefetch_factor`` (the DataLoader keeps that many requests per worker in flight), plus one held by a device
+    prefetcher (``prefetched``); 0 for resident data, which is cut when asked for."""
+    if loader.resident:
+        return 0
+    ahead = loader.num_workers * (loader.prefetch_factor or 2) if loader.num_workers else 0
+    return ahead + (1 if prefetched else 0)
+
+
+class Trials:
+    """Trials in the real training step: each candidate built once with ``build`` (the run's seed, so every
+    candidate starts from the same weights and sample order), trained with ``train_epoch``, freed by ``release``.
+
+    Live candidates keep their model on the device and their persistent workers idle between rounds (a worker
+    that has filled its prefetch queue waits, using no CPU); the search releases a dropped candidate at once.
+    """
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self._live: dict[Candidate, _Live] = {}
+        if cfg.trainer.compile:
+            from pipeline.engine import compilation
+
+            compilation.fresh()
+            # Each live candidate is a model of its own, and each one's graphs count towards the same forward's
+            # recompile limit: room for a dozen candidates' shapes, beyond which it still raises, never runs eager.
+            compilation.allow_models(12)
+
+    def probe(self) -> Any:
+        """Build the current setting first (its ``Setup``): its device and data decide the other candidates."""
+        return self._get(Candidate(self.cfg.loader)).setup
+
+    def measure(self, candidate: Candidate, *, steps: int, warmup: int) -> float:
+        """Samples/s of ``steps`` training steps after ``warmup`` untimed ones (the step timer leaves out a call's
+        first step, so the untimed call runs ``warmup - 1``), repeated until the timed steps add up to
+        ``MIN_TIMED_S``: 20 steps of a small model take 40 ms, which one hiccup of the machine can make ten times
+        longer.
+
+        A live candidate's workers kept working while the others were timed: its queue holds up to
+        ``queue_depth`` batches made before this trial began. Those are drawn and dropped first, so every batch
+        this trial times was asked for, and made, after it started: the trial times the loader, not its backlog.
+        """
+        live = self._get(candidate)
+        if live.batches is None:
+            live.batches = _endless(live.setup.train_batches)
+        try:
+            prefetched = hasattr(live.setup.train_batches, "timed_by")  # a DevicePrefetcher holds one more
+            for _ in range(queue_depth(candidate.loader, prefetched=prefetched)):
+                next(live.batches)
+            if warmup > 1:
+                self._train(live, warmup - 1)
+            samples = seconds = 0.0
+            while True:  # whole calls of ``steps`` timed steps until they add up to MIN_TIMED_S
+                done = self._train(live, steps + 1).breakdown
+                samples, seconds = samples + done.steady_samples, seconds + done.step_s
+                if seconds >= MIN_TIMED_S or not done.steady_steps:
+                    return samples / seconds if seconds > 0 else 0.0
+        finally:
+            if not live.keep_batches:
+                live.close_batches()
+
+    def release(self, candidate: Candidate) -> None:
+        """Free the candidate's model, data and loader workers (gc, then the device's cached memory)."""
+        live = self._live.pop(candidate, None)
+        if live is None:
+            return
+        from pipeline.engine.memory import release_memory
+
+        device = live.setup.device
+        live.close_batches()
+        del live  # the loader goes with it, and its persistent workers are shut down
+        release_memory(device)
+
+    def close(self) -> None:
+        for candidate in list(self._live):
+            self.release(candidate)
+
+    def _get(self, candidate: Candidate) -> _Live:
+        if candidate not in self._live:
+            from pipeline.diagnostics import doctor
+            from pipeline.engine.build import build
+            from pipeline.engine.timing import make_timer
+
+            oom = dataclasses.replace(self.cfg.oom, enabled=self.cfg.oom.enabled and candidate.oom_fallback)
+            setup = build(
+                dataclasses.replace(self.cfg, loader=candidate.loader, oom=oom), explain_missing_gpu=doctor.main_finding
+            )
+            keep = candidate.loader.num_workers == 0 or candidate.loader.persistent_workers
+            self._live[candidate] = _Live(setup, make_timer(setup.device), keep)
+        return self._live[candidate]
+
+    def _train(self, live: _Live, steps: int) -> Any:
+        from pipeline.engine.loop import train_epoch
+
+        setup = live.setup
+        return train_epoch(
+            setup.state,
+            live.batches,
+            device=setup.device,
+            policy=setup.policy,
+            prepare=setup.prepare,
+            augment=setup.augment,  # the run's own input path, GPU augmentation included
+            log_every=self.cfg.trainer.log_every_n_steps,  # the run's own host syncs
+            max_steps=setup.state.step + steps,
+            log=lambda metrics, step: None,
+            timer=live.timer,
+        )
+
+
+def _endless(batches: Any) -> Iterator[Any]:
+    """The batches of epoch 1, 2, ... without end: a trial may cross an epoch boundary, as training does."""
+    epoch = 1
+    while True:
+        batches.set_epoch(epoch)
+        yield from batches
+        epoch += 1

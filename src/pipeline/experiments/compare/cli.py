@@ -1,0 +1,107 @@
+"""The command line: ``python -m pipeline.compare`` (``main``); mlflow is imported only after the arguments parse."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline.common.cli import Parser, command
+from pipeline.common.errors import PipelineError
+from pipeline.common.secrets import mask_text
+from pipeline.common.stats import MIN_EFFECT
+from pipeline.common.uris import UI_URL, absolute
+from pipeline.experiments.compare.records import PARENT, ROLE
+from pipeline.experiments.compare.reporting import ARTIFACTS, attach, report, write
+from pipeline.experiments.compare.selection import open_store, select
+from pipeline.record.store import parse
+
+MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="python -m pipeline.compare",
+        description="Compare runs in one table: repeats grouped, medians and ranges, speed-ups tested for noise.",
+    )
+    parser.add_argument("--uri", help="tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    parser.add_argument("--experiment", default="pipeline", help="experiment name (default: pipeline)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--sweep", default="latest", help="latest (default), or a sweep's id or its first characters")
+    which.add_argument("--runs", help="run ids, comma-separated, in the order of the rows")
+    which.add_argument("--last", type=int, metavar="N", help="the newest N runs of the experiment")
+    parser.add_argument(
+        "--baseline", metavar="ROW|RUN", help="the row to measure against: its name, or a run's id (default: the first)"
+    )
+    parser.add_argument("--ladder", action="store_true", help="also compare each row with the previous one")
+    parser.add_argument("--min-effect", type=float, default=MIN_EFFECT, help="smallest real speed-up (default 0.03)")
+    parser.add_argument("--out", type=Path, default=Path("compare"), help="folder for the files (default: compare/)")
+    parser.add_argument("--log", action="store_true", help="attach the files to the sweep's parent run")
+    parser.add_argument("--ui", help=f"the MLflow UI's address for the links (default: the server's, or {UI_URL})")
+    return parser
+
+
+def _valid(url: str) -> bool:
+    try:
+        parse(url)
+    except PipelineError:
+        return False
+    return True
+
+
+@command("python -m pipeline.compare")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Select, compare, write the files, print the table; 0 done, 2 a one-line error on stderr."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.last is not None and args.last < 1:
+        parser.error("--last N needs N >= 1")
+    if not (math.isfinite(args.min_effect) and 0 <= args.min_effect <= MAX_EFFECT):
+        parser.error(f"--min-effect {args.min_effect}: expected a share from 0 to {MAX_EFFECT:g} (0.03 = 3%)")
+    if args.runs is not None and not any(r.strip() for r in args.runs.split(",")):
+        parser.error(f"--runs {args.runs}: no run id given (ids, comma-separated)")
+    if args.ui is not None and (not args.ui.startswith(("http://", "https://")) or not _valid(args.ui)):
+        parser.error(f"--ui {args.ui}: expected the UI's address, e.g. {UI_URL}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: a file is in the way; name a folder (it is made if missing)")
+    uri = absolute(args.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = open_store(uri)
+        run_ids = [r.strip() for r in args.runs.split(",") if r.strip()] if args.runs else None
+        selection = select(client, args.experiment, sweep=args.sweep, run_ids=run_ids, last=args.last)
+        result = report(
+            client,
+            selection.runs,
+            baseline=args.baseline,
+            ladder=args.ladder,
+            note=selection.note,
+            ui=args.ui,
+            min_effect=args.min_effect,
+            rank_by=selection.objective,
+        )
+    except PipelineError as err:
+        print(f"error: {mask_text(str(err))}", file=sys.stderr)
+        return 2
+    except MlflowException as err:
+        first = mask_text(str(err)).splitlines()[0][:300] if str(err) else type(err).__name__
+        print(f"error: {mask_text(uri)} could not be read: {first}", file=sys.stderr)
+        return 2
+    try:
+        paths = write(result, args.out)
+    except OSError as err:
+        print(f"error: --out {args.out}: cannot write the files there ({err.strerror or err})", file=sys.stderr)
+        return 2
+    print(result.markdown)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if args.log:
+        if selection.parent is None:
+            print(f"error: --log: these runs are not one sweep (no parent run tagged {ROLE}={PARENT})", file=sys.stderr)
+            return 2
+        attach(client, selection.parent.id, result)
+        print(f"attached to the sweep's parent run {selection.parent.name} ({selection.parent.id}) under {ARTIFACTS}/")
+    return 0

@@ -1,0 +1,292 @@
+"""A ``Table`` as text: Markdown (padded to read as plain text, with its footnotes) and CSV (numbers unrounded).
+
+The Markdown is also the sweep parent's description in MLflow's UI, so no line of prose runs long and nothing
+unbreakable (a URL, a long list of keys without spaces) is wider than the page.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import textwrap
+
+from pipeline.common.markdown import markdown_table
+from pipeline.common.stats import NOISY, Summary
+from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS, VAL_ACC
+from pipeline.experiments.compare.rows import PROVENANCE, SHOWN, Row
+from pipeline.experiments.compare.table import Line, Speedup, Table
+
+WIDTH = 100  # prose lines are wrapped to this many characters
+
+
+def _num(x: float | None) -> str:
+    """Three significant digits, trailing zeros kept (0.800, 9.60, 123), thousands grouped (2,099)."""
+    if x is None:
+        return "–"
+    rounded = float(f"{x:.3g}")  # 99.96 is 100, not 100.0
+    if rounded == 0 or abs(rounded) >= 100:
+        return f"{x:,.0f}"
+    return f"{rounded:.{2 - math.floor(math.log10(abs(rounded)))}f}"
+
+
+def _range(s: Summary | None, mark: str = "") -> str:
+    if s is None:
+        return "–"
+    return f"{_num(s.median)}{mark}" + (f" ({_num(s.low)}–{_num(s.high)})" if s.n > 1 else "")
+
+
+def _spread(s: Summary | None) -> str:
+    if s is None or s.n < 2 or s.spread is None:
+        return "–"
+    return f"{s.spread:.0%}" + (" noisy" if s.noisy else "")
+
+
+def _step(row: Row) -> str:
+    """``61.0 = 50.0+0.0+10.0+1.0``: the parts in the total's precision, so that they add up to the eye."""
+    parts = row.step_parts_ms()
+    if parts is None:
+        return "–"
+    total = sum(parts.values())
+    places = 0 if total >= 100 else 1 if total >= 10 else 2
+    return f"{total:.{places}f} = " + "+".join(f"{parts[p]:.{places}f}" for p in STEP_PARTS)
+
+
+def _provenance(row: Row, tag: str) -> str:
+    value = row.runs[0].tags.get(tag)
+    if value is None:
+        return "–"
+    return value[:8] if tag == "mlflow.source.git.commit" else value
+
+
+def _headers(table: Table) -> list[str]:
+    return [
+        "run",
+        "n",
+        "device",
+        "model",
+        "precision",
+        "batch",
+        "workers",
+        "resident",
+        *table.diff_keys,
+        *(PROVENANCE[t] for t in table.provenance),
+        "epoch s",
+        "samples/s",
+        "spread",
+        "speed-up [95% CI]",
+        "significance",
+        *(["vs previous"] if table.ladder else []),
+        "step ms = " + "+".join(STEP_PARTS),
+        "step vs baseline",
+        "val/acc",
+        "GPU util %",
+        "peak MB",
+        "bottleneck",
+        "OOM",
+        *(["status"] if _any_unfinished(table) else []),
+    ]
+
+
+def _cells(table: Table, line: Line) -> list[str]:
+    row = line.row
+    peak, device_peak = row.peak_mb()
+    is_base = row is table.baseline
+    return [
+        row.name,
+        str(row.n),
+        row.tag("device.type") if row.tag("device.type") != "–" else row.param("device.name"),
+        row.param("model.name"),
+        row.tag("precision"),
+        *(row.param(k) for k in SHOWN if k != "model.name"),
+        *(row.param(k) for k in table.diff_keys),
+        *(_provenance(row, t) for t in table.provenance),
+        _range(row.stat(EPOCH_S), "¹" if row.single_epoch else ""),
+        _range(row.speed()),
+        _spread(row.speed()),
+        "1.00× (baseline)" if is_base else line.vs_baseline.cell(),
+        "baseline" if is_base else line.vs_baseline.reason,
+        *([line.vs_previous.cell() if line.vs_previous else "–"] if table.ladder else []),
+        _step(row),
+        "baseline" if is_base else line.step_change or "–",
+        _range(row.stat(VAL_ACC)),
+        _num(s.median) if (s := row.stat(GPU_UTIL)) else "–",
+        (_num(peak.median) + ("²" if device_peak else "")) if peak else "–",
+        row.tag("bottleneck"),
+        str(row.oom_events),
+        *([row.status] if _any_unfinished(table) else []),
+    ]
+
+
+def _any_unfinished(table: Table) -> bool:
+    return any(r.status != "FINISHED" for line in table.lines for r in line.row.runs)
+
+
+def table_markdown(table: Table) -> str:
+    """The table as Markdown, with the keys that are the same everywhere and the drift above it and its footnotes
+    below."""
+    lines = markdown_table(_headers(table), [_cells(table, line) for line in table.lines])
+    same = ", ".join(f"`{k}={v}`" for k, v in table.same.items())
+    head = _wrap(f"Same in every run: {same}" if same else "No config key is the same in every run.")
+    return "\n".join([*head, *_above(table), "", *lines, "", *_footnotes(table)]) + "\n"
+
+
+def _above(table: Table) -> list[str]:
+    """What both tables say above their rows: the drift, a search's ranking, a ladder's total and mean step."""
+    lines = _wrap(_drift(table))
+    if table.ranked_by:
+        lines += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
+    if table.ladder and table.total is not None:
+        steps = len(table.lines) - 1
+        lines += _wrap(
+            f"Ladder: {_num(table.total)}× in all (the last row over the baseline), {_num(table.per_step)}× per "
+            f"step over {steps} step(s) (the geometric mean: the total's {steps}th root)."
+        )
+    return lines
+
+
+def compact_markdown(table: Table) -> str:
+    """The table for MLflow's run page (a sweep parent's description): the rows' speed and why, in a few narrow
+    columns, so that the page keeps room for its About panel and child runs; the whole table is an artifact."""
+    unfinished = _any_unfinished(table)
+    headers = ["run", "n", "samples/s", "speed-up [95% CI]", "significance", "step vs baseline"]
+    headers += ["status"] if unfinished else []
+    body = []
+    for line in table.lines:
+        base = line.row is table.baseline
+        speed = line.row.speed()
+        body.append(
+            [
+                line.row.name,
+                str(line.row.n),
+                _num(speed.median) if speed else "–",
+                "1.00× (baseline)" if base else line.vs_baseline.cell(),
+                "baseline" if base else line.vs_baseline.reason,
+                "baseline" if base else line.step_change or "–",
+                *([line.row.status] if unfinished else []),
+            ]
+        )
+    whole = (
+        "The whole table (every key that differs, epoch time, accuracy, GPU use, memory, the footnotes) is in "
+        "this run's artifacts: compare/compare.md, compare.csv and compare.png."
+    )
+    return "\n".join([*_above(table), "", *markdown_table(headers, body), "", *_wrap(whole)]) + "\n"
+
+
+def _drift(table: Table) -> str:
+    d = table.drift
+    if d is None:
+        return "Drift: not measurable (no configuration ran more than once)."
+    if d.real:
+        way = "slower" if d.change < 0 else "faster"
+        return (
+            f"Drift: this machine ran {abs(d.change):.0%} {way} by the last of these {d.runs} runs than by the first "
+            f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
+            "each round still hold; for the rest, rerun on a quieter machine."
+        )
+    return f"Drift: none shown over {d.runs} runs (estimated {d.change:+.1%} from first to last, p={d.p:.2g})."
+
+
+def _footnotes(table: Table) -> list[str]:
+    tests = max((ln.vs_baseline.tests for ln in table.lines), default=0)
+    holm = f", adjusted by Holm over the table's {tests} comparisons," if tests > 1 else ""
+    notes = [
+        f"samples/s: steady-state throughput (a DDP job's over all its ranks), median (min–max) over a row's n "
+        f"repeats; spread = IQR/median, 'noisy' from {NOISY:.0%}.",
+        f"speed-up: the Hodges–Lehmann ratio to the baseline ({table.baseline.name}) with its 95% interval (* where "
+        f"so few runs allow only a lower coverage). real when the exact test's p{holm} is < {table.alpha:g} and the "
+        f"change is ≥ {table.min_effect:.0%}, else '~'; the test is paired round by round where both rows ran in the "
+        "same rounds of an interleaved sweep and enough rounds can reach the level, else a rank test on all runs.",
+        "step ms: a steady step's mean, split into waiting for data, copying to the device, computing and the "
+        "pipeline's own work between steps (medians over the repeats); 'step vs baseline' names the parts that moved.",
+    ]
+    if any(line.row.single_epoch for line in table.lines):
+        notes.append(
+            "¹ a single epoch: its time includes warm-up (first allocations, cuDNN autotuning, compilation); "
+            "train with trainer.epochs ≥ 2 for a steady epoch time (samples/s leaves the warm-up out already)."
+        )
+    if any(line.row.peak_mb()[1] for line in table.lines):
+        notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
+    for a, b, what in table.twins:
+        notes.append(f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(what)}.")
+    for record, missing in table.lacking:
+        error = f"; error: {record.tags['error'][:120]}" if "error" in record.tags else ""
+        notes.append(f"- run {record.name} ({record.id[:8]}, {record.status}) has no {', '.join(missing)}{error}")
+    return [wrapped for note in notes for wrapped in _wrap(note)]
+
+
+def _wrap(text: str) -> list[str]:
+    """Prose in lines of at most ``WIDTH`` characters (Markdown joins them back into one paragraph)."""
+    return textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def table_csv(table: Table) -> str:
+    """One line per row: every number unrounded, min and max included; the ladder's total and mean step last."""
+    metrics = {"epoch_s": lambda r: r.stat(EPOCH_S), "samples_per_s": Row.speed, "val_acc": lambda r: r.stat(VAL_ACC)}
+    header = ["run", "n", "run_ids", "status", "device", "device_name", "model", "precision"]
+    header += ["batch_size", "workers", "resident", *table.diff_keys, *table.provenance]
+    header += [f"{name}_{part}" for name in metrics for part in ("median", "min", "max")]
+    header += ["spread_iqr_over_median", *_speedup_header(""), *_speedup_header("vs_previous_")]
+    header += [f"step_{p.replace(' ', '_')}_ms" for p in STEP_PARTS] + ["step_vs_baseline"]
+    header += ["gpu_util_mean_pct", "peak_mb", "peak_mb_source", "bottleneck", "oom_events", "single_epoch"]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(header)
+    for line in table.lines:
+        row = line.row
+        peak, device_peak = row.peak_mb()
+        stats = [get(row) for get in metrics.values()]
+        parts = row.step_parts_ms() or {}
+        writer.writerow(
+            [
+                row.name,
+                row.n,
+                " ".join(r.id for r in row.runs),
+                row.status,
+                row.tag("device.type"),
+                row.tag("device.name"),
+                row.param("model.name"),
+                row.tag("precision"),
+                *(row.param(k) for k in SHOWN if k != "model.name"),
+                *(row.param(k) for k in table.diff_keys),
+                *(row.runs[0].tags.get(t, "") for t in table.provenance),
+                *(_g(getattr(s, part, None)) for s in stats for part in ("median", "low", "high")),
+                _g(s.spread if (s := row.speed()) else None),
+                *_speedup_cells(line.vs_baseline if row is not table.baseline else None),
+                *_speedup_cells(line.vs_previous),
+                *(_g(parts.get(p)) for p in STEP_PARTS),
+                line.step_change,
+                _g(s.median if (s := row.stat(GPU_UTIL)) else None),
+                _g(peak.median if peak else None),
+                (DEVICE_PEAK_MB if device_peak else PEAK_MB) if peak else "",
+                row.tag("bottleneck"),
+                row.oom_events,
+                _flag(row.single_epoch),
+            ]
+        )
+    if table.ladder and table.total is not None:
+        writer.writerow([{"run": "ladder total", "speedup": _g(table.total)}.get(h, "") for h in header])
+        writer.writerow([{"run": "ladder per step", "speedup": _g(table.per_step)}.get(h, "") for h in header])
+    return out.getvalue()
+
+
+def _speedup_header(prefix: str) -> list[str]:
+    names = ["speedup", "speedup_low", "speedup_high", "confidence", "real", "p", "p_adjusted", "test", "note"]
+    return [f"{prefix}{n}" for n in names]
+
+
+def _speedup_cells(s: Speedup | None) -> list[str]:
+    if s is None:
+        return [""] * 9
+    c = s.comparison
+    numbers = [c.ratio, c.low, c.high, c.confidence] if c else [None] * 4
+    test = c.sizes if c else ""
+    return [*(_g(x) for x in numbers), _flag(s.real), _g(c.p if c else None), _g(s.p_adjusted), test, s.reason]
+
+
+def _g(x: float | None) -> str:
+    return "" if x is None else format(x, ".6g")
+
+
+def _flag(x: bool | None) -> str:
+    return "" if x is None else str(x).lower()

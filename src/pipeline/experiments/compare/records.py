@@ -1,0 +1,97 @@
+"""One run as the comparison sees it: ``RunRecord``, the metric names it reads, and ``CompareError``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.common.errors import PipelineError
+
+EPOCH_S = "time/epoch_s"
+THROUGHPUT = "throughput/samples_per_s"  # steady state: each epoch's first step left out (one rank's under DDP)
+GLOBAL_THROUGHPUT = "throughput/global_samples_per_s"  # DDP: every rank's together, what a job is compared by
+STEP_MS = "time/step_ms"  # a steady step's mean time; the four shares below split it
+STEP_PARTS = {  # a step's parts, as the table and the chart name them, from their shares of the step
+    "data wait": "time/data_wait_pct",
+    "copy": "time/h2d_pct",
+    "compute": "time/compute_pct",
+    "own work": "time/overhead_pct",
+}
+VAL_ACC = "val/acc"
+GPU_UTIL = "gpu/util_mean_pct"
+PEAK_MB = "memory/max_allocated_mb"  # the allocator's peak (CUDA)
+DEVICE_PEAK_MB = "gpu/mem_peak_mb"  # NVML's reading of the whole device: shown only where PEAK_MB is missing
+OOM_EVENTS = "oom/events"  # a running count, logged only at an event: missing = none
+CORE = (EPOCH_S, THROUGHPUT, VAL_ACC)  # a run lacking one of these is listed under the table
+
+ROLE, PARENT = "sweep.role", "parent"  # the tag (set by the sweep callback) that marks a sweep's parent run
+
+
+class CompareError(PipelineError):
+    """Nothing to compare: no such experiment, sweep, runs or baseline; the message says what there is."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run as the table needs it: built from an MLflow run by ``from_run``, or by hand in tests."""
+
+    id: str
+    name: str
+    status: str  # FINISHED, FAILED, KILLED, RUNNING
+    params: Mapping[str, str]
+    metrics: Mapping[str, float]  # each metric's last value (highest step)
+    tags: Mapping[str, str]
+    steps: Mapping[str, int] = field(default_factory=dict)  # the step of that last value (per epoch: the epoch)
+    experiment_id: str = "0"
+    start_time: int = 0  # ms since the epoch
+
+    @classmethod
+    def from_run(cls, run: Any) -> RunRecord:
+        """From an ``mlflow.entities.Run`` as ``search_runs`` returns it (latest metrics with their steps)."""
+        data, info = run.data, run.info
+        return cls(
+            id=info.run_id,
+            name=info.run_name or data.tags.get("mlflow.runName") or info.run_id[:8],
+            status=info.status,
+            params=dict(data.params),
+            metrics=dict(data.metrics),
+            tags=dict(data.tags),
+            steps={m.key: m.step for m in data.to_proto().metrics},
+            experiment_id=info.experiment_id,
+            start_time=info.start_time or 0,
+        )
+
+    @property
+    def speed(self) -> float | None:
+        """Steady-state samples/s of the whole job: every rank's under DDP, else the run's; None if not recorded."""
+        value = self.metrics.get(GLOBAL_THROUGHPUT, self.metrics.get(THROUGHPUT))
+        return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def job(self) -> float:
+        """The sweep job number (``sweep.job``: the launch order), inf outside a sweep."""
+        job = self.tags.get("sweep.job", "")
+        return int(job) if job.isdigit() else math.inf
+
+    @property
+    def round(self) -> str | None:
+        """The round of an interleaved sweep this run ran in (``sweep.round``): runs of one round ran together."""
+        return self.tags.get("sweep.round")
+
+    def step_parts_ms(self) -> dict[str, float] | None:
+        """A steady step's parts in ms (``STEP_PARTS``), from ``time/step_ms`` and the shares; None without them."""
+        step = self.metrics.get(STEP_MS)
+        if step is None or not all(m in self.metrics for m in STEP_PARTS.values()):
+            return None
+        return {name: step * self.metrics[metric] / 100 for name, metric in STEP_PARTS.items()}
+
+    @property
+    def is_parent(self) -> bool:
+        return self.tags.get(ROLE) == PARENT
+
+    @property
+    def single_epoch(self) -> bool:
+        """Its epoch time is its first epoch's, warm-up included (per-epoch metrics are logged at step = epoch)."""
+        return EPOCH_S in self.metrics and self.steps.get(EPOCH_S, 2) <= 1

@@ -1,0 +1,95 @@
+"""Pictures of a run: the utilisation timeline and the step-time breakdown (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.engine.timing import Breakdown
+from pipeline.monitor import Sample
+
+
+def _figure(rows: int, height: float) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display needed, safe in threads and on servers
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, 1, figsize=(9, height), sharex=True, squeeze=False)
+
+
+def utilisation_timeline(
+    samples: Sequence[Sample], epoch_starts: Sequence[float], *, title: str, cpu_count: int | None = None
+) -> Any:
+    """CPU (machine and process), RAM, and per-GPU utilisation and memory over time, epochs marked.
+
+    Args:
+        samples: the sampler's readings.
+        epoch_starts: seconds on the sampler's clock at which each epoch began.
+        title: the figure's title.
+        cpu_count: logical CPUs of the machine the samples came from (default: this one's).
+
+    Returns:
+        The matplotlib figure.
+    """
+    # The run's CPU is sampled with 100 = one core; on the shared 0-100 axis it is drawn as a share
+    # of the whole machine, like the machine's own line, so a run using several cores is not clipped.
+    cores = cpu_count or os.cpu_count() or 1
+    gpu_indices = sorted({g.index for s in samples for g in s.gpus})
+    fig, axes = _figure(2 if gpu_indices else 1, 5.5 if gpu_indices else 3.2)
+    t = [s.t for s in samples]
+    cpu = axes[0][0]
+    cpu.plot(t, [s.cpu_pct for s in samples], label="CPU, whole machine %")
+    cpu.plot(t, [s.process_cpu_pct / cores for s in samples], label="CPU, this run (% of the machine)")
+    cpu.plot(t, [s.ram_pct for s in samples], label="RAM %", linestyle=":")
+    cpu.set_ylabel("%")
+    for index in gpu_indices:
+        gpu = axes[1][0]
+        readings = [(s.t, g) for s in samples for g in s.gpus if g.index == index]
+        gpu.plot(
+            [x for x, g in readings if g.util_pct is not None],
+            [g.util_pct for _, g in readings if g.util_pct is not None],
+            label=f"GPU {index} utilisation %",
+        )
+        gpu.plot(
+            [x for x, g in readings if g.mem_used_mb is not None and g.mem_total_mb],
+            [100 * g.mem_used_mb / g.mem_total_mb for _, g in readings if g.mem_used_mb is not None and g.mem_total_mb],
+            label=f"GPU {index} memory %",
+        )
+        gpu.set_ylabel("%")
+    for row in axes:
+        ax = row[0]
+        for i, start in enumerate(epoch_starts, 1):
+            ax.axvline(start, color="grey", linewidth=0.8, linestyle="--")
+            ax.text(start, 1.0, f" epoch {i}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+        ax.set_ylim(0, 105)
+        ax.legend(loc="lower right", fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("seconds since the run started")
+    axes[0][0].set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def step_breakdown(breakdowns: Sequence[Breakdown], *, title: str) -> Any:
+    """Stacked bars per epoch: % of steady-state step time waiting for data, copying, computing."""
+    fig, axes = _figure(1, 3.2)
+    ax = axes[0][0]
+    epochs = list(range(1, len(breakdowns) + 1))
+    bottom = [0.0] * len(breakdowns)
+    for label, values, color in (
+        ("waiting for data", [b.data_wait_pct for b in breakdowns], "#d62728"),
+        ("host-to-device copy", [b.h2d_pct for b in breakdowns], "#ff7f0e"),
+        ("compute", [b.compute_pct for b in breakdowns], "#2ca02c"),
+    ):
+        ax.bar(epochs, values, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(epochs)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("% of step time")
+    ax.set_ylim(0, 100)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig

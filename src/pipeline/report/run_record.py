@@ -1,0 +1,180 @@
+"""What a run writes to its record besides metrics: at the start its config, data and environment (or, resumed,
+what changed); at the end its verdict, pictures, last figures and the ``RunResult``.
+
+In a DDP job only rank 0 records its start; every rank concludes (the other ranks' trackers record nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from pipeline.config import flatten
+from pipeline.diagnostics import doctor
+from pipeline.engine.build import Setup
+from pipeline.engine.memory import batchnorm_note
+from pipeline.engine.provenance import describe_loader, environment_tags
+from pipeline.engine.resume import Resumed
+from pipeline.engine.timing import Breakdown, combine
+from pipeline.record.tracking import Tracker
+from pipeline.report.plots import step_breakdown, utilisation_timeline
+from pipeline.report.summary import EpochRecord, RunResult
+from pipeline.report.verdict import judge
+
+
+def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: Resumed | None) -> None:
+    """What a run records before training: its config, data and environment; or, resumed, what changed."""
+    probe = setup.amp_probe
+    if probe is not None:
+        tracker.set_tags({"amp.cpu_check": probe.describe()})
+        if probe.measured:
+            tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
+    if resumed is not None:
+        tracker.set_tags(resumed.tags(typed, logged_step=tracker.last_step("train/loss")))
+        if not resumed.fork:
+            return  # the same run: its params are fixed, and the tags describe the resumed part
+    tracker.log_params({**flatten(recorded), **setup.group.record(setup.cfg.loader.batch_size)})
+    tracker.log_dataset(setup.spec, context="train")
+    tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
+    tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
+    environment = doctor.report(smoke=False)  # the doctor's findings, kept with the run
+    tracker.log_text(json.dumps(environment, indent=2), "environment.json")
+    tracker.set_tags(environment_tags(environment, setup.device))
+
+
+def conclude(
+    setup: Setup,
+    epochs: list[EpochRecord],
+    *,
+    tracker: Tracker,
+    sampler: Any,
+    epoch_starts: list[float],
+    total_s: float,
+) -> RunResult:
+    """The run's verdict, pictures and record, once the sampler has stopped."""
+    breakdown = combine([e.breakdown for e in epochs])
+    utilisation = sampler.summary()
+    verdict = judge(
+        setup.cfg,
+        device_type=setup.device.type,
+        data_wait_pct=max([breakdown.data_wait_pct] + [e.slowest_rank_wait_pct for e in epochs]),
+        h2d_pct=breakdown.h2d_pct,
+        overhead_pct=breakdown.overhead_pct,
+        gpu_util_pct=utilisation.gpu_util_mean_pct,
+        precision=setup.policy.label,
+        amp_check=setup.amp_probe,
+    )
+    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message}
+    note = batchnorm_note(setup.state.model, setup.state.micro)
+    if note:
+        tags["oom.batchnorm"] = note
+    tracker.set_tags(tags)
+    if setup.cfg.monitor.plots:
+        title = setup.run_name
+        tracker.log_figure(
+            lambda: utilisation_timeline(sampler.samples, epoch_starts, title=title), "plots/utilisation.png"
+        )
+        tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
+    notes = [note] if note else []
+    once = {"time/total_s": total_s}
+    compile_s = compile_seconds([e.breakdown for e in epochs]) if setup.cfg.trainer.compile else None
+    once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
+    if compile_s is not None:
+        once["time/compile_s"] = compile_s
+        later = (
+            f" and {breakdown.compile_steps} later step(s) that recompiled for a new batch shape"
+            if breakdown.compile_steps
+            else ""
+        )
+        notes.append(
+            f"torch.compile (mode {setup.cfg.trainer.compile_mode}) took about {compile_s:.1f} s: the first step's "
+            f"{breakdown.first_step_s:.1f} s{later}, less steady steps' time; samples/s leaves those steps out "
+            f"({setup.state.compiles.graphs} graph(s), {setup.state.compiles.recompiles} recompile(s))"
+        )
+    tracker.log_metrics(
+        {
+            **once,
+            "time/tracking_write_s": tracker.write_s,
+            "time/tracking_background_write_s": tracker.background_write_s,
+        },
+        step=len(epochs),
+    )
+    return RunResult(
+        run_name=setup.run_name,
+        run_id=tracker.run_id,
+        device=str(setup.device),
+        device_name=setup.choice.name,
+        precision=setup.policy.label,
+        loader=describe_loader(setup.cfg),
+        parameters=setup.parameters,
+        steps=setup.state.step,
+        total_s=total_s,
+        epochs=epochs,
+        breakdown=breakdown,
+        utilisation=utilisation,
+        tracking_write_s=tracker.write_s,
+        tracking_background_write_s=tracker.background_write_s,
+        oom_events=list(setup.state.micro.events),
+        micro_batch=setup.state.micro.micro_batch,
+        eval_micro_batch=setup.eval_micro.micro_batch,
+        bottleneck=verdict.bottleneck,
+        verdict=verdict.message,
+        tracking=tracker.describe(),
+        model=setup.group.unwrap(setup.state.model),  # the job's wrapper must not outlive its process group
+        amp_probe=setup.amp_probe,
+        notes=notes,
+        distributed=setup.group.describe(setup.cfg.loader.batch_size),
+    )
+
+
+def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
+    """What ``torch.compile`` cost a run: its first step's time, and that of the later steps that recompiled for a
+    new batch shape, beyond what as many steady steps take, in seconds.
+
+    torch.compile compiles at the model's first forward, inside the run's first training step, and again in a
+    step whose batch has a shape it has not seen (an epoch's last, smaller batch; the out-of-memory fallback's
+    half). Those steps are already kept out of the step-time shares and of ``throughput/samples_per_s``
+    (``timing``: each epoch's first step and every compiling step are reported on their own), so compilation never
+    counts as training time; this only names its size: their duration less the mean of the steady steps. It was
+    chosen over timing an explicit warm-up step before training, which would run a real forward and backward whose
+    side effects must then be undone (BatchNorm's running statistics, gradients, DDP's gradient hooks), need its
+    own out-of-memory path, and cost a step; this costs nothing. What it also holds is the first step's other
+    warm-up (cuDNN's autotuning, the allocator's first blocks, loader workers starting): milliseconds, against
+    compilation's seconds to minutes.
+
+    Args:
+        breakdowns: the run's epochs' breakdowns, in order.
+
+    Returns:
+        Seconds (>= 0), or None when no epoch had a steady step, so nothing says what a step costs.
+    """
+    steady = [b for b in breakdowns if b.steps >= 2]  # a one-step epoch's only step is its first
+    steps = sum(b.steady_steps for b in steady)
+    if not breakdowns or not steps:
+        return None
+    mean = sum(b.step_s for b in steady) / steps
+    compiling = breakdowns[0].first_step_s + sum(b.compile_steps_s for b in breakdowns)
+    return max(compiling - (1 + sum(b.compile_steps for b in breakdowns)) * mean, 0.0)
+
+
+def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
+    """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
+    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
+    if utilisation.gpu_util_mean_pct is not None:
+        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
+    return view
+
+
+def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's record of every rank's epoch: ``ranks/<r>/<name>`` for each, the slowest rank's data wait, and
+    the job's throughput (the sum of the ranks')."""
+    if len(per_rank) <= 1:
+        return {}
+    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
+    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
+    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
+    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
+    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
+    return metrics

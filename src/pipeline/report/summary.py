@@ -1,0 +1,118 @@
+"""The record a run returns, and the short summary printed (and stored as the run's description)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.engine.timing import Breakdown, combine
+from pipeline.monitor import UtilSummary, summarize
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int
+    train_loss: float
+    val_loss: float
+    val_acc: float
+    seconds: float  # wall clock, first step included
+    samples_per_s: float  # steady state
+    breakdown: Breakdown
+    ranks: dict[str, float] = field(default_factory=dict)  # DDP: every rank's shares (pipeline.parallel.distributed)
+
+    @property
+    def job_samples_per_s(self) -> float:
+        """The whole job's steady-state samples/s: every rank's together under DDP, else this run's. What runs are
+        compared and searched by (``pipeline.experiments.compare``, the sweep's objective), so a 2-rank job is not
+        read as 1×."""
+        return self.ranks.get("throughput/global_samples_per_s", self.samples_per_s)
+
+    @property
+    def slowest_rank_wait_pct(self) -> float:
+        """Under DDP, the data-wait share of the rank that waited most (a straggler holds every rank back)."""
+        return self.ranks.get("time/data_wait_pct_slowest_rank", 0.0)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What ``train`` returns: enough to compare runs in code (sweeps, benchmarks, tests)."""
+
+    run_name: str
+    run_id: str | None
+    device: str
+    device_name: str
+    precision: str
+    loader: str
+    parameters: int
+    steps: int
+    total_s: float
+    epochs: list[EpochRecord] = field(default_factory=list)
+    breakdown: Breakdown = field(default_factory=lambda: combine([]))
+    utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
+    tracking_write_s: float = 0.0  # time the training thread spent writing metrics (between epochs)
+    tracking_background_write_s: float = 0.0  # time the tracker's writer thread spent writing (during epochs)
+    oom_events: list[Any] = field(default_factory=list)  # pipeline.engine.memory.OomEvent, in order
+    micro_batch: int = 0  # samples per forward/backward at the end (the effective batch is the loader's)
+    eval_micro_batch: int = 0  # samples per evaluation forward at the end (evaluation shrinks on its own)
+    bottleneck: str = ""
+    verdict: str = ""
+    tracking: list[str] = field(default_factory=list)
+    amp_probe: Any = None  # pipeline.engine.precision.AmpProbe: amp=true on the CPU, timed against float32 at start
+    notes: list[str] = field(default_factory=list)  # caveats about what the numbers mean (e.g. BatchNorm)
+    distributed: str = ""  # DDP: world size, backend, per-rank and global batch ("" for one process)
+    model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
+
+    @property
+    def val_acc(self) -> float:
+        return self.epochs[-1].val_acc if self.epochs else float("nan")
+
+    @property
+    def val_loss(self) -> float:
+        return self.epochs[-1].val_loss if self.epochs else float("nan")
+
+
+def format_summary(result: RunResult) -> str:
+    """A few lines: what ran where, how well, how fast, where the time went, where the record is."""
+    last = result.epochs[-1] if result.epochs else None
+    b, u = result.breakdown, result.utilisation
+    lines = [
+        f"run {result.run_name}: {len(result.epochs)} epoch(s), {result.steps} steps in {result.total_s:.1f} s",
+        f"  device      {result.device} ({result.device_name})",
+        f"  model       {result.parameters:,} parameters · precision {result.precision} · loader {result.loader}",
+    ]
+    if result.distributed:
+        lines.append(f"  distributed {result.distributed}")
+    if last is not None:
+        lines += [
+            f"  accuracy    val/acc {last.val_acc:.4f} · val/loss {last.val_loss:.4f} · "
+            f"train/epoch_loss {last.train_loss:.4f}",
+            f"  speed       {last.job_samples_per_s:,.0f} samples/s in the last epoch (steady state"
+            + (f", all ranks; rank 0 {last.samples_per_s:,.0f}" if last.ranks else "")
+            + f"; epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
+            f"  step time   {b.data_wait_pct:.0f}% waiting for data · {b.h2d_pct:.0f}% copying to the device · "
+            f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
+        ]
+    if u.samples:
+        util = f"  utilisation CPU {u.cpu_mean_pct:.0f}% of the machine"
+        if u.gpu_util_mean_pct is not None:
+            util += f" · GPU {u.gpu_util_mean_pct:.0f}% mean, {u.gpu_util_p95_pct:.0f}% p95"
+        if u.gpu_mem_peak_mb is not None:
+            util += f", {u.gpu_mem_peak_mb:,.0f} MB peak"
+        lines.append(util + f" ({u.samples} samples)")
+    if result.oom_events:
+        first = result.oom_events[0].micro_batch
+        lines.append(
+            f"  OOM fallback {len(result.oom_events)} out-of-memory event(s): micro-batch {first} -> "
+            f"{result.micro_batch}, gradients accumulated so every step still saw the full batch"
+        )
+    if result.eval_micro_batch and result.eval_micro_batch < result.micro_batch:
+        lines.append(
+            f"  OOM fallback evaluation ran out of memory and continued in micro-batches of {result.eval_micro_batch}"
+        )
+    if result.amp_probe is not None:
+        lines.append(f"  amp check   {result.amp_probe.describe()}")
+    if result.verdict:
+        lines.append(f"  bottleneck  {result.verdict}")
+    lines += [f"  note        {note}" for note in result.notes]
+    lines += ["  " + line for line in result.tracking]
+    return "\n".join(lines)

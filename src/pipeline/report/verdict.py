@@ -1,0 +1,137 @@
+"""The bottleneck verdict: is this run waiting for its input, or for its arithmetic?
+
+The rules, on the steady-state step-time breakdown (``input`` = waiting for the batch plus
+copying it to the device) and, when a GPU was sampled, its mean utilisation:
+
+- ``input``:   input >= 30% of step time, or input >= 15% while the GPU is busy < 50% on average.
+- ``compute``: input < 10% of step time (and, with a GPU, busy >= 50% or not measured).
+- ``mixed``:   everything in between.
+
+The pipeline's own work between steps (reading the loss back, checkpoints, the progress bar;
+``time/overhead_pct``) is not input: it never makes a run input-bound. When it takes
+``OVERHEAD_PCT`` or more of the step time, the verdict says so and how to reduce it.
+
+The hint names the overrides to try next, chosen from the run's own loader and device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.config import RunConfig
+
+if TYPE_CHECKING:
+    from pipeline.engine.amp_check import AmpProbe
+
+INPUT_BOUND_PCT = 30.0
+INPUT_WITH_IDLE_GPU_PCT = 15.0
+IDLE_GPU_PCT = 50.0
+COMPUTE_BOUND_PCT = 10.0
+OVERHEAD_PCT = 10.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    bottleneck: str  # input | compute | mixed
+    message: str  # the printed line: the evidence, then what to try
+
+
+def classify(*, data_wait_pct: float, h2d_pct: float, gpu_util_pct: float | None) -> str:
+    """``input``, ``compute`` or ``mixed`` by the rules in the module docstring."""
+    input_pct = data_wait_pct + h2d_pct
+    gpu_idle = gpu_util_pct is not None and gpu_util_pct < IDLE_GPU_PCT
+    if input_pct >= INPUT_BOUND_PCT or (gpu_idle and input_pct >= INPUT_WITH_IDLE_GPU_PCT):
+        return "input"
+    if input_pct < COMPUTE_BOUND_PCT and not gpu_idle:
+        return "compute"
+    return "mixed"
+
+
+def judge(
+    cfg: RunConfig,
+    *,
+    device_type: str,
+    data_wait_pct: float,
+    h2d_pct: float,
+    gpu_util_pct: float | None,
+    precision: str,
+    overhead_pct: float = 0.0,
+    cpus: int | None = None,
+    amp_check: AmpProbe | None = None,
+) -> Verdict:
+    """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
+    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``)."""
+    kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
+    evidence = f"{data_wait_pct:.0f}% of step time waiting for data, {h2d_pct:.0f}% copying it"
+    if gpu_util_pct is not None:
+        evidence += f", GPU busy {gpu_util_pct:.0f}% on average"
+    bookkeeping = ""
+    if overhead_pct >= OVERHEAD_PCT:
+        evidence += f", {overhead_pct:.0f}% the pipeline's own work between steps"
+        bookkeeping = f"; to cut that, raise trainer.log_every_n_steps (now {cfg.trainer.log_every_n_steps})" + (
+            f" or checkpoint.every_n_steps (now {cfg.checkpoint.every_n_steps})" if cfg.checkpoint.every_n_steps else ""
+        )
+    if kind == "input":
+        hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
+    elif kind == "compute":
+        hint = compute_hint(cfg, device_type=device_type, precision=precision, amp_check=amp_check)
+    else:
+        hint = (
+            input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
+            + "; then "
+            + compute_hint(cfg, device_type=device_type, precision=precision, amp_check=amp_check)
+        )
+    label = {"input": "input-bound", "compute": "compute-bound", "mixed": "mixed"}[kind]
+    return Verdict(kind, f"{label}: {evidence} — {hint}{bookkeeping}")
+
+
+def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -> str:
+    loader = cfg.loader
+    if loader.resident:
+        return f"the data is already resident; try a larger batch (loader.batch_size={loader.batch_size * 2})"
+    if device_type == "cpu":
+        return f"try loader.resident=true (on the CPU, loader workers compete with training for the {cpus} CPUs)"
+    pin = " loader.pin_memory=true" if device_type == "cuda" and loader.pin_memory is False else ""
+    if device_type == "cuda" and h2d_pct >= INPUT_WITH_IDLE_GPU_PCT and pin:
+        return f"try{pin} (pinned memory makes the copies asynchronous), or loader.resident=true"
+    workers = min(4, cpus) if loader.num_workers == 0 else min(loader.num_workers * 2, cpus)
+    if workers > loader.num_workers:
+        more = f"loader.num_workers={workers}"
+        more += " loader.persistent_workers=true" if not loader.persistent_workers else ""
+        return f"try {more}{pin}, or loader.resident=true"
+    return f"all {cpus} CPUs already load data; try loader.resident=true{pin}"
+
+
+def compute_hint(cfg: RunConfig, *, device_type: str, precision: str, amp_check: AmpProbe | None = None) -> str:
+    if device_type == "cpu":
+        hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
+        if precision != "fp32":
+            return f"{hint}; {cpu_amp_hint(amp_check)}"
+        from pipeline.engine.amp_check import has_amx
+
+        if has_amx():
+            hint += "; this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains"
+        return hint
+    steps = []
+    if precision == "fp32":
+        steps.append("amp=true")
+    if cfg.model.name != "mlp" and not cfg.trainer.channels_last:
+        steps.append("trainer.channels_last=true")
+    if not cfg.trainer.compile:
+        steps.append("trainer.compile=true")
+    steps.append(f"loader.batch_size={cfg.loader.batch_size * 2}")
+    return "the device is busy computing; to go faster try " + " ".join(steps)
+
+
+def cpu_amp_hint(check: AmpProbe | None) -> str:
+    """What the amp check measured, as the hint's advice on amp (never a rule of thumb against a measurement)."""
+    if check is None or not check.measured:
+        return "amp's effect on this CPU was not measured (see the amp check above)"
+    speed = f"{check.speed:.2f}x float32 measured at start"
+    return {
+        "faster": f"amp pays off here ({speed}): keep amp=true",
+        "slower": f"amp=false is faster here ({speed})",
+        "same": f"amp makes little difference here ({speed})",
+    }[check.verdict]
