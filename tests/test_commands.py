@@ -228,7 +228,8 @@ def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
     ],
 )
 def test_a_tracking_uri_no_store_can_be_at_is_refused_before_the_run(uri: str, message: str) -> None:
-    from pipeline.record.store import TrackingUnavailable, check_reachable
+    from pipeline.record.reachability import check_reachable
+    from pipeline.record.store import TrackingUnavailable
 
     with pytest.raises(TrackingUnavailable, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         check_reachable(uri)

@@ -25,7 +25,8 @@ from pipeline.config import RunConfig, flatten, load
 from pipeline.engine.resume import check_resumable, config_changes
 from pipeline.engine.stopping import Stopped, StopRequests, stop_signals
 from pipeline.experiments.autotune.candidates import Machine, candidates
-from pipeline.record.store import TrackingUnavailable, check_reachable, uri_scheme
+from pipeline.record.reachability import check_reachable, uri_scheme
+from pipeline.record.store import TrackingUnavailable
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

@@ -19,15 +19,8 @@ from mlflow import MlflowClient
 from pipeline.common.secrets import mask_text
 from pipeline.common.uris import sqlite_path
 from pipeline.config import load
-from pipeline.record.store import (
-    DiskFull,
-    TrackingUnavailable,
-    check_reachable,
-    connect,
-    disk_full,
-    retrying,
-    store_lock,
-)
+from pipeline.record.reachability import check_reachable
+from pipeline.record.store import DiskFull, TrackingUnavailable, connect, disk_full, retrying, store_lock
 from test_cli import run_main
 
 HOLD_LOCK = (  # a second process: takes SQLite's exclusive lock, says so, holds it until its stdin closes
@@ -57,7 +50,7 @@ def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     if os.geteuid() == 0:
         real = os.access
         monkeypatch.setattr(
-            "pipeline.record.store.os.access",
+            "pipeline.record.reachability.os.access",
             lambda path, mode: real(path, mode) and not (mode & os.W_OK and Path(path).resolve() == folder.resolve()),
         )
     return folder

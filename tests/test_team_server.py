@@ -25,7 +25,8 @@ from mlflow.exceptions import MlflowException
 import pipeline.train as train_module
 from pipeline.config import RunConfig
 from pipeline.record import outbox
-from pipeline.record.store import TrackingUnavailable, check_reachable
+from pipeline.record.reachability import check_reachable
+from pipeline.record.store import TrackingUnavailable
 from pipeline.record.tracking import MlflowTracker
 from pipeline.train import train
 from servers import MlflowServer, free_port, mlflow_server

@@ -28,7 +28,7 @@ from pipeline.engine.stopping import Stopped, StopRequests, signal_name
 from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.parallel import distributed
-from pipeline.record.store import check_reachable
+from pipeline.record.reachability import check_reachable
 from pipeline.record.tracking import Tracker, open_tracker
 from pipeline.report import run_record as record
 from pipeline.report.run_record import rank_metrics, rank_view

@@ -278,7 +278,7 @@ class TrackingConfig:
             if len(str(value)) > MAX_TAG_VALUE:
                 raise ConfigError(f"{TAGS_PREFIX}{key}", f"{str(value)[:40]}...", _at_most(MAX_TAG_VALUE, "tag values"))
         from pipeline.common.uris import sqlite_database
-        from pipeline.record.store import uri_scheme
+        from pipeline.record.reachability import uri_scheme
 
         if self.enabled and uri_scheme(self.uri) == "sqlite" and sqlite_database(self.uri) is None:
             raise ConfigError(

@@ -201,7 +201,7 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
             sweep's folder cannot be made.
         SlurmMissing: ``hydra/launcher=slurm`` where SLURM's commands are missing.
         SqliteUnderSlurm: ``hydra/launcher=slurm`` with an SQLite store (``pipeline.record.filesystems``).
-        TrackingUnavailable: the store cannot work (``pipeline.record.store.check_reachable``).
+        TrackingUnavailable: the store cannot work (``pipeline.record.reachability.check_reachable``).
     """
     from pipeline.engine.outputs import make_output_folder
     from pipeline.parallel.slurm import check_slurm_commands
@@ -250,8 +250,9 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     from pipeline.common.secrets import env_keys
     from pipeline.common.uris import absolute
     from pipeline.engine.provenance import source_tags  # imports torch: only here, once per sweep
+    from pipeline.record.reachability import check_reachable
     from pipeline.record.runs import create_run
-    from pipeline.record.store import check_reachable, connect
+    from pipeline.record.store import connect
 
     experiment = str(config.tracking.experiment)
     if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job

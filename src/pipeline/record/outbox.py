@@ -35,7 +35,8 @@ from pipeline.common.atomic import write_text_atomic
 from pipeline.common.errors import PipelineError
 from pipeline.common.secrets import MASK, mask_text
 from pipeline.common.uris import absolute
-from pipeline.record.store import check_exists, check_reachable, retrying
+from pipeline.record.reachability import check_exists, check_reachable
+from pipeline.record.store import retrying
 
 log = logging.getLogger(__name__)
 

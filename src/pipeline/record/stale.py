@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     from mlflow import MlflowClient
 
-    from pipeline.record.store import TrackingUnavailable, check_exists, check_reachable
+    from pipeline.record.reachability import check_exists, check_reachable
+    from pipeline.record.store import TrackingUnavailable
 
     uri = absolute(args.uri)
     try:

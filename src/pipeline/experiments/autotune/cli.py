@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from pipeline.config import load
         from pipeline.engine.provenance import run_name
-        from pipeline.record.store import check_reachable
+        from pipeline.record.reachability import check_reachable
 
         cfg = load(args.overrides)
         if args.no_track:

@@ -17,7 +17,7 @@ from pipeline.common.uris import UI_URL, absolute
 from pipeline.experiments.compare.records import PARENT, ROLE
 from pipeline.experiments.compare.reporting import ARTIFACTS, attach, report, write
 from pipeline.experiments.compare.selection import open_store, select
-from pipeline.record.store import parse
+from pipeline.record.reachability import parse
 
 MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from pipeline.common.uris import sqlite_path
 from pipeline.experiments.compare.records import PARENT, ROLE, CompareError, RunRecord
-from pipeline.record.store import check_reachable, retrying
+from pipeline.record.reachability import check_reachable
+from pipeline.record.store import retrying
 
 MAX_RUNS = 50_000  # MLflow's largest max_results: one page, one query
 
@@ -148,7 +149,7 @@ def open_store(uri: str) -> Any:
 
     Raises:
         CompareError: no database at a ``sqlite:///`` path.
-        TrackingUnavailable: the store cannot be reached (``pipeline.record.store.check_reachable``).
+        TrackingUnavailable: the store cannot be reached (``pipeline.record.reachability.check_reachable``).
     """
     path = sqlite_path(uri)
     if path is not None and not path.is_file():
