@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-import pipeline.record.tracking as tracking
+import pipeline.record.lifecycle as lifecycle
 from pipeline.config import TrackingConfig
 from pipeline.record import outbox
+from pipeline.record.lifecycle import open_tracker
 from pipeline.record.store import connect
-from pipeline.record.tracking import open_tracker
 
 SECRET = "s3cr3t-pw"
 SERVER = f"http://alice:{SECRET}@127.0.0.1:9"  # what the run was configured with; never reached
@@ -46,7 +46,7 @@ def down(store_uri: str, monkeypatch: pytest.MonkeyPatch) -> MlflowClient:
     """Runs opened on ``SERVER`` land in the real store at ``store_uri``, which then goes down; returns its client."""
     real, _ = connect(store_uri, "offline")
     monkeypatch.setattr(
-        tracking, "connect", lambda uri, experiment: (DownClient(real), connect(store_uri, experiment)[1])
+        lifecycle, "connect", lambda uri, experiment: (DownClient(real), connect(store_uri, experiment)[1])
     )
     return real
 

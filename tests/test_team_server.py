@@ -61,7 +61,8 @@ def test_a_down_server_costs_seconds_per_write_not_mlflows_minutes_unless_you_ch
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from pipeline.config import TrackingConfig
-    from pipeline.record.tracking import HTTP_RETRIES, open_tracker
+    from pipeline.record.lifecycle import open_tracker
+    from pipeline.record.tracking import HTTP_RETRIES
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", raising=False)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+import pipeline.record.lifecycle as lifecycle
 import pipeline.record.tracking as tracking
 import pipeline.train as train_module
 from pipeline.config import RunConfig, flatten
@@ -484,7 +485,7 @@ def test_open_tracker_refuses_an_experiment_named_after_a_secret_value_before_to
     cfg = TrackingConfig(enabled=True, uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment=f"team-{SECRET}")
     with (
         pytest.raises(ConfigError, match=r"tracking.experiment='\*\*\*'") as err,
-        tracking.open_tracker(cfg, run_name="r", secret_values={SECRET}),
+        lifecycle.open_tracker(cfg, run_name="r", secret_values={SECRET}),
     ):
         pass
     assert SECRET not in str(err.value) and not (tmp_path / "mlflow.db").exists()

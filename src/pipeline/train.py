@@ -28,8 +28,8 @@ from pipeline.engine.stopping import Stopped, StopRequests, signal_name
 from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.parallel import distributed
+from pipeline.record.lifecycle import Tracker, open_tracker
 from pipeline.record.reachability import check_reachable
-from pipeline.record.tracking import Tracker, open_tracker
 from pipeline.report import run_record as record
 from pipeline.report.run_record import rank_metrics, rank_view
 from pipeline.report.summary import EpochRecord, RunResult, format_summary

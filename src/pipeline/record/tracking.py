@@ -1,6 +1,6 @@
 """Recording runs in MLflow, or nowhere.
 
-``open_tracker(cfg.tracking, run_name=...)`` is a context manager yielding a ``Tracker``: an
+``pipeline.record.lifecycle.open_tracker(cfg.tracking, run_name=...)`` is a context manager yielding a ``Tracker``: an
 ``MlflowTracker`` bound to one run id (every call names the run explicitly, so other threads
 can log to it too), or a ``NullTracker`` when ``tracking.enabled=false``, so the training code
 has no ``if tracking:`` branches.
@@ -39,24 +39,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from pipeline.common.errors import ConfigError, Interruption
-from pipeline.common.secrets import MASK, mask_text, mask_value
-from pipeline.common.uris import absolute, ui_base
-from pipeline.config import TrackingConfig
+from pipeline.common.secrets import mask_text, mask_value
+from pipeline.common.uris import ui_base
 from pipeline.record import outbox
 from pipeline.record.heartbeat import Heartbeat
-from pipeline.record.runs import create_run
-from pipeline.record.store import connect, retrying, server_down
+from pipeline.record.store import retrying, server_down
 
 if TYPE_CHECKING:  # an annotation only: the record does not import the engine
     from pipeline.data.sources import DataSpec
@@ -69,63 +64,6 @@ WRITE_EVERY_S = 10.0  # the writer thread's period: how stale the UI's live metr
 HTTP_RETRIES = 2  # MLflow's retries of one request to a tracking server (its default: 7, about 4 minutes)
 STOP_WITHIN_S = 30.0  # how long a run's end waits for a write in flight ("database is locked" retries take ~13 s)
 PARAMS_PER_BATCH = 100  # MLflow's limit per log_batch call
-
-
-class Tracker(Protocol):
-    run_id: str | None
-    experiment_id: str | None
-    write_s: float  # seconds the calling (training) thread spent in flush() so far
-    background_write_s: float  # seconds the tracker's writer thread spent writing so far
-
-    def log_params(self, params: Mapping[str, Any]) -> None: ...
-    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-    def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_dataset(self, spec: DataSpec, context: str) -> None: ...
-    def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
-    def flush(self) -> None: ...
-    def last_step(self, key: str) -> int | None: ...
-    def log_only_new_steps(self) -> None: ...
-    def describe(self) -> list[str]: ...
-
-
-class NullTracker:
-    """Stands in when tracking is off: accepts everything, records nothing."""
-
-    run_id: str | None = None
-    experiment_id: str | None = None
-    write_s = 0.0
-    background_write_s = 0.0
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        pass
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        pass
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        pass
-
-    def log_dataset(self, spec: DataSpec, context: str) -> None:
-        pass
-
-    def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
-        pass  # the figure is never drawn
-
-    def flush(self) -> None:
-        pass
-
-    def last_step(self, key: str) -> int | None:
-        return None
-
-    def log_only_new_steps(self) -> None:
-        pass
-
-    def describe(self) -> list[str]:
-        return ["tracking off (tracking.enabled=false): nothing recorded"]
 
 
 class MlflowTracker:
@@ -432,85 +370,6 @@ class MlflowTracker:
             f"  all runs:     {base}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning",
         ]
         return lines
-
-
-@contextmanager
-def open_tracker(
-    cfg: TrackingConfig,
-    *,
-    run_name: str,
-    tags: Mapping[str, str] | None = None,
-    run_id: str | None = None,
-    secret_values: Collection[str] = frozenset(),
-) -> Iterator[Tracker]:
-    """Open a run (or a do-nothing tracker), and end it with the status the block earned.
-
-    ``tags`` are all the run's tags (``tracking.tags`` included). ``run_id`` continues that run (resuming)
-    instead of creating one, removing the tags that said how it ended before (``outbox.FAILURE_TAGS``).
-    ``secret_values`` (``pipeline.common.secrets.env_values``) are masked in everything the run records, its name and
-    the error that ends it included; ``cfg.uri`` is used as it is.
-
-    Raises:
-        ConfigError: the experiment's name holds a secret value (``env_values`` refuses that first).
-    """
-    if not cfg.enabled:
-        yield NullTracker()
-        return
-    # our summary prints the run's links, credentials removed; MLflow's own print would repeat them with credentials
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    # MLflow retries a request to a server 7 times with growing pauses, about 4 minutes per write while a server is
-    # down, and the training thread writes between epochs: two quick retries (about 3 s), then the tracker's own
-    # retries (the writer thread, the next flush, the run's end, the outbox file) take over. Yours win if set.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    secret_values = frozenset(secret_values)
-    if mask_text(cfg.experiment, secret_values) != cfg.experiment:  # the store keeps experiment names unmasked
-        raise ConfigError("tracking.experiment", MASK, "a name that holds no value read from the environment")
-    uri = absolute(cfg.uri)
-    client, experiment_id = connect(uri, cfg.experiment)
-    all_tags = {k: mask_value(k, str(v), values=secret_values) for k, v in (tags or {}).items()}
-    if run_id is None:
-        name = mask_text(run_name, secret_values)
-        run_id = create_run(client, experiment_id, run_name=name, tags=all_tags).info.run_id  # once, answer lost or not
-    else:
-        run = retrying(lambda: client.get_run(run_id))
-        experiment_id = run.info.experiment_id
-        retrying(lambda: client.update_run(run_id, status="RUNNING"))
-        for key in set(outbox.FAILURE_TAGS) & run.data.tags.keys():  # how it ended before: no longer true
-            retrying(lambda key=key: client.delete_tag(run_id, key))
-    tracker = MlflowTracker(
-        client,
-        uri=uri,
-        experiment_id=experiment_id,
-        experiment=cfg.experiment,
-        run_id=run_id,
-        secret_values=secret_values,
-    )
-    if all_tags:
-        tracker.set_tags(all_tags)
-    tracker.start()
-    try:
-        yield tracker
-    except (KeyboardInterrupt, Interruption):
-        _end_under(tracker, "KILLED")
-        raise
-    except BaseException as err:
-        _end_under(tracker, "FAILED", tags={"error": tracker.mask(f"{type(err).__name__}: {err}")[:5000]})
-        raise
-    tracker.end("FINISHED")  # raises only if the outbox cannot be written: then metrics would be lost
-
-
-def _end_under(tracker: MlflowTracker, status: str, *, tags: Mapping[str, str] | None = None) -> None:
-    """End the run while the block's exception propagates: a failure here is logged, never raised over it."""
-    try:
-        tracker.end(status, tags=tags)
-    except Exception as err:  # no traceback: its text could hold a secret value; the run's own error follows
-        log.error(
-            "the run's end (%s) could not be recorded (%s: %s); the run's own error follows",
-            status,
-            type(err).__name__,
-            tracker.mask(str(err))[:300],
-        )
 
 
 def _param_text(value: Any) -> str:

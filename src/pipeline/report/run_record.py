@@ -18,7 +18,7 @@ from pipeline.engine.memory import batchnorm_note
 from pipeline.engine.provenance import describe_loader, environment_tags
 from pipeline.engine.resume import Resumed
 from pipeline.engine.timing import Breakdown, combine
-from pipeline.record.tracking import Tracker
+from pipeline.record.lifecycle import Tracker
 from pipeline.report.plots import step_breakdown, utilisation_timeline
 from pipeline.report.summary import EpochRecord, RunResult
 from pipeline.report.verdict import judge

@@ -215,7 +215,7 @@ def record(
     """An MLflow run with the settings, the report, every trial, the plot and the winner; returns where it is."""
     from pipeline.common.secrets import env_values, mask_tree
     from pipeline.config import flatten
-    from pipeline.record.tracking import open_tracker
+    from pipeline.record.lifecycle import open_tracker
 
     ranking, current = outcome.ranking(), outcome.tally(outcome.current)
     tags = {
