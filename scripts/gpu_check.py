@@ -724,7 +724,8 @@ def step_sampler(ctx: Context) -> list[Row]:
     """What one reading costs through NVML and through GPUtil (``pipeline.diagnostics.bench``'s sampler benchmark),
     and the mean
     utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
-    from pipeline.diagnostics.bench import Sizes, bench_sampler_backends
+    from pipeline.diagnostics.bench import bench_sampler_backends
+    from pipeline.diagnostics.harness import Sizes
 
     plan = ctx.plan
     rows: list[Row] = []
@@ -788,7 +789,8 @@ def step_overhead(ctx: Context) -> list[Row]:
         from pipeline.common.stats import paired_ratio
         from pipeline.config import DataConfig
         from pipeline.data.sources import load_data
-        from pipeline.diagnostics.bench import Sizes, bare_epoch, interleaved, pipeline_epoch
+        from pipeline.diagnostics.bench import pipeline_epoch
+        from pipeline.diagnostics.harness import Sizes, bare_epoch, interleaved
 
         sizes = Sizes(samples=plan.overhead_samples, repeats=plan.overhead_repeats, warmup=0 if plan.dry else 1)
         bundle = load_data(
@@ -948,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     use_checkout()
     import torch
 
-    from pipeline.diagnostics.bench import quiet_logs
+    from pipeline.diagnostics.harness import quiet_logs
 
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     if args.budget_s is not None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.common.stats import paired_ratio
-from pipeline.diagnostics.bench import BENCHES, Row, Sizes, interleaved, main, table
+from pipeline.diagnostics.bench import BENCHES, main
+from pipeline.diagnostics.harness import Row, Sizes, interleaved, table
 
 
 def test_interleaving_alternates_order_drops_warmup_and_pairs_rounds() -> None:
@@ -85,7 +86,7 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
 ) -> None:
     """Its rounds, as each rank runs them (here a job of one rank joining and leaving twice), and the row."""
     from pipeline.diagnostics import bench_ddp
-    from pipeline.diagnostics.bench import QUICK
+    from pipeline.diagnostics.harness import QUICK
     from servers import free_port
 
     for name, value in {

@@ -17,90 +17,34 @@ import contextlib
 import datetime
 import io
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pipeline.common.cli import Parser, command
 from pipeline.common.stats import paired_ratio
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    measured: str
-    goal: str
-    met: bool | None  # None: informational, no goal
-    detail: str
-
-
-@dataclass(frozen=True)
-class Sizes:
-    samples: int  # MNIST-shaped training samples
-    repeats: int
-    warmup: int
-
-
-FULL = Sizes(samples=60_000, repeats=7, warmup=1)
-QUICK = Sizes(samples=2_000, repeats=1, warmup=0)
-
-
-def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[str, list[float]]:
-    """Seconds per variant per round; rounds alternate the order and the warm-up round is dropped."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for round_ in range(sizes.warmup + sizes.repeats):
-        order = names if round_ % 2 == 0 else names[::-1]
-        for name in order:
-            seconds = variants[name]()
-            if round_ >= sizes.warmup:
-                times[name].append(seconds)
-    return times
-
+from pipeline.diagnostics.harness import (
+    FULL,
+    QUICK,
+    Row,
+    Sizes,
+    bare_epoch,
+    interleaved,
+    machine,
+    mlp,
+    quiet_logs,
+    table,
+)
 
 # ---------------------------------------------------------------------------------------------
 # What is compared
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
-
-
-def bare_epoch(images: torch.Tensor, labels: torch.Tensor, *, batch: int) -> float:
-    """A hand-written loop over in-memory uint8 tensors: the fastest honest baseline, on the tensors' device."""
-    torch.manual_seed(0)
-    model = mlp().to(images.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if images.is_cuda:
-        torch.cuda.synchronize(images.device)  # the timed epoch starts with nothing queued
-    start = time.perf_counter()
-    order = torch.randperm(len(labels), device=images.device)
-    for i in range(0, len(labels), batch):
-        loss = bare_step(model, optimizer, images, labels, order[i : i + batch])
-    loss.item()
-    return time.perf_counter() - start
-
-
-def bare_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
-) -> torch.Tensor:
-    """One step of the hand-written loop on the samples at ``index``: normalise, forward, backward, step."""
-    x = (images[index].float() / 255 - 0.5) / 0.2887
-    loss = F.cross_entropy(model(x), labels[index])
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def guides_epoch(root: Path, *, batch: int) -> float:
@@ -148,18 +92,6 @@ def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None
     if writes is not None:  # the writer thread's writes, if any, ran during the epoch: its seconds hold them
         writes.append((result.tracking_write_s + result.tracking_background_write_s) / seconds)
     return seconds
-
-
-@contextlib.contextmanager
-def quiet_logs() -> Iterator[None]:
-    import logging
-
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,114 +342,25 @@ def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
     ]
 
 
-def bench_amp(sizes: Sizes, work: Path) -> list[Row]:
-    """amp=true against float32 on this machine's training device (bfloat16 on CPUs), for the MLP's epochs
-    and for ResNet-50's convolutions, with what the run's own start-up check estimates beside it."""
-    return [*bench_amp_mlp(sizes, work), *bench_amp_resnet(sizes)]
-
-
-def bench_amp_resnet(sizes: Sizes) -> list[Row]:
-    """One ResNet-50 training step (small stem, 28 px, batch 16) in float32 and under autocast, interleaved,
-    against the run's start-up check (``amp_check.probe_cpu_amp``) at its own batch."""
-    from pipeline.engine.amp_check import probe_cpu_amp
-    from pipeline.engine.models import resnet
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu":
-        return []
-    torch.manual_seed(0)
-    model = resnet("resnet50", in_channels=1, image_px=28, num_classes=10, stem="small").train()
-    batch = 4 if sizes is QUICK else 16
-    images, labels = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-
-    def step(dtype: torch.dtype | None) -> float:
-        start = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = F.cross_entropy(model(images), labels)
-        loss.backward()
-        return time.perf_counter() - start
-
-    t = interleaved({"fp32": lambda: step(None), "bf16": lambda: step(torch.bfloat16)}, sizes)
-    speed = paired_ratio(t["fp32"], t["bf16"])
-    probe = probe_cpu_amp(model, images, labels, dtype=torch.bfloat16)
-    return [
-        Row(
-            f"bf16 autocast / float32 speed, ResNet-50 step, batch {batch}, cpu",
-            f"{speed:.2f}",
-            "(info)",
-            None,
-            f"median step {median(t['bf16']):.2f} s with amp, {median(t['fp32']):.2f} s without; the run's start-up "
-            f"check: {probe.describe()}",
-        )
-    ]
-
-
-def bench_amp_mlp(sizes: Sizes, work: Path) -> list[Row]:
-    """amp=true against float32 for the MLP's epochs on this machine's training device."""
-    data = ["data=synthetic", f"data.num_samples={sizes.samples}", "data.val_samples=500", "loader=resident"]
-    variants = {
-        "fp32": lambda: pipeline_epoch(data, work / "amp.db"),
-        "amp": lambda: pipeline_epoch([*data, "amp=true"], work / "amp.db"),
-    }
-    t = interleaved(variants, sizes)
-    speed = paired_ratio(t["fp32"], t["amp"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return [
-        Row(
-            f"amp=true / float32 speed, MLP, batch 64, {device}",
-            f"{speed:.2f}",
-            "(info)",
-            None,
-            f"median epoch {median(t['amp']):.2f} s with amp, {median(t['fp32']):.2f} s without; below 1 = amp "
-            "is slower here",
-        )
-    ]
-
-
 BENCHES = {
     "overhead": lambda sizes, work: bench_overhead(sizes, work),
     "sampler": lambda sizes, work: bench_sampler_backends(sizes),
     "resident": lambda sizes, work: bench_resident(sizes, work),
     "launch": lambda sizes, work: bench_launch(sizes, work),
-    "amp": lambda sizes, work: bench_amp(sizes, work),
-    "amp_check": lambda sizes, work: _claims().bench_amp_check(sizes),
-    "compile": lambda sizes, work: _claims().bench_compile(sizes),
-    "autotune": lambda sizes, work: _claims().bench_autotune(sizes, work),
-    "ddp": lambda sizes, work: _ddp().bench_ddp(sizes, work),
+    "amp": lambda sizes, work: _module("bench_amp").bench_amp(sizes, work),
+    "amp_check": lambda sizes, work: _module("bench_claims").bench_amp_check(sizes),
+    "compile": lambda sizes, work: _module("bench_claims").bench_compile(sizes),
+    "autotune": lambda sizes, work: _module("bench_claims").bench_autotune(sizes, work),
+    "ddp": lambda sizes, work: _module("bench_ddp").bench_ddp(sizes, work),
 }
 
 
-def _claims():
-    from pipeline.diagnostics import bench_claims
+def _module(name: str) -> Any:
+    """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``), imported when
+    its rows are asked for."""
+    import importlib
 
-    return bench_claims
-
-
-def _ddp():
-    from pipeline.diagnostics import bench_ddp
-
-    return bench_ddp
-
-
-def table(rows: list[Row]) -> str:
-    from pipeline.common.markdown import markdown_table
-
-    def met(r: Row) -> str:
-        return "—" if r.met is None else ("yes" if r.met else "**no**")
-
-    body = [[r.name, r.measured, r.goal, met(r), r.detail] for r in rows]
-    return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))
-
-
-def machine() -> str:
-    from pipeline.engine.devices import cpu_name
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{cpu_name()}, {os.cpu_count()} CPUs, {gpu}; Python {platform.python_version()}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
-    )
+    return importlib.import_module(f"pipeline.diagnostics.{name}")
 
 
 @command("python -m pipeline.bench")

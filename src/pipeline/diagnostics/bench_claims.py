@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.common.stats import ALPHA, MIN_EFFECT, compare, paired_ratio, summarize
-from pipeline.diagnostics.bench import QUICK, Row, Sizes, interleaved
+from pipeline.diagnostics.harness import QUICK, Row, Sizes, interleaved
 
 CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
 

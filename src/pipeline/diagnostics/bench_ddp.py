@@ -43,7 +43,7 @@ def _tutorial(samples: int) -> tuple[Any, Any, Any, Any]:
 
     from pipeline.config import DataConfig
     from pipeline.data.sources import load_data
-    from pipeline.diagnostics.bench import mlp
+    from pipeline.diagnostics.harness import mlp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     bundle = load_data(DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=samples, val_samples=64))
@@ -58,7 +58,7 @@ def textbook(samples: int, batch: int, epochs: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from pipeline.diagnostics.bench import bare_step
+    from pipeline.diagnostics.harness import bare_step
 
     model, optimizer, images, labels = _tutorial(samples)
     seconds = 0.0
@@ -113,7 +113,7 @@ def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], flo
     import torch
     import torch.distributed as dist
 
-    from pipeline.diagnostics.bench import bare_step
+    from pipeline.diagnostics.harness import bare_step
     from pipeline.engine.build import build
     from pipeline.engine.loop import train_epoch
     from pipeline.engine.timing import make_timer
@@ -187,7 +187,7 @@ def bench_ddp(sizes, work: Path) -> list:
     """The pipeline's global samples/s under DDP as a share of the textbook loop's: its training loop in short
     interleaved chunks, then whole runs (second epochs), rounds interleaved."""
     from pipeline.common.stats import paired_ratio
-    from pipeline.diagnostics.bench import Row
+    from pipeline.diagnostics.harness import Row
 
     both = run_job(sizes, work)
     rows = []
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     starts it). Whole runs first, then the loops in chunks (one warm-up round each)."""
     import torch.distributed as dist
 
-    from pipeline.diagnostics.bench import Sizes, interleaved
+    from pipeline.diagnostics.harness import Sizes, interleaved
 
     samples, repeats, warmup, chunks, batch, epochs = map(int, argv[:6])
     out = Path(argv[6])

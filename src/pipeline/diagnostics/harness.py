@@ -1,0 +1,117 @@
+"""How every benchmark here measures, shared by ``python -m pipeline.bench`` and the GPU check: variants interleaved in
+one process round after round (``interleaved``: warm-up discarded, the order alternating), the hand-written loop
+that is the honest baseline (``mlp``, ``bare_step``, ``bare_epoch``), one result ``Row`` per claim with its goal,
+the Markdown table and the machine's one-line description. Needs only torch: a fresh GPU machine runs it before
+anything else is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    measured: str
+    goal: str
+    met: bool | None  # None: informational, no goal
+    detail: str
+
+
+@dataclass(frozen=True)
+class Sizes:
+    samples: int  # MNIST-shaped training samples
+    repeats: int
+    warmup: int
+
+
+FULL = Sizes(samples=60_000, repeats=7, warmup=1)
+
+
+QUICK = Sizes(samples=2_000, repeats=1, warmup=0)
+
+
+def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[str, list[float]]:
+    """Seconds per variant per round; rounds alternate the order and the warm-up round is dropped."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(sizes.warmup + sizes.repeats):
+        order = names if round_ % 2 == 0 else names[::-1]
+        for name in order:
+            seconds = variants[name]()
+            if round_ >= sizes.warmup:
+                times[name].append(seconds)
+    return times
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def bare_epoch(images: torch.Tensor, labels: torch.Tensor, *, batch: int) -> float:
+    """A hand-written loop over in-memory uint8 tensors: the fastest honest baseline, on the tensors' device."""
+    torch.manual_seed(0)
+    model = mlp().to(images.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if images.is_cuda:
+        torch.cuda.synchronize(images.device)  # the timed epoch starts with nothing queued
+    start = time.perf_counter()
+    order = torch.randperm(len(labels), device=images.device)
+    for i in range(0, len(labels), batch):
+        loss = bare_step(model, optimizer, images, labels, order[i : i + batch])
+    loss.item()
+    return time.perf_counter() - start
+
+
+def bare_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """One step of the hand-written loop on the samples at ``index``: normalise, forward, backward, step."""
+    x = (images[index].float() / 255 - 0.5) / 0.2887
+    loss = F.cross_entropy(model(x), labels[index])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def table(rows: list[Row]) -> str:
+    from pipeline.common.markdown import markdown_table
+
+    def met(r: Row) -> str:
+        return "—" if r.met is None else ("yes" if r.met else "**no**")
+
+    body = [[r.name, r.measured, r.goal, met(r), r.detail] for r in rows]
+    return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))
+
+
+def machine() -> str:
+    from pipeline.engine.devices import cpu_name
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu_name()}, {os.cpu_count()} CPUs, {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+    )
