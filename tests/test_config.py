@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from pipeline.common.errors import OverrideError
-from pipeline.config import ConfigError, _build, compose, config_dir, flatten, from_dictconfig, load
+from pipeline.config import ConfigError, compose, config_dir, flatten, from_dictconfig, load
+from pipeline.config.compose import _build
 
 GROUPS = ["device", "model", "precision", "loader", "data", "trainer", "tracking"]
 # options that need another key set to be valid on their own

@@ -529,7 +529,7 @@ def test_the_length_limits_are_mlflows_own() -> None:
     from mlflow.store.tracking.dbmodels.models import SqlRun
     from mlflow.utils import validation
 
-    from pipeline import config
+    from pipeline.config import schema as config
 
     assert config.MAX_EXPERIMENT_NAME == validation.MAX_EXPERIMENT_NAME_LENGTH
     assert config.MAX_TAG_KEY == validation.MAX_ENTITY_KEY_LENGTH

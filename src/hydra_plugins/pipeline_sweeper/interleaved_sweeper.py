@@ -58,7 +58,8 @@ def check_search_space(overrides: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from pipeline.config import OverrideError, config_dir
+    from pipeline.common.errors import OverrideError
+    from pipeline.config import config_dir
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     spaces = [o for o in parsed if o.is_sweep_override() and not o.is_discrete_sweep() and not o.is_hydra_override()]

@@ -1,0 +1,254 @@
+"""From the command line to a validated ``RunConfig``: Hydra's composition of ``conf/`` (``compose``,
+``load``), the jobs of a ``-m`` sweep listed so that each is validated before the first one starts
+(``sweep_jobs``), and the typed reading of the composed tree (``from_dictconfig``): unknown keys, wrong types and
+invalid values raise ``ConfigError`` naming the dotted key. Every float must be finite (``inf`` and ``nan`` pass
+most range checks unnoticed) unless its field says ``metadata={"nonfinite": True}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.common.errors import ConfigError, OverrideError
+from pipeline.config.schema import MAX_TAG_KEY, MISSING_VALUE, TAGS_PREFIX, RunConfig, _at_most
+
+
+def config_dir() -> Path:
+    """The folder holding ``config.yaml``: inside the installed wheel, else the source checkout."""
+    package = Path(__file__).resolve().parents[1]  # src/pipeline, or the installed pipeline
+    packaged = package / "conf"
+    if packaged.is_dir():
+        return packaged
+    checkout = package.parents[1] / "conf"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(f"pipeline's config tree is missing: looked in {packaged} and {checkout}")
+
+
+def compose(overrides: Sequence[str] = ()) -> Any:
+    """Compose ``conf/`` with command-line style overrides, as ``python -m pipeline`` would.
+
+    Raises:
+        OverrideError: an unknown group option or key, or an override Hydra cannot parse; one line.
+        ConfigError: a ``tracking.tags`` key longer than MLflow takes (Hydra would fail on it as a file name).
+    """
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key.startswith(TAGS_PREFIX) and len(key) - len(TAGS_PREFIX) > MAX_TAG_KEY:
+            raise ConfigError(key, value, _at_most(MAX_TAG_KEY, "tag keys"))
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            return hydra_compose("config", overrides=list(overrides))
+    except MissingConfigException as err:
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        if err.options and group:
+            raise OverrideError(
+                f"{group}={option} is not an option: expected one of {', '.join(err.options)}"
+            ) from None
+        raise OverrideError(str(err).splitlines()[0]) from None
+    except OverrideParseException as err:
+        raise OverrideError(f"cannot parse the overrides {' '.join(overrides)!r}: {str(err).splitlines()[0]}") from None
+    except HydraException as err:
+        lines = [line for line in str(err).splitlines() if line]
+        key = getattr(err.__cause__, "full_key", None)
+        if key and "To append" in str(err):
+            parent = key.rpartition(".")[0]
+            raise OverrideError(
+                f"{key} is not a config key{f' of {parent}' if parent else ''}: check the spelling "
+                f"(python -m pipeline --cfg job shows every key)"
+            ) from None
+        raise OverrideError("; ".join(lines)) from None
+    except OSError as err:  # Hydra looks a key up as a config group's file: a long one is too long a file name
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        long = next((o for o in overrides if len(o.partition("=")[0]) > MAX_TAG_KEY), "")
+        raise OverrideError(f"{long[:80]}...: not a config key (too long)") from None
+
+
+def load(overrides: Sequence[str] = ()) -> RunConfig:
+    """``compose`` then ``from_dictconfig``: the validated config for these overrides."""
+    return from_dictconfig(compose(overrides))
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
+    """The jobs ``python -m pipeline -m ...`` runs, each as its overrides, expanded by Hydra's own parser as its
+    basic sweeper does (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options), in the
+    interleaved sweeper's order (``pipeline.config.design``). ``hydra...``
+    overrides configure Hydra, not a job, and are left out, as the sweeper leaves them out.
+
+    Returns:
+        One list of overrides per job, in launch order; None when the jobs cannot be listed here: a continuous
+        search space (``interval()``) or another sweeper (``hydra/sweeper=...``), whose jobs Hydra decides.
+
+    Raises:
+        OverrideError: an override Hydra cannot parse, or a ``glob()`` over something that is not a group.
+    """
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # glob() lists options
+        try:
+            parsed = parser.parse_overrides(list(overrides))
+        except OverrideParseException as err:
+            raise OverrideError(
+                f"cannot parse the overrides {' '.join(overrides)!r}: {str(err).splitlines()[0]}"
+            ) from None
+        if any(o.key_or_group == "hydra/sweeper" for o in parsed):
+            return None
+        task = [o for o in parsed if not o.is_hydra_override()]
+        if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in task):
+            return None
+        from hydra_plugins.pipeline_sweeper.interleaved_sweeper import axes
+        from pipeline.config.design import interleave
+
+        try:
+            return interleave(axes(task)).jobs  # the interleaved sweeper's order: job N here is job N there
+        except HydraException as err:
+            raise OverrideError(str(err).splitlines()[0]) from None
+
+
+def from_dictconfig(cfg: Any) -> RunConfig:
+    """Validate Hydra's composed config and return it typed.
+
+    Args:
+        cfg: the ``DictConfig`` handed to the Hydra task (or any mapping of the same shape).
+
+    Returns:
+        The whole run's config, every group checked.
+
+    Raises:
+        ConfigError: the first invalid key, with its value and what is allowed.
+    """
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.common.secrets import env_keys
+
+    sensitive: frozenset[str] = frozenset()
+    if isinstance(cfg, DictConfig):
+        sensitive = env_keys(cfg)
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "config"
+            unset = re.search(r"Environment variable '([^']+)' not found", str(err))
+            if unset:
+                name = unset.group(1)
+                raise ConfigError(
+                    key,
+                    f"${{oc.env:{name}}}",
+                    f"a set environment variable, and {name} is not set: export {name}=... before the command, or "
+                    f"give a default: ${{oc.env:{name},<default>}}",
+                ) from None
+            first = str(err.msg).strip().splitlines()[0]
+            raise ConfigError(key, "<unresolved>", f"a value that resolves ({first})") from None
+    return dataclasses.replace(_build(RunConfig, cfg, prefix=""), env_keys=sensitive)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to dotted keys: ``{"loader": {"batch_size": 64}}`` -> ``{"loader.batch_size": 64}``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, prefix=f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _build(cls: type, node: Any, prefix: str) -> Any:
+    if not isinstance(node, Mapping):
+        raise ConfigError(prefix.rstrip(".") or "config", node, "a group of keys")
+    hints = typing.get_type_hints(cls)
+    settable = [f for f in fields(cls) if not f.metadata.get("internal")]
+    known = [f.name for f in settable]
+    for key in node:
+        if key not in known:
+            where = f"{prefix.rstrip('.')} keys" if prefix else "top-level keys"
+            raise ConfigError(f"{prefix}{key}", node[key], f"one of the {where}: {', '.join(known)}")
+    kwargs = {}
+    for f in settable:
+        key = f"{prefix}{f.name}"
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name not in node or node[f.name] == MISSING_VALUE:
+            if required or node.get(f.name) == MISSING_VALUE:
+                raise ConfigError.missing(key)
+            continue
+        kwargs[f.name] = _coerce(node[f.name], hints[f.name], key, finite=not f.metadata.get("nonfinite"))
+    built = cls(**kwargs)
+    if hasattr(built, "check"):
+        built.check()
+    return built
+
+
+def _coerce(value: Any, hint: Any, key: str, *, finite: bool = True) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, prefix=f"{key}.")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        concrete = [o for o in options if o is not type(None)]
+        if len(concrete) == 1:  # `X | None`: X's own, more precise error
+            return _coerce(value, concrete[0], key, finite=finite)
+        for option in concrete:
+            try:
+                return _coerce(value, option, key, finite=finite)
+            except ConfigError:
+                continue
+        raise ConfigError(key, value, " or ".join(_describe(o) for o in options))
+    if origin is Literal:
+        if value in typing.get_args(hint) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, value, _describe(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, value, _describe(hint))
+        return [_coerce(v, item, f"{key}[{i}]", finite=finite) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, value, _describe(hint))
+        return {str(k): str(v) for k, v in value.items()}
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and is_number and isinstance(value, int):
+        return value
+    if hint is float and is_number:
+        if finite and not math.isfinite(value):  # inf and nan slip through `x > 0` and `x < 0` alike
+            raise ConfigError(key, value, "a finite number")
+        return float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    raise ConfigError(key, value, _describe(hint))
+
+
+def _describe(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list ({_describe(typing.get_args(hint)[0])} each)"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))

@@ -1,0 +1,379 @@
+"""The run's schema: a frozen dataclass per config group, with the types and rules of every key (the YAML files in
+``conf/`` hold the defaults and their comments). Each class checks its own values in ``__post_init__`` and raises
+``ConfigError`` naming the dotted key, the value and what is allowed; ``RunConfig`` checks what depends on
+several groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipeline.common.errors import ConfigError
+
+MISSING_VALUE = "???"
+
+
+# MLflow's limits (mlflow.utils.validation's MAX_EXPERIMENT_NAME_LENGTH and MAX_ENTITY_KEY_LENGTH, the runs table's
+# name column): checked with the config, not after the data loaded; tests/test_tracking.py keeps them equal
+MAX_EXPERIMENT_NAME = 500
+
+
+MAX_RUN_NAME = 250
+
+
+MAX_TAG_KEY = 250
+
+
+MAX_TAG_VALUE = 8000  # MAX_TAG_VAL_LENGTH: MLflow cuts a longer value, with a warning
+
+
+TAGS_PREFIX = "tracking.tags."
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    name: Literal["auto", "cpu", "cuda", "mps"]
+    index: int | None = None
+
+    def check(self) -> None:
+        if self.index is not None and self.name != "cuda":
+            raise ConfigError("device.index", self.index, f"null with device={self.name} (only cuda has indices)")
+        if self.index is not None and self.index < 0:
+            raise ConfigError("device.index", self.index, "a GPU index >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: Literal["mlp", "resnet18", "resnet50"]
+    hidden_sizes: list[int] | None = None
+    stem: Literal["auto", "imagenet", "small"] | None = None
+
+    def check(self) -> None:
+        if self.name == "mlp":
+            if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
+                raise ConfigError("model.hidden_sizes", self.hidden_sizes, "a non-empty list of sizes >= 1")
+            if self.stem is not None:
+                raise ConfigError("model.stem", self.stem, "no stem for model=mlp (resnets only)")
+        else:
+            if self.stem is None:
+                raise ConfigError("model.stem", self.stem, "one of 'auto', 'imagenet', 'small'")
+            if self.hidden_sizes is not None:
+                raise ConfigError("model.hidden_sizes", self.hidden_sizes, f"none for model={self.name}")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: Literal["auto", "fp16", "bf16"]
+    tf32: bool
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    batch_size: int
+    num_workers: int
+    pin_memory: bool | Literal["auto"]
+    persistent_workers: bool
+    prefetch_factor: int | None
+    drop_last: bool
+    resident: bool
+    timeout: float = 0.0
+    # true is checked against the device at build time (data.prefetch.prefetch_wanted), once device=auto is resolved
+    prefetch_to_device: bool | Literal["auto"] = "auto"
+    # how workers start; auto = this process's default: spawn on Windows and macOS, fork on Linux (3.14: forkserver)
+    multiprocessing_context: Literal["auto", "fork", "spawn", "forkserver"] = "auto"
+
+    def check(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError("loader.batch_size", self.batch_size, "an integer >= 1")
+        if self.num_workers < 0:
+            raise ConfigError("loader.num_workers", self.num_workers, "an integer >= 0 (0 = main process)")
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            raise ConfigError("loader.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
+        if self.timeout < 0:
+            raise ConfigError("loader.timeout", self.timeout, "seconds >= 0 (0 = wait forever)")
+        if self.num_workers == 0:
+            if self.timeout:
+                raise ConfigError("loader.timeout", self.timeout, "0 with loader.num_workers=0 (no worker to wait for)")
+            if self.persistent_workers:
+                raise ConfigError("loader.persistent_workers", True, "false with loader.num_workers=0")
+            if self.prefetch_factor is not None:
+                raise ConfigError("loader.prefetch_factor", self.prefetch_factor, "null with loader.num_workers=0")
+            if self.multiprocessing_context != "auto":
+                raise ConfigError(
+                    "loader.multiprocessing_context",
+                    self.multiprocessing_context,
+                    "auto with loader.num_workers=0 (no worker processes to start)",
+                )
+        # a method the platform lacks (fork, forkserver on Windows) would fail only as the first worker starts
+        if self.multiprocessing_context not in ("auto", *multiprocessing.get_all_start_methods()):
+            raise ConfigError(
+                "loader.multiprocessing_context",
+                self.multiprocessing_context,
+                f"auto or a start method this platform ({sys.platform}) has: "
+                f"{', '.join(multiprocessing.get_all_start_methods())}",
+            )
+        if self.resident:
+            if self.num_workers:
+                raise ConfigError(
+                    "loader.num_workers", self.num_workers, "0 with loader.resident=true (no workers needed)"
+                )
+            if self.pin_memory is True:
+                raise ConfigError("loader.pin_memory", True, "auto or false with loader.resident=true")
+            if self.prefetch_to_device is True:
+                raise ConfigError(
+                    "loader.prefetch_to_device",
+                    True,
+                    "auto or false with loader.resident=true (the data is on the device already: no copy to overlap)",
+                )
+        if self.prefetch_to_device is True and self.pin_memory is False:
+            raise ConfigError(
+                "loader.prefetch_to_device",
+                True,
+                "auto or false with loader.pin_memory=false (a copy from unpinned memory blocks the host: "
+                "nothing would overlap), or set loader.pin_memory=auto",
+            )
+
+
+DIGITS = ("digits", "mnist")  # datasets of handwritten digits: mirroring changes what a sample shows
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: Literal["digits", "mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic"]
+    root: str | None = None
+    download: bool | None = None  # null where the dataset is never downloaded (digits, synthetic, folders)
+    image_size: int | None = None
+    channels: int | None = None
+    val_fraction: float | None = None
+    shape: list[int] | None = None
+    num_classes: int | None = None
+    num_samples: int | None = None
+    val_samples: int | None = None
+    augment: Literal["none", "crop", "flip", "crop_flip"] = "none"  # training only (pipeline.data.augment)
+    augment_padding: int = 4  # zero pixels on each side before the random crop
+
+    def check(self) -> None:
+        if self.name == "imagefolder" and not self.root:
+            raise ConfigError("data.root", self.root, "a folder with one sub-folder per class for data=imagefolder")
+        if self.image_size is not None and self.image_size < 1:
+            raise ConfigError("data.image_size", self.image_size, "an integer >= 1 (pixels per side)")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ConfigError("data.channels", self.channels, "1 (greyscale) or 3 (RGB)")
+        if self.val_fraction is not None and not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError("data.val_fraction", self.val_fraction, "a fraction strictly between 0 and 1")
+        if self.shape is not None and (len(self.shape) != 3 or min(self.shape) < 1):
+            raise ConfigError("data.shape", self.shape, "[channels, height, width], each >= 1")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise ConfigError("data.num_classes", self.num_classes, "an integer >= 2")
+        for key in ("num_samples", "val_samples"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{key}", value, "an integer >= 1")
+        if self.augment_padding < 0:
+            raise ConfigError("data.augment_padding", self.augment_padding, "an integer >= 0 (pixels on each side)")
+        if self.augment in ("flip", "crop_flip") and self.name in DIGITS:
+            raise ConfigError(
+                "data.augment",
+                self.augment,
+                f"none or crop for data={self.name}: a mirrored digit is another symbol or none (a 2 mirrored is no "
+                f"2), so flipping teaches wrong labels; use data.augment=crop to shift them instead",
+            )
+        if self.augment in ("crop", "crop_flip") and self.augment_padding == 0:
+            raise ConfigError(
+                "data.augment_padding", 0, f"an integer >= 1 with data.augment={self.augment} (0 pixels crops nothing)"
+            )
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    epochs: int
+    max_steps: int
+    optimizer: Literal["sgd", "adamw"]
+    lr: float
+    momentum: float
+    weight_decay: float
+    seed: int
+    log_every_n_steps: int
+    channels_last: bool
+    cudnn_benchmark: bool
+    compile: bool
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+    progress: bool | Literal["auto"]
+
+    def check(self) -> None:
+        if self.compile_mode != "default" and not self.compile:
+            raise ConfigError(
+                "trainer.compile_mode",
+                self.compile_mode,
+                "default while trainer.compile=false (add trainer.compile=true to compile in this mode)",
+            )
+        if self.epochs < 1:
+            raise ConfigError("trainer.epochs", self.epochs, "an integer >= 1")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError("trainer.max_steps", self.max_steps, "-1 (no limit) or an integer >= 1")
+        if not self.lr > 0:
+            raise ConfigError("trainer.lr", self.lr, "a learning rate > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("trainer.momentum", self.momentum, "a value in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError("trainer.weight_decay", self.weight_decay, "a value >= 0")
+        if self.log_every_n_steps < 1:
+            raise ConfigError("trainer.log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
+        if not 0 <= self.seed < 2**32:  # torch's generators, NumPy and the loader's worker seeds all take it
+            raise ConfigError("trainer.seed", self.seed, "an integer from 0 to 4294967295 (2**32 - 1)")
+
+    def cuda_only(self) -> dict[str, object]:
+        """The switches set here that only a CUDA device acts on: cuDNN's autotuner, and CUDA graphs (what
+        ``compile_mode=reduce-overhead`` adds to the default mode). Elsewhere they would be silent no-ops."""
+        switches: dict[str, object] = {}
+        if self.cudnn_benchmark:
+            switches["trainer.cudnn_benchmark"] = True
+        if self.compile_mode == "reduce-overhead":
+            switches["trainer.compile_mode"] = self.compile_mode
+        return switches
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool
+    uri: str
+    experiment: str
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.enabled and not self.uri.strip():
+            raise ConfigError("tracking.uri", self.uri, "a tracking URI such as sqlite:///mlflow.db")
+        if self.enabled and not self.experiment.strip():
+            raise ConfigError("tracking.experiment", self.experiment, "a non-empty experiment name")
+        if self.enabled and len(self.experiment) > MAX_EXPERIMENT_NAME:
+            raise ConfigError("tracking.experiment", self.experiment, _at_most(MAX_EXPERIMENT_NAME, "a name"))
+        if self.run_name is not None and not self.run_name.strip():  # it names the run and its checkpoint folder
+            raise ConfigError("tracking.run_name", self.run_name, "a non-empty name or null (a name made from the run)")
+        if self.run_name is not None and len(self.run_name) > MAX_RUN_NAME:
+            raise ConfigError("tracking.run_name", self.run_name, _at_most(MAX_RUN_NAME, "a name"))
+        if self.run_name is not None and any(not c.isprintable() for c in self.run_name):
+            raise ConfigError("tracking.run_name", self.run_name, "a name on one line, without control characters")
+        for key, value in self.tags.items() if self.enabled else ():
+            if len(key) > MAX_TAG_KEY:
+                raise ConfigError(f"{TAGS_PREFIX}{key}", value, _at_most(MAX_TAG_KEY, "tag keys"))
+            if len(str(value)) > MAX_TAG_VALUE:
+                raise ConfigError(f"{TAGS_PREFIX}{key}", f"{str(value)[:40]}...", _at_most(MAX_TAG_VALUE, "tag values"))
+        from pipeline.common.uris import sqlite_database
+        from pipeline.record.reachability import uri_scheme
+
+        if self.enabled and uri_scheme(self.uri) == "sqlite" and sqlite_database(self.uri) is None:
+            raise ConfigError(
+                "tracking.uri",
+                self.uri,
+                "a database file, e.g. sqlite:///mlflow.db: an in-memory SQLite store records the run nowhere "
+                "(it is gone when the run ends); to record nothing, say tracking=none",
+            )
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    enabled: bool
+    backend: Literal["auto", "nvml", "gputil", "none"]
+    interval_s: float
+    plots: bool
+
+    def check(self) -> None:
+        if not 0.05 <= self.interval_s <= 60:
+            raise ConfigError("monitor.interval_s", self.interval_s, "seconds between 0.05 and 60")
+
+
+@dataclass(frozen=True)
+class OomConfig:
+    enabled: bool
+    micro_batch_size: int | None
+    min_micro_batch: int
+
+    def check(self) -> None:
+        if self.min_micro_batch < 1:
+            raise ConfigError("oom.min_micro_batch", self.min_micro_batch, "an integer >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < self.min_micro_batch:
+            raise ConfigError(
+                "oom.micro_batch_size",
+                self.micro_batch_size,
+                f"null or an integer >= oom.min_micro_batch ({self.min_micro_batch})",
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool
+    dir: str
+    every_n_steps: int
+
+    def check(self) -> None:
+        if self.every_n_steps < 0:
+            raise ConfigError("checkpoint.every_n_steps", self.every_n_steps, "0 (epoch ends only) or more")
+        if not self.dir:
+            raise ConfigError("checkpoint.dir", self.dir, "a folder name")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    device: DeviceConfig
+    model: ModelConfig
+    precision: PrecisionConfig
+    loader: LoaderConfig
+    data: DataConfig
+    trainer: TrainerConfig
+    tracking: TrackingConfig
+    monitor: MonitorConfig
+    oom: OomConfig
+    checkpoint: CheckpointConfig
+    amp: bool
+    resume: str | None
+    fork: bool = False  # with resume=: continue the checkpoint in a new MLflow run instead of the same one
+    # not a config key: the dotted keys whose values came from environment variables (masked in the record)
+    env_keys: frozenset[str] = field(default=frozenset(), compare=False, metadata={"internal": True})
+
+    def check(self) -> None:
+        micro = self.oom.micro_batch_size
+        if micro is not None and micro > self.loader.batch_size:
+            raise ConfigError("oom.micro_batch_size", micro, f"at most loader.batch_size ({self.loader.batch_size})")
+        if self.fork and self.resume is None:
+            raise ConfigError("fork", True, "false without resume= (fork=true continues a checkpoint in a new run)")
+        if self.resume is not None and not self.checkpoint.enabled:
+            raise ConfigError("resume", self.resume, "null while checkpoint.enabled=false (nothing to resume from)")
+        if not self.amp and self.precision.dtype != "auto":
+            raise ConfigError(
+                "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"
+            )
+        if self.trainer.channels_last and self.model.name == "mlp":
+            raise ConfigError(
+                "trainer.channels_last",
+                True,
+                "false with model=mlp (channels_last lays out convolution inputs; the MLP has no convolutions)",
+            )
+        cuda_only = self.trainer.cuda_only()
+        if cuda_only and self.device.name in ("cpu", "mps"):  # device=auto: checked once it has chosen (precision.py)
+            key, value = next(iter(cuda_only.items()))
+            raise ConfigError(key, value, cuda_only_expected(key, self.device.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain nested values (what the run uses; see ``pipeline.common.secrets`` for the record)."""
+        tree = dataclasses.asdict(self)
+        del tree["env_keys"]
+        return tree
+
+
+def cuda_only_expected(key: str, device_type: str) -> str:
+    """What a CUDA-only trainer switch must be on ``device_type``, and why: the end of its ``ConfigError``."""
+    if key == "trainer.cudnn_benchmark":
+        return f"false on {device_type}: cuDNN's autotuner exists only on CUDA GPUs (device=cuda)"
+    return (
+        f"default, max-autotune or max-autotune-no-cudagraphs on {device_type}: reduce-overhead adds CUDA graphs, "
+        "which exist only on CUDA GPUs (device=cuda)"
+    )
+
+
+def _at_most(limit: int, what: str) -> str:
+    return f"{what} of at most {limit} characters (MLflow's limit)"
