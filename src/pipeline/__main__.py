@@ -68,10 +68,10 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
     Returns:
         The sweep's ``optimized_metric`` for this job (what Optuna maximises), None when it failed.
     """
-    from pipeline.experiments import sweep
+    from pipeline.experiments import sweep, sweep_files
 
     job = sweep.current_job()
-    if sweep.stop_requested(job.folder):  # a stopped parallel sweep: this job was still queued in a worker
+    if sweep_files.stop_requested(job.folder):  # a stopped parallel sweep: this job was still queued in a worker
         sweep.not_started(job.folder, [(job.number, job.overrides)])
         return None
     sweep.started(job)  # a job lost with its process (a launcher's worker killed) is then told from one not run

@@ -19,7 +19,7 @@ class InterleavedSweeper(BasicSweeper):
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:  # type: ignore[override]
         from pipeline.config.design import interleave
-        from pipeline.experiments.sweep import save_design
+        from pipeline.experiments.sweep_files import save_design
 
         plan = interleave(axes(overrides))
         if self.config is not None:

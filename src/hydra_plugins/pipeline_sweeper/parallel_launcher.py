@@ -75,13 +75,13 @@ class StopSweep:
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         from pipeline.engine.stopping import signal_name
-        from pipeline.experiments import sweep
+        from pipeline.experiments import sweep_files
 
         if self.signum is not None:
             print(f"{signal_name(signum)} received: the sweep is already stopping (kill -9 abandons it)", flush=True)
             return
         self.signum = signum
-        sweep.request_stop(self.folder, signum)  # first: a job a worker takes from its queue now is not started
+        sweep_files.request_stop(self.folder, signum)  # first: a job a worker takes from its queue now is not started
         self.workers = worker_pids()
         for pid in self.workers:
             try:

@@ -30,27 +30,35 @@ Hydra runs the jobs (one after another, in joblib's processes, or as Optuna asks
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import shlex
 import sys
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
-from urllib.parse import urlparse
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.common.atomic import write_text_atomic
 from pipeline.common.cli import bug_line, debugging
 from pipeline.common.errors import ConfigError, PipelineError
 from pipeline.common.secrets import mask_overrides, mask_text
-from pipeline.common.uris import ui_base
+from pipeline.experiments.sweep_files import (
+    JOBS_DIR,
+    NOT_RUN,
+    SWEEP_FILE,
+    JobOutcome,
+    Sweep,
+    SweepJob,
+    _save_outcome,
+    load_outcomes,
+    load_round,
+    planned_jobs,
+    records_jobs,
+    sweep_folder,
+)
+from pipeline.experiments.sweep_parent import close_parent, failed_run, open_parent, parent_links
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -59,99 +67,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Metric = Literal["val/acc", "throughput/samples_per_s"]  # what a job can return to the sweeper
-SWEEP_FILE = "sweep.json"  # in hydra.sweep.dir
-DESIGN_FILE = (
-    "design.json"  # in hydra.sweep.dir: each job's round, from the interleaved sweeper (pipeline.config.design)
-)
-JOBS_DIR = "jobs"  # in hydra.sweep.dir: <job number>.json, one per job that ended
-STOP_FILE = "stop"  # in JOBS_DIR: the parallel launcher was stopped (request_stop); queued jobs do not start
-MAX_CHILDREN = 50_000  # MLflow's most runs per search
-NOT_RUN = "NOT_RUN"  # a job's status when the sweep stopped before it started (``lost``)
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
 _UNFINISHED: set[Path] = set()  # folders of the sweeps started in this process and not yet ended (end_unfinished)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """What every job of a sweep needs to know: ``sweep.json`` in the sweep's folder."""
-
-    id: str  # uuid4 hex; the parent run's name shows the first 8 characters
-    keys: tuple[str, ...]  # the swept keys (dotted, or a group's name), in the order given
-    metric: str  # what each job returns to the sweeper (a ``Metric``)
-    parent_run_id: str | None = None  # None with tracking off, or when the parent could not be created
-    uri: str | None = None  # the parent's store, absolute
-    experiment_id: str | None = None
-
-    @property
-    def short_id(self) -> str:
-        return self.id[:8]
-
-    def save(self, folder: Path) -> None:
-        _write_json(folder / SWEEP_FILE, asdict(self))
-
-    @classmethod
-    def load(cls, folder: Path) -> Sweep | None:
-        path = folder / SWEEP_FILE
-        if not path.is_file():
-            return None
-        fields = json.loads(path.read_text())
-        return cls(**{**fields, "keys": tuple(fields["keys"])})
-
-
-@dataclass(frozen=True)
-class SweepJob:
-    """One job of a sweep, as the job itself sees it (``current_job``)."""
-
-    sweep: Sweep
-    number: int  # Hydra's job number (hydra.job.num), from 0
-    overrides: tuple[str, ...]  # the job's overrides, as Hydra passed them
-    folder: Path  # the sweep's folder (hydra.sweep.dir)
-    round: int | None = None  # the round of an interleaved sweep (pipeline.config.design), None without repeats
-
-    @property
-    def values(self) -> dict[str, str]:
-        """The swept keys' values in this job, as typed: ``{"loader.batch_size": "32", "trainer.lr": "0.01"}``."""
-        given = {}
-        for override in self.overrides:
-            key, _, value = override.partition("=")
-            given[key.lstrip("+~")] = value
-        return {key: given[key] for key in self.sweep.keys if key in given}
-
-    def tags(self) -> dict[str, str]:
-        """The job's run's sweep tags; ``mlflow.parentRunId`` nests it under the parent in MLflow's UI."""
-        tags = {"sweep.id": self.sweep.id, "sweep.job": str(self.number), "sweep.keys": ",".join(self.sweep.keys)}
-        if self.round is not None:  # runs of one round ran side by side: pipeline.experiments.compare pairs them
-            tags["sweep.round"] = str(self.round)
-        if self.sweep.parent_run_id:
-            tags["mlflow.parentRunId"] = self.sweep.parent_run_id
-        return tags
-
-    def describe(self) -> str:
-        """``job #3 (loader.batch_size=128 loader.num_workers=4)`` (Hydra's number, as in its log), secrets masked."""
-        return f"job #{self.number} ({' '.join(mask_overrides(self.overrides)) or 'no overrides'})"
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """How one job ended: ``jobs/<n>.json`` in the sweep's folder."""
-
-    job: int
-    overrides: list[str]  # masked
-    status: str  # FINISHED | FAILED | KILLED | NOT_RUN
-    exit_code: int  # 0; 2 = the user's to fix; 1 = anything else; 130 / 143 = stopped
-    error: str | None = None  # ``Type: message``, masked
-    run_id: str | None = None
-    run_name: str | None = None
-    value: float | None = None  # what the job returned to the sweeper
-
-    def line(self) -> str:
-        """One line for the terminal: ``job #3 (trainer.lr=1e30): NonFiniteLoss: ...``."""
-        error = next(iter((self.error or "").strip().splitlines()), self.status)
-        return f"{self.name()}: {error}"
-
-    def name(self) -> str:
-        """``job #3 (trainer.lr=1e30)``."""
-        return f"job #{self.job} ({' '.join(self.overrides) or 'no overrides'})"
 
 
 class SweepCallback(Callback):
@@ -223,11 +140,6 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
     return sweep
 
 
-def sweep_folder(hydra: DictConfig) -> Path:
-    """The sweep's folder (``hydra.sweep.dir``), absolute: a job run with ``hydra.job.chdir=true`` is elsewhere."""
-    return Path(str(hydra.runtime.cwd), str(hydra.sweep.dir))
-
-
 def swept(config: DictConfig) -> dict[str, str]:
     """The keys a sweep varies and how, as typed: the sweeper's own ``params`` (Optuna's search space) and the
     command line's sweeps (``a,b``, ``range()``, ``choice()``, ``glob()``, ``interval()``)."""
@@ -239,52 +151,6 @@ def swept(config: DictConfig) -> dict[str, str]:
         if override.is_sweep_override():
             specs[override.key_or_group] = override.input_line.partition("=")[2]
     return specs
-
-
-def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Sweep:
-    """Create the parent run named ``sweep-<short id>: <what is swept>``; ``sweep`` with its id and store.
-
-    A store that cannot work raises (nothing has started); an MLflow error creating the run is a warning, and the
-    jobs are recorded without a parent.
-    """
-    from pipeline.common.secrets import env_keys
-    from pipeline.common.uris import absolute
-    from pipeline.engine.provenance import source_tags  # imports torch: only here, once per sweep
-    from pipeline.record.reachability import check_reachable
-    from pipeline.record.runs import create_run
-    from pipeline.record.store import connect
-
-    experiment = str(config.tracking.experiment)
-    if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job
-        raise ConfigError("tracking.experiment", "***", "a name written out, not read from an environment variable")
-    uri = absolute(str(config.tracking.uri))
-    check_reachable(uri)
-    shown = mask_overrides(f"{key}={spec}" for key, spec in specs.items())
-    name = f"sweep-{sweep.short_id}: {' '.join(shown) or 'no swept keys'}"
-    choices = config.hydra.runtime.choices
-    tags = {
-        **source_tags(),
-        "sweep.id": sweep.id,
-        "sweep.role": "parent",  # how pipeline.experiments.compare tells the parent from the jobs, which share sweep.id
-        "sweep.keys": ",".join(sweep.keys),
-        "sweep.command": "python -m pipeline " + shlex.join(mask_overrides(sys.argv[1:])),
-        "sweep.launcher": str(choices.get("hydra/launcher")),
-        "sweep.sweeper": str(choices.get("hydra/sweeper")),
-        "sweep.optimized_metric": sweep.metric,
-        "sweep.folder": str(sweep_folder(config.hydra)),
-    }
-    try:
-        client, experiment_id = connect(uri, experiment)
-        run = create_run(client, experiment_id, run_name=mask_text(name)[:250], tags=tags)  # once, answer lost or not
-    except Exception as err:  # the jobs can still run and be recorded, only not nested
-        log.warning(
-            "the sweep's parent run could not be created in %s (%s: %s); its jobs are recorded without one",
-            mask_text(uri),
-            type(err).__name__,
-            mask_text(str(err))[:300],
-        )
-        return sweep
-    return replace(sweep, parent_run_id=run.info.run_id, uri=uri, experiment_id=experiment_id)
 
 
 def current_job() -> SweepJob:
@@ -299,30 +165,6 @@ def current_job() -> SweepJob:
         sweep = Sweep(id="unknown", keys=(), metric="val/acc")
     number = int(hydra.job.num)
     return SweepJob(sweep, number, tuple(str(o) for o in hydra.overrides.task), folder, load_round(folder, number))
-
-
-def save_design(folder: Path, rounds: Sequence[int | None], jobs: Sequence[Sequence[str]] = ()) -> None:
-    """Write each job's round (``pipeline.config.design.Plan.rounds``, by job number) to ``design.json``, and each job's
-    overrides (masked): a sweep stopped before its end lists the jobs it never started (``end_sweep``)."""
-    _write_json(folder / DESIGN_FILE, {"rounds": list(rounds), "jobs": [mask_overrides(job) for job in jobs]})
-
-
-def planned_jobs(folder: Path) -> list[tuple[int, list[str]]]:
-    """Every job the sweeper listed, as ``(job number, overrides)``, from ``design.json``; [] when there is none
-    (a sweeper that decides its jobs as it goes: Optuna)."""
-    path = folder / DESIGN_FILE
-    if not path.is_file():
-        return []
-    return list(enumerate(json.loads(path.read_text()).get("jobs", [])))
-
-
-def load_round(folder: Path, job: int) -> int | None:
-    """The round job ``job`` runs in, from ``design.json``; None when there is none (another sweeper)."""
-    path = folder / DESIGN_FILE
-    if not path.is_file():
-        return None
-    rounds = json.loads(path.read_text())["rounds"]
-    return rounds[job] if 0 <= job < len(rounds) else None
 
 
 def use_platform_start_method() -> None:
@@ -374,9 +216,9 @@ def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig 
         print(f"error: sweep {job.describe()}: {err}", file=sys.stderr, flush=True)
     else:
         log.error("sweep %s failed: %s", job.describe(), bug_line(err), exc_info=err if debugging() else None)
-    if not _rank_0():
+    if not records_jobs():
         return  # a DDP job (SLURM tasks_per_node > 1): rank 0 records it
-    run_id, run_name = _failed_run(job, cfg, error, secrets)
+    run_id, run_name = failed_run(job, cfg, error, secrets)
     overrides = mask_overrides(job.overrides)
     _save_outcome(job, JobOutcome(job.number, overrides, "FAILED", exit_code, error, run_id, run_name))
 
@@ -384,7 +226,7 @@ def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig 
 def started(job: SweepJob) -> None:
     """Mark the job as started (``jobs/<n>.started``): when a launcher loses its worker processes, a job with a
     marker and no outcome was lost while it ran, one without had not started (``lost``)."""
-    if _rank_0():
+    if records_jobs():
         (job.folder / JOBS_DIR).mkdir(parents=True, exist_ok=True)
         (job.folder / JOBS_DIR / f"{job.number}.started").touch()
 
@@ -408,7 +250,7 @@ def lost(folder: Path, jobs: Sequence[tuple[int, Sequence[str]]], reason: str) -
         masked = mask_overrides(job.overrides)
         if (folder / JOBS_DIR / f"{number}.started").exists():
             error = mask_text(f"WorkerLost: {reason}")
-            run_id, run_name = _failed_run(job, None, error, frozenset())
+            run_id, run_name = failed_run(job, None, error, frozenset())
             _save_outcome(job, JobOutcome(number, masked, "FAILED", 1, error, run_id, run_name))
         else:
             _save_outcome(job, JobOutcome(number, masked, NOT_RUN, 0, "not run: the sweep stopped before it"))
@@ -419,18 +261,6 @@ def not_started(folder: Path, jobs: Sequence[tuple[int, Sequence[str]]]) -> None
     after the one a stop request ended, or those a stopped launcher had not begun."""
     unstarted = [(n, o) for n, o in jobs if not (folder / JOBS_DIR / f"{n}.started").exists()]
     lost(folder, unstarted, "")  # none of them started: each is recorded NOT_RUN, none FAILED
-
-
-def request_stop(folder: Path, signum: int) -> None:
-    """Mark the sweep as stopping (``jobs/stop``), before its workers get the signal: a job a worker takes from
-    its queue after that is recorded ``NOT_RUN`` and not started (``stop_requested``)."""
-    (folder / JOBS_DIR).mkdir(parents=True, exist_ok=True)
-    (folder / JOBS_DIR / STOP_FILE).write_text(f"{signum}\n")
-
-
-def stop_requested(folder: Path) -> bool:
-    """Whether the sweep's launcher was asked to stop (``request_stop``)."""
-    return (folder / JOBS_DIR / STOP_FILE).exists()
 
 
 def stopped(job: SweepJob, stop: BaseException, exit_code: int) -> None:
@@ -474,7 +304,7 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
     if table:
         print(table, flush=True)
     if sweep.parent_run_id and sweep.uri:
-        print("\n".join(_parent_links(sweep, status)), flush=True)
+        print("\n".join(parent_links(sweep, status)), flush=True)
     if not failures and not not_run:
         return 0
     if killed:
@@ -506,147 +336,6 @@ def end_unfinished() -> None:
             log.warning("sweep in %s could not be closed (%s: %s)", folder, type(err).__name__, mask_text(str(err)))
 
 
-def _parent_links(sweep: Sweep, status: str) -> list[str]:
-    """Where the parent run is and how to open it, as a single run's summary says it (``Tracker.describe``)."""
-    server = urlparse(sweep.uri or "").scheme in ("http", "https")
-    base = ui_base(sweep.uri or "")
-    lines = [f"  MLflow parent run {sweep.parent_run_id} ({status}) in {mask_text(sweep.uri or '')}"]
-    if not server:
-        lines.append(f"    open the UI:  mlflow ui --backend-store-uri {sweep.uri}")
-    lines.append(f"    this sweep:   {base}/#/experiments/{sweep.experiment_id}/runs/{sweep.parent_run_id}")
-    return lines
-
-
-def load_outcomes(folder: Path) -> list[JobOutcome]:
-    """The outcomes the jobs wrote, by job number."""
-    paths = sorted((folder / JOBS_DIR).glob("*.json"), key=lambda p: int(p.stem))
-    return [JobOutcome(**json.loads(p.read_text())) for p in paths]
-
-
-def close_parent(
-    sweep: Sweep,
-    failures: Sequence[JobOutcome],
-    status: str,
-    *,
-    complete: bool = True,
-    not_run: Sequence[JobOutcome] = (),
-) -> str:
-    """Log the summary on the parent and end it with ``status``, the failures listed in a tag; returns the
-    summary's Markdown ("" when it could not be made: the parent still ends)."""
-    from mlflow import MlflowClient
-
-    from pipeline.record.store import retrying
-
-    client = MlflowClient(sweep.uri)
-    where = f"tags.`mlflow.parentRunId` = '{sweep.parent_run_id}'"
-    table = ""
-    try:
-        children = retrying(
-            lambda: client.search_runs([sweep.experiment_id], where, max_results=MAX_CHILDREN), what="reading runs"
-        )
-        children = sorted(children, key=lambda run: int(run.data.tags.get("sweep.job", "-1")))
-        table = summarize_sweep(client, sweep.parent_run_id, children, sweep=sweep)
-    except Exception as err:  # a summary that cannot be made must not leave the parent RUNNING
-        log.warning("the sweep's summary could not be logged (%s: %s)", type(err).__name__, mask_text(str(err))[:300])
-    tags = {"sweep.failed": str(len(failures))}
-    if failures:
-        tags["sweep.failures"] = "\n".join(o.line() for o in failures)[:5000]
-    if not_run:
-        tags["sweep.not_run"] = str(len(not_run))
-        tags["sweep.not_run_jobs"] = "\n".join(o.name() for o in not_run)[:5000]
-    if not complete:
-        tags["sweep.incomplete"] = "the sweep stopped before its end: a stop request, or the sweeper's error"
-    _end_parent(sweep, status, tags)
-    return table
-
-
-def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], *, sweep: Sweep | None = None) -> str:
-    """Log the sweep's comparison (``pipeline.experiments.compare``: Markdown, CSV, a chart) on its parent run, and the
-    table as the run's description (with links relative to the UI's page). Returns the Markdown (printed at the
-    end of the sweep). A search's rows are ranked by what it searched for."""
-    from pipeline.experiments import compare
-
-    parent = client.get_run(parent_run_id)
-    note = f"sweep {sweep.short_id}" if sweep else ""
-    rank_by = compare.search_objective(parent.data.tags)
-    result = compare.report(client, list(child_runs), note=note, rank_by=rank_by)
-    compare.attach(client, parent_run_id, result)
-    client.set_tag(parent_run_id, "mlflow.note.content", result.note.rstrip("\n"))
-    return result.markdown
-
-
-def _end_parent(sweep: Sweep, status: str, tags: dict[str, str]) -> None:
-    from mlflow import MlflowClient
-    from mlflow.entities import RunTag
-
-    from pipeline.record.store import retrying
-
-    client = MlflowClient(sweep.uri)
-    try:
-        retrying(lambda: client.log_batch(sweep.parent_run_id, tags=[RunTag(k, v) for k, v in tags.items()]))
-        retrying(lambda: client.set_terminated(sweep.parent_run_id, status))
-    except Exception as err:  # the exit status and the failures printed still tell the user
-        log.warning(
-            "the sweep's parent run %s could not be ended %s (%s: %s); python -m pipeline.stale finds it",
-            sweep.parent_run_id,
-            status,
-            type(err).__name__,
-            mask_text(str(err))[:300],
-        )
-
-
-def _failed_run(
-    job: SweepJob, cfg: RunConfig | None, error: str, secrets: frozenset[str]
-) -> tuple[str | None, str | None]:
-    """The FAILED run of a failed job: the one ``train`` opened (``open_tracker`` ended it with the error), else
-    one made now, so that the parent holds every job. ``(None, None)`` with no parent or no store to write to."""
-    sweep = job.sweep
-    if not (sweep.parent_run_id and sweep.uri and sweep.experiment_id):
-        return None, None
-    from mlflow import MlflowClient
-
-    from pipeline.record.runs import create_run
-    from pipeline.record.store import retrying
-
-    client = MlflowClient(sweep.uri)
-    try:
-        where = f"tags.`sweep.id` = '{sweep.id}' and tags.`sweep.job` = '{job.number}'"
-        found = retrying(lambda: client.search_runs([sweep.experiment_id], where), what="reading runs")
-        if found:
-            run = found[0]
-            if run.info.status == "RUNNING":  # its process died (``lost``): nobody else will end it
-                retrying(lambda: client.set_tag(run.info.run_id, "error", error))
-                retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
-            return run.info.run_id, run.info.run_name
-        name = mask_text(_job_run_name(job, cfg), secrets)
-        tags = {
-            **job.tags(),
-            "error": error,
-            "overrides": shlex.join(mask_overrides(job.overrides)) or "(none)",
-        }
-        run = create_run(client, sweep.experiment_id, run_name=name, tags=tags)
-        retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
-    except Exception as err:  # the outcome file and the list at the end still record the failure
-        log.warning(
-            "sweep %s: its failure could not be recorded in MLflow (%s: %s)",
-            job.describe(),
-            type(err).__name__,
-            mask_text(str(err), secrets)[:300],
-        )
-        return None, None
-    return run.info.run_id, name
-
-
-def _job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:
-    """The name a job that failed before its run existed gets: the derived one, with the device as asked."""
-    if cfg is None:
-        return f"sweep-{job.sweep.short_id}-job{job.number}"
-    from pipeline.engine.provenance import run_name, sweep_run_name
-
-    precision = ("amp" if cfg.precision.dtype == "auto" else cfg.precision.dtype) if cfg.amp else "fp32"
-    return sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)
-
-
 def _secret_values(cfg: RunConfig | None) -> frozenset[str]:
     if cfg is None:
         return frozenset()
@@ -656,23 +345,6 @@ def _secret_values(cfg: RunConfig | None) -> frozenset[str]:
         return env_values(cfg)
     except ConfigError:  # an experiment named from the environment: the job's error already says so
         return frozenset()
-
-
-def _rank_0() -> bool:
-    """Whether this process records the job: always, except ranks other than 0 of a DDP job (their run is rank 0's;
-    ``pipeline.parallel.distributed`` has set ``RANK`` by the time a job ends)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _save_outcome(job: SweepJob, outcome: JobOutcome) -> None:
-    if not _rank_0():
-        return
-    _write_json(job.folder / JOBS_DIR / f"{job.number}.json", asdict(outcome))
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: a reader (the callback, another job) never sees half a file."""
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def _one_of(options: Sequence[str]) -> str:

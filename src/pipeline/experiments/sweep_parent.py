@@ -1,0 +1,216 @@
+"""A sweep's parent MLflow run: opened in the sweep's experiment and store (``open_parent``, tagged
+``sweep.role=parent``), given the compare table of its jobs at the end (``summarize_sweep``: ``compare/compare.md``,
+``.csv``, ``.png`` and the description) and closed FINISHED, or FAILED with its failed jobs (``close_parent``); a job
+that failed before it had a run gets a FAILED one (``failed_run``), named like the run it would have had.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig
+
+from pipeline.common.errors import ConfigError
+from pipeline.common.secrets import mask_overrides, mask_text
+from pipeline.common.uris import ui_base
+from pipeline.experiments.sweep_files import (
+    JobOutcome,
+    Sweep,
+    SweepJob,
+    sweep_folder,
+)
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+MAX_CHILDREN = 50_000  # MLflow's most runs per search
+
+
+def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Sweep:
+    """Create the parent run named ``sweep-<short id>: <what is swept>``; ``sweep`` with its id and store.
+
+    A store that cannot work raises (nothing has started); an MLflow error creating the run is a warning, and the
+    jobs are recorded without a parent.
+    """
+    from pipeline.common.secrets import env_keys
+    from pipeline.common.uris import absolute
+    from pipeline.engine.provenance import source_tags  # imports torch: only here, once per sweep
+    from pipeline.record.reachability import check_reachable
+    from pipeline.record.runs import create_run
+    from pipeline.record.store import connect
+
+    experiment = str(config.tracking.experiment)
+    if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job
+        raise ConfigError("tracking.experiment", "***", "a name written out, not read from an environment variable")
+    uri = absolute(str(config.tracking.uri))
+    check_reachable(uri)
+    shown = mask_overrides(f"{key}={spec}" for key, spec in specs.items())
+    name = f"sweep-{sweep.short_id}: {' '.join(shown) or 'no swept keys'}"
+    choices = config.hydra.runtime.choices
+    tags = {
+        **source_tags(),
+        "sweep.id": sweep.id,
+        "sweep.role": "parent",  # how pipeline.experiments.compare tells the parent from the jobs, which share sweep.id
+        "sweep.keys": ",".join(sweep.keys),
+        "sweep.command": "python -m pipeline " + shlex.join(mask_overrides(sys.argv[1:])),
+        "sweep.launcher": str(choices.get("hydra/launcher")),
+        "sweep.sweeper": str(choices.get("hydra/sweeper")),
+        "sweep.optimized_metric": sweep.metric,
+        "sweep.folder": str(sweep_folder(config.hydra)),
+    }
+    try:
+        client, experiment_id = connect(uri, experiment)
+        run = create_run(client, experiment_id, run_name=mask_text(name)[:250], tags=tags)  # once, answer lost or not
+    except Exception as err:  # the jobs can still run and be recorded, only not nested
+        log.warning(
+            "the sweep's parent run could not be created in %s (%s: %s); its jobs are recorded without one",
+            mask_text(uri),
+            type(err).__name__,
+            mask_text(str(err))[:300],
+        )
+        return sweep
+    return replace(sweep, parent_run_id=run.info.run_id, uri=uri, experiment_id=experiment_id)
+
+
+def parent_links(sweep: Sweep, status: str) -> list[str]:
+    """Where the parent run is and how to open it, as a single run's summary says it (``Tracker.describe``)."""
+    server = urlparse(sweep.uri or "").scheme in ("http", "https")
+    base = ui_base(sweep.uri or "")
+    lines = [f"  MLflow parent run {sweep.parent_run_id} ({status}) in {mask_text(sweep.uri or '')}"]
+    if not server:
+        lines.append(f"    open the UI:  mlflow ui --backend-store-uri {sweep.uri}")
+    lines.append(f"    this sweep:   {base}/#/experiments/{sweep.experiment_id}/runs/{sweep.parent_run_id}")
+    return lines
+
+
+def close_parent(
+    sweep: Sweep,
+    failures: Sequence[JobOutcome],
+    status: str,
+    *,
+    complete: bool = True,
+    not_run: Sequence[JobOutcome] = (),
+) -> str:
+    """Log the summary on the parent and end it with ``status``, the failures listed in a tag; returns the
+    summary's Markdown ("" when it could not be made: the parent still ends)."""
+    from mlflow import MlflowClient
+
+    from pipeline.record.store import retrying
+
+    client = MlflowClient(sweep.uri)
+    where = f"tags.`mlflow.parentRunId` = '{sweep.parent_run_id}'"
+    table = ""
+    try:
+        children = retrying(
+            lambda: client.search_runs([sweep.experiment_id], where, max_results=MAX_CHILDREN), what="reading runs"
+        )
+        children = sorted(children, key=lambda run: int(run.data.tags.get("sweep.job", "-1")))
+        table = summarize_sweep(client, sweep.parent_run_id, children, sweep=sweep)
+    except Exception as err:  # a summary that cannot be made must not leave the parent RUNNING
+        log.warning("the sweep's summary could not be logged (%s: %s)", type(err).__name__, mask_text(str(err))[:300])
+    tags = {"sweep.failed": str(len(failures))}
+    if failures:
+        tags["sweep.failures"] = "\n".join(o.line() for o in failures)[:5000]
+    if not_run:
+        tags["sweep.not_run"] = str(len(not_run))
+        tags["sweep.not_run_jobs"] = "\n".join(o.name() for o in not_run)[:5000]
+    if not complete:
+        tags["sweep.incomplete"] = "the sweep stopped before its end: a stop request, or the sweeper's error"
+    _end_parent(sweep, status, tags)
+    return table
+
+
+def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], *, sweep: Sweep | None = None) -> str:
+    """Log the sweep's comparison (``pipeline.experiments.compare``: Markdown, CSV, a chart) on its parent run, and the
+    table as the run's description (with links relative to the UI's page). Returns the Markdown (printed at the
+    end of the sweep). A search's rows are ranked by what it searched for."""
+    from pipeline.experiments import compare
+
+    parent = client.get_run(parent_run_id)
+    note = f"sweep {sweep.short_id}" if sweep else ""
+    rank_by = compare.search_objective(parent.data.tags)
+    result = compare.report(client, list(child_runs), note=note, rank_by=rank_by)
+    compare.attach(client, parent_run_id, result)
+    client.set_tag(parent_run_id, "mlflow.note.content", result.note.rstrip("\n"))
+    return result.markdown
+
+
+def _end_parent(sweep: Sweep, status: str, tags: dict[str, str]) -> None:
+    from mlflow import MlflowClient
+    from mlflow.entities import RunTag
+
+    from pipeline.record.store import retrying
+
+    client = MlflowClient(sweep.uri)
+    try:
+        retrying(lambda: client.log_batch(sweep.parent_run_id, tags=[RunTag(k, v) for k, v in tags.items()]))
+        retrying(lambda: client.set_terminated(sweep.parent_run_id, status))
+    except Exception as err:  # the exit status and the failures printed still tell the user
+        log.warning(
+            "the sweep's parent run %s could not be ended %s (%s: %s); python -m pipeline.stale finds it",
+            sweep.parent_run_id,
+            status,
+            type(err).__name__,
+            mask_text(str(err))[:300],
+        )
+
+
+def failed_run(
+    job: SweepJob, cfg: RunConfig | None, error: str, secrets: frozenset[str]
+) -> tuple[str | None, str | None]:
+    """The FAILED run of a failed job: the one ``train`` opened (``open_tracker`` ended it with the error), else
+    one made now, so that the parent holds every job. ``(None, None)`` with no parent or no store to write to."""
+    sweep = job.sweep
+    if not (sweep.parent_run_id and sweep.uri and sweep.experiment_id):
+        return None, None
+    from mlflow import MlflowClient
+
+    from pipeline.record.runs import create_run
+    from pipeline.record.store import retrying
+
+    client = MlflowClient(sweep.uri)
+    try:
+        where = f"tags.`sweep.id` = '{sweep.id}' and tags.`sweep.job` = '{job.number}'"
+        found = retrying(lambda: client.search_runs([sweep.experiment_id], where), what="reading runs")
+        if found:
+            run = found[0]
+            if run.info.status == "RUNNING":  # its process died (``lost``): nobody else will end it
+                retrying(lambda: client.set_tag(run.info.run_id, "error", error))
+                retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
+            return run.info.run_id, run.info.run_name
+        name = mask_text(job_run_name(job, cfg), secrets)
+        tags = {
+            **job.tags(),
+            "error": error,
+            "overrides": shlex.join(mask_overrides(job.overrides)) or "(none)",
+        }
+        run = create_run(client, sweep.experiment_id, run_name=name, tags=tags)
+        retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
+    except Exception as err:  # the outcome file and the list at the end still record the failure
+        log.warning(
+            "sweep %s: its failure could not be recorded in MLflow (%s: %s)",
+            job.describe(),
+            type(err).__name__,
+            mask_text(str(err), secrets)[:300],
+        )
+        return None, None
+    return run.info.run_id, name
+
+
+def job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:
+    """The name a job that failed before its run existed gets: the derived one, with the device as asked."""
+    if cfg is None:
+        return f"sweep-{job.sweep.short_id}-job{job.number}"
+    from pipeline.engine.provenance import run_name, sweep_run_name
+
+    precision = ("amp" if cfg.precision.dtype == "auto" else cfg.precision.dtype) if cfg.amp else "fp32"
+    return sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)
