@@ -13,19 +13,15 @@ import torch
 
 from pipeline.config import DeviceConfig
 from pipeline.diagnostics import doctor
-from pipeline.diagnostics.doctor import (
+from pipeline.diagnostics.doctor import checks, main, main_finding, render, report
+from pipeline.diagnostics.doctor_facts import (
     Check,
     Facts,
     NvidiaGpu,
     _bf16_flags,
-    checks,
     gather,
     gather_speed,
     kernel_for,
-    main,
-    main_finding,
-    render,
-    report,
     wheel_for,
 )
 from pipeline.engine import amp_check

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.diagnostics.doctor import Check, Facts, NvidiaGpu, checks, gather, main, report
+from pipeline.diagnostics.doctor import checks, main, report
+from pipeline.diagnostics.doctor_facts import Check, Facts, NvidiaGpu, gather
 from pipeline.diagnostics.platforms import (
     Probe,
     Ran,
