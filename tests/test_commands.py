@@ -4,7 +4,6 @@ command's real ``main``; a few real processes check the ``python -m`` path itsel
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,12 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check() -> Callable[[list[str]], int]:
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
-    spec.loader.exec_module(module)
-    return module.main
+    from pipeline.diagnostics.gpu_check import main
+
+    return main
 
 
 def stderr(capsys: pytest.CaptureFixture[str]) -> str:
@@ -252,6 +248,7 @@ def test_sigterm_ends_a_command_in_one_line_with_the_signals_exit_status(
 
 
 ENTRY_MODULES = {
+    "gpu_check": "pipeline.diagnostics.gpu_check",
     "compare": "pipeline.experiments.compare.cli",
     "autotune": "pipeline.experiments.autotune.cli",
     "doctor": "pipeline.diagnostics.doctor",

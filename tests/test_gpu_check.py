@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py: its dry run runs the whole plan on the CPU, prints every row and writes the numbers;
+"""python -m pipeline.gpu_check (scripts/gpu_check.sh on a fresh machine): its dry run runs the whole plan on the
+CPU, prints every row and writes the numbers;
 goals are judged where they mean something; a failing row does not stop the rest; missing packages are named."""
 
 from __future__ import annotations
@@ -6,17 +7,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+from pipeline.diagnostics import gpu_input, gpu_plan, gpu_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"  # a fresh GPU machine's entry: python -m pipeline.gpu_check
 ROW_KEYS = {"key", "name", "value", "unit", "goal", "status", "detail", "raw"}
 TOP_KEYS = {
     "schema",
@@ -46,15 +50,11 @@ MEASURED = ["mlp", "resnet50_fp32", "resnet50_bf16", "resnet50_bf16_channels_las
 
 
 @pytest.fixture(scope="module")
-def gpu_check() -> Iterator[ModuleType]:
-    """The script as a module (it is no package), so main() runs in this process; registered while it is used,
-    as its dataclasses need."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["gpu_check"]
+def gpu_check() -> ModuleType:
+    """``python -m pipeline.gpu_check``'s module, so that main() runs in this process."""
+    import pipeline.diagnostics.gpu_check
+
+    return pipeline.diagnostics.gpu_check
 
 
 def rows_by_key(document: dict) -> dict[str, dict]:
@@ -76,7 +76,8 @@ def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
     rows = rows_by_key(document)
 
     table = [line for line in printed.splitlines() if line.startswith("| ")]
-    assert table[0] == "| check | value | unit | goal | result | detail |" and len(table) == 1 + len(rows)
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header == ["check", "value", "unit", "goal", "result", "detail"] and len(table) == 1 + len(rows)
     for line, row in zip(table[1:], document["rows"], strict=True):
         cells = [cell.strip() for cell in line.strip("|").split(" | ")]
         assert cells[0] == row["name"] and cells[2] == row["unit"] and cells[4] == row["status"]
@@ -128,20 +129,20 @@ def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
 def test_speed_goals_are_judged_on_the_gpu_sizes_only_and_functional_goals_everywhere(
     gpu_check: ModuleType, plan: str, key: str, value: float | None, expected: str
 ) -> None:
-    assert getattr(gpu_check, plan).judge(value, gpu_check.GOALS[key]) == expected
+    assert getattr(gpu_plan, plan).judge(value, gpu_plan.GOALS[key]) == expected
 
 
 def test_a_failing_measurement_is_an_error_row_and_the_others_still_run(
     gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = gpu_check.train_run
+    real = gpu_runs.train_run
 
     def failing_for_the_mlp(overrides: list[str]):
         if "model=mlp" in overrides:
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
         return real(overrides)
 
-    monkeypatch.setattr(gpu_check, "train_run", failing_for_the_mlp)
+    monkeypatch.setattr(gpu_runs, "train_run", failing_for_the_mlp)
     out = tmp_path / "check.json"
     assert gpu_check.main(["--dry-run", "--only", "mlp,oom", "--out", str(out)]) == 1  # an ERROR row fails the check
     rows = rows_by_key(json.loads(out.read_text()))
@@ -150,7 +151,7 @@ def test_a_failing_measurement_is_an_error_row_and_the_others_still_run(
     assert rows["mlp"]["detail"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert "failing_for_the_mlp" in rows["mlp"]["raw"]["traceback"]
     assert rows["oom_fallback"]["status"] == "PASS"
-    assert "| ERROR | RuntimeError: CUDA error: an illegal memory access" in capsys.readouterr().out
+    assert re.search(r"\| ERROR +\| RuntimeError: CUDA error: an illegal memory access", capsys.readouterr().out)
 
 
 def test_missing_packages_are_named_with_the_pip_command_before_anything_runs(
@@ -216,10 +217,11 @@ def test_a_step_skipped_whole_is_shown_where_its_rows_would_be(gpu_check: Module
 
 
 @pytest.mark.slow
-def test_the_dry_run_works_as_a_plain_script_from_any_folder(tmp_path: Path) -> None:
+def test_the_dry_run_works_through_the_shell_entry_from_any_folder(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    env["PYTHON"] = sys.executable
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--only", "doctor,mlp", "--out", "check.json"],  # the rest: above
+        ["sh", str(SCRIPT), "--dry-run", "--only", "doctor,mlp", "--out", "check.json"],  # the rest: above
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -227,13 +229,41 @@ def test_the_dry_run_works_as_a_plain_script_from_any_folder(tmp_path: Path) -> 
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| check | value | unit | goal | result | detail |" in done.stdout
+    assert "| check " in done.stdout and "| result " in done.stdout
     assert "[gpu_check] mlp:" in done.stderr  # progress goes to stderr, the table to stdout
     document = json.loads((tmp_path / "check.json").read_text())
     assert [row["key"] for row in document["rows"]][:2] == ["doctor", "mlp"]
     assert {row["status"] for row in document["rows"][:2]} <= {"PASS", "INFO"}
-    assert document["pipeline"] == str(SCRIPT.parents[1] / "src" / "pipeline")
+    assert document["pipeline"] == str(ROOT / "src" / "pipeline")  # this checkout's, ahead of any installed copy
+    assert document["command"].startswith("python -m pipeline.gpu_check --dry-run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["check.json"]  # no mlflow.db, checkpoints or outputs
+
+
+@pytest.mark.slow
+def test_with_only_torch_installed_the_shell_entry_names_what_to_install(tmp_path: Path) -> None:
+    """A fresh GPU machine has torch and torchvision, not the pipeline's other packages: the shell entry runs the
+    check from the checkout and says in two lines what to pip install, with no traceback."""
+    site_packages = Path(torch.__file__).resolve().parents[1]
+    only = tmp_path / "site-packages"  # this environment's packages, less the pipeline's own dependencies
+    only.mkdir()
+    absent = ("hydra", "omegaconf", "mlflow", "psutil", "yaml", "_yaml", "pyyaml", "gputil", "pipeline", "__editable__")
+    for entry in site_packages.iterdir():
+        if not entry.name.lower().startswith(absent) and entry.suffix != ".pth":
+            (only / entry.name).symlink_to(entry)
+    python = tmp_path / "python"  # without site: only PYTHONPATH, which the entry puts after the checkout's src/
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(PYTHON=str(python), PYTHONPATH=str(only))
+    done = subprocess.run(
+        ["sh", str(SCRIPT), "--dry-run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    first = done.stderr.splitlines()[0]
+    needed = "hydra-core, omegaconf, psutil, pyyaml"
+    assert first == f"error: the GPU check needs {needed}: pip install {needed.replace(',', '')}"
+    assert "note: mlflow is not installed, and not needed" in done.stderr
 
 
 class FakeNvml:
@@ -254,7 +284,7 @@ class FakeNvml:
 
 
 def test_a_poller_keeps_its_backends_utilisation_readings_until_stopped(gpu_check: ModuleType) -> None:
-    with gpu_check.Poller(FakeNvml(87.5), interval_s=0.01) as poller:
+    with gpu_input.Poller(FakeNvml(87.5), interval_s=0.01) as poller:
         for _ in range(500):  # until a reading arrives (at most 5 s on a very busy machine)
             if poller.values:
                 break

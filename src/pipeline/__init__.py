@@ -11,6 +11,6 @@ import os
 
 __version__ = "0.1.0"
 
-# python -m pipeline.<command> (doctor, compare, autotune, stale, outbox, bench, launch): the thin modules in
+# python -m pipeline.<command> (doctor, compare, autotune, stale, outbox, bench, gpu_check, launch): the thin modules in
 # commands/ are found as pipeline.<command>, so the top of the package shows its layers, not one file per command
 __path__.append(os.path.join(os.path.dirname(__file__), "commands"))

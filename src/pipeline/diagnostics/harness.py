@@ -8,11 +8,13 @@ anything else is installed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,11 +109,40 @@ def table(rows: list[Row]) -> str:
     return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))
 
 
-def machine() -> str:
+def machine_facts() -> dict[str, Any]:
+    """The machine a measurement ran on: Python, torch and its CUDA, the CPU, and the first GPU if there is one."""
     from pipeline.engine.devices import cpu_name
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    facts: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts.update(
+            gpu=props.name,
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            capability=f"sm_{props.major}{props.minor}",
+            cudnn=torch.backends.cudnn.version(),
+        )
+    return facts
+
+
+def machine() -> str:
+    """``machine_facts`` in one line, with the torch threads the benchmarks use."""
+    facts = machine_facts()
     return (
-        f"{cpu_name()}, {os.cpu_count()} CPUs, {gpu}; Python {platform.python_version()}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads"
+        f"{facts['cpu']}, {facts['cpus']} CPUs, {facts['gpu'] or 'no GPU'}; Python {facts['python']}, "
+        f"torch {facts['torch']}, {torch.get_num_threads()} torch threads"
     )
+
+
+def release() -> None:
+    """Free what the last run left (its model, its data), so every run starts from the same free memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
