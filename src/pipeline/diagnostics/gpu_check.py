@@ -17,9 +17,8 @@ and nothing is left behind but the JSON file.
 The runs are ``pipeline.train.train`` in this process, with configs from ``pipeline.config.load`` and
 ``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``:
 every epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop
-reuse the benchmarks' harness (``pipeline.diagnostics.harness``). Every row is guarded: one that fails is an ERROR
-row and the rest
-still run.
+reuse the benchmarks' harness (``pipeline.diagnostics.harness``). Every row is guarded: one that fails is an
+ERROR row and the rest still run.
 The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the check cannot
 start (a missing package, no GPU without ``--dry-run``).
 """
