@@ -13,7 +13,7 @@ from torch import nn
 import pipeline.engine.build as build_module
 import pipeline.engine.checkpoint as checkpoint
 from pipeline.config import RunConfig
-from pipeline.engine.loop import NonFiniteLoss
+from pipeline.engine.losses import NonFiniteLoss
 from pipeline.train import train
 from test_cli import run_main
 

@@ -61,7 +61,7 @@ def test_a_start_method_windows_lacks_is_refused_there_listing_the_ones_it_has(
     method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # what Windows lists
-    monkeypatch.setattr("pipeline.config.sys.platform", "win32")
+    monkeypatch.setattr("pipeline.config.schema.sys.platform", "win32")
     with pytest.raises(
         ConfigError,
         match=rf"^loader\.multiprocessing_context='{method}' is not allowed: expected auto or a start method this "
