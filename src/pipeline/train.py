@@ -30,7 +30,7 @@ from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.parallel import distributed
 from pipeline.record.lifecycle import Tracker, open_tracker
 from pipeline.record.reachability import check_reachable
-from pipeline.report import run_record as record
+from pipeline.report import run_record
 from pipeline.report.run_record import rank_metrics, rank_view
 from pipeline.report.summary import EpochRecord, RunResult, format_summary
 
@@ -113,7 +113,7 @@ def _train(
             if resumed is not None and not resumed.fork:
                 tracker.log_only_new_steps()  # steps trained again after the checkpoint keep their first points
             if main:
-                record.start(tracker, setup, recorded, typed, resumed)
+                run_record.start(tracker, setup, recorded, typed, resumed)
             with checkpoint.Checkpointer.for_run(
                 cfg,
                 run_id=group.share(lambda: tracker.run_id),  # every rank knows the run's checkpoint folder
@@ -145,7 +145,7 @@ def _train(
                 finally:
                     sampler.stop()
                 saver.mark("finished")
-            result = record.conclude(
+            result = run_record.conclude(
                 setup,
                 epochs,
                 tracker=tracker,
