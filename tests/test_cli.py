@@ -26,10 +26,13 @@ def run_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["model=nope"], "error: model=nope is not an option: expected one of mlp, resnet18, resnet50"),
+        (
+            ["model=nope"],
+            "error: model=nope is not an option: expected one of custom, mlp, resnet18, resnet50, timm, torchvision",
+        ),
         (["loader.batch_size=abc"], "error: loader.batch_size='abc' is not allowed: expected an integer"),
         (["loader.batch_size=0"], "error: loader.batch_size=0 is not allowed: expected an integer >= 1"),
-        (["trainer.lr=0"], "error: trainer.lr=0.0 is not allowed: expected a learning rate > 0"),
+        (["optimizer.lr=0"], "error: optimizer.lr=0 is not allowed: expected a learning rate > 0"),
         (["loader.num_workers=-2"], "error: loader.num_workers=-2 is not allowed"),
         (["data=imagefolder"], "error: data.root is required: add data.root=... to the command line"),
         (["loader.bogus=1"], "error: loader.bogus is not a config key of loader"),

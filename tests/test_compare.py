@@ -17,8 +17,13 @@ from mlflow.entities import Metric, Param
 from pipeline.experiments import compare
 from pipeline.experiments.compare import CompareError, RunRecord, build, group, table_csv, table_markdown
 
-BASE = {"model.name": "mlp", "loader.batch_size": "64", "loader.num_workers": "0", "loader.resident": "false"}
-BASE |= {"data.name": "digits", "trainer.lr": "0.01", "trainer.seed": "0", "amp": "false"}
+BASE = {
+    "model._target_": "pipeline.engine.models.mlp",
+    "loader.batch_size": "64",
+    "loader.num_workers": "0",
+    "loader.resident": "false",
+}
+BASE |= {"data.name": "digits", "optimizer.lr": "0.01", "trainer.seed": "0", "amp": "false"}
 
 
 def record(
@@ -121,16 +126,16 @@ def test_a_row_is_named_after_what_its_repeats_names_share() -> None:
 def test_keys_that_differ_become_columns_and_keys_that_do_not_are_printed_once() -> None:
     runs = [
         *repeats("a", [1000, 1010]),
-        record("b0", 2000, params={"loader.batch_size": "128", "trainer.lr": "0.1", "amp": "true"}),
+        record("b0", 2000, params={"loader.batch_size": "128", "optimizer.lr": "0.1", "amp": "true"}),
     ]
     table = build(runs)
-    assert table.diff_keys == ["trainer.lr"]  # batch size has its own column, amp the precision column
+    assert table.diff_keys == ["optimizer.lr"]  # batch size has its own column, amp the precision column
     assert table.same == {"data.name": "digits"}
     text = table_markdown(table)
     assert text.startswith("Same in every run: `data.name=digits`")
     header = next(line for line in text.splitlines() if line.startswith("| run"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    assert columns[5:10] == ["batch", "workers", "resident", "trainer.lr", "epoch s"]
+    assert columns[5:10] == ["batch", "workers", "resident", "optimizer.lr", "epoch s"]
     assert "amp" not in columns and len(columns) == len(set(columns))
     assert "trainer.seed" not in text
 
@@ -181,13 +186,13 @@ def test_three_repeats_each_cannot_show_a_difference_but_three_against_five_can(
 
 def test_several_rows_are_corrected_for_together_by_holm() -> None:
     rows = [repeats("a", [100, 101, 102, 103])]
-    rows += [repeats(f"x{i}", [200 + i, 201 + i, 202 + i, 203 + i], params={"trainer.lr": str(i)}) for i in range(3)]
+    rows += [repeats(f"x{i}", [200 + i, 201 + i, 202 + i, 203 + i], params={"optimizer.lr": str(i)}) for i in range(3)]
     four = build([r for row in rows for r in row])
     assert [ln.vs_baseline.real for ln in four.lines[1:]] == [False] * 3  # 0.029 × 3 = 0.086: not below 0.05
     assert "(Holm, 3 tests)" in four.lines[1].vs_baseline.reason
     assert "adjusted by Holm over the table's 3 comparisons" in table_markdown(four).replace("\n", " ")
     rows = [repeats("a", [100, 101, 102, 103, 104])]
-    rows += [repeats(f"x{i}", [200 + i + j for j in range(5)], params={"trainer.lr": str(i)}) for i in range(3)]
+    rows += [repeats(f"x{i}", [200 + i + j for j in range(5)], params={"optimizer.lr": str(i)}) for i in range(3)]
     five = build([r for row in rows for r in row])
     assert [ln.vs_baseline.real for ln in five.lines[1:]] == [True] * 3  # 0.0079 × 3 = 0.024
 
@@ -290,11 +295,11 @@ def test_a_real_slowdown_is_said_in_words_and_a_doubtful_one_is_not() -> None:
 
 def test_an_accuracy_search_is_ranked_by_its_objective() -> None:
     runs = [
-        record(f"r{i}", speed, params={"trainer.lr": lr}, acc=acc)
+        record(f"r{i}", speed, params={"optimizer.lr": lr}, acc=acc)
         for i, (speed, lr, acc) in enumerate([(300, "0.1", 0.80), (100, "0.01", 0.95), (200, "0.3", 0.90)])
     ]
     table = build(runs, rank_by="val/acc")
-    assert [ln.row.param("trainer.lr") for ln in table.lines] == ["0.01", "0.3", "0.1"]
+    assert [ln.row.param("optimizer.lr") for ln in table.lines] == ["0.01", "0.3", "0.1"]
     assert table.baseline is table.lines[0].row
     assert "Rows ranked by val/acc (the search's objective), best first." in table_markdown(table)
 

@@ -10,10 +10,17 @@ from pipeline.common.errors import OverrideError
 from pipeline.config import ConfigError, compose, config_dir, flatten, from_dictconfig, load
 from pipeline.config.compose import _build
 
-GROUPS = ["device", "model", "precision", "loader", "data", "trainer", "tracking"]
+GROUPS = ["device", "model", "precision", "loader", "data", "task", "optimizer", "scheduler", "trainer", "tracking"]
 # options that need another key set to be valid on their own
 NEEDS = {
     "data=imagefolder": ["data.root=some/folder"],
+    "data=custom": ["data._target_=sets.make"],
+    "model=custom": ["model._target_=nets.Tiny"],
+    "model=torchvision": ["model.arch=resnet34"],
+    "model=timm": ["model.arch=resnet18d"],
+    "task=custom": ["task.loss._target_=losses.huber"],
+    "optimizer=custom": ["optimizer._target_=RMSprop"],
+    "scheduler=custom": ["scheduler._target_=ExponentialLR"],
     "precision=fp16": ["amp=true"],
     "precision=bf16": ["amp=true"],
 }
@@ -51,14 +58,24 @@ def test_every_option_key_is_commented() -> None:
 
 def test_defaults_are_the_guides_baseline() -> None:
     cfg = load()
-    assert (cfg.model.name, cfg.model.hidden_sizes, cfg.data.name) == ("mlp", [512], "digits")
+    assert (cfg.model._target_, cfg.model.keywords, cfg.data.name) == (
+        "pipeline.engine.models.mlp",
+        {"hidden_sizes": [512]},
+        "digits",
+    )
+    assert (cfg.task.name, cfg.optimizer._target_, cfg.optimizer.keywords) == (
+        "classification",
+        "torch.optim.SGD",
+        {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0},
+    )
+    assert cfg.scheduler._target_ is None
     assert (cfg.loader.batch_size, cfg.trainer.epochs, cfg.amp, cfg.device.name) == (64, 5, False, "auto")
     assert cfg.tracking.uri == "sqlite:///mlflow.db" and cfg.tracking.experiment == "pipeline"
 
 
 def test_amp_switch_is_top_level_as_typed() -> None:
     cfg = load(["model=resnet50", "amp=true"])
-    assert cfg.amp is True and cfg.model.name == "resnet50" and cfg.precision.dtype == "auto"
+    assert cfg.amp is True and cfg.model.label == "resnet50" and cfg.precision.dtype == "auto"
 
 
 def test_tracking_uri_environment_variable_beats_the_default_but_not_an_explicit_override(
@@ -75,13 +92,22 @@ def test_tracking_uri_environment_variable_beats_the_default_but_not_an_explicit
         (["loader.batch_size=abc"], r"loader\.batch_size='abc' is not allowed: expected an integer"),
         (["loader.batch_size=0"], r"loader\.batch_size=0 .* >= 1"),
         (["loader.batch_size=-3"], r"loader\.batch_size=-3"),
-        (["trainer.lr=0"], r"trainer\.lr=0\.0 .* > 0"),
-        (["trainer.lr=-1"], r"trainer\.lr=-1\.0"),
+        (["optimizer.lr=0"], r"optimizer\.lr=0 .* > 0"),
+        (["optimizer.lr=-1"], r"optimizer\.lr=-1"),
+        (["optimizer.momentum=1"], r"optimizer\.momentum=1 .* \[0, 1\)"),
+        (["optimizer=custom", "optimizer._target_=my-sgd"], r"optimizer\._target_='my-sgd' .* dotted path"),
+        (["model=custom"], r"model\._target_ is required"),
+        (["model=custom", "model._target_=nets"], r"model\._target_='nets' .* a dotted path such as mymodule\.MyNet"),
+        (["data=custom"], r"data\._target_ is required"),
+        (["data=custom", "data._target_=sets.make", "data.steps_per_epoch=0"], r"data\.steps_per_epoch=0"),
+        (["+data._target_=sets.make"], r"data\._target_='sets\.make' .* null with data=digits"),
+        (["task=custom"], r"task\.loss\._target_ is required"),
+        (["task=regression", "+task.primary=val/mae"], r"task\.primary='val/mae' .* null with task=regression"),
+        (["+scheduler.gamma=0.5"], r"scheduler\.gamma=0\.5 .* no keywords with scheduler=none"),
         (["loader.num_workers=-1"], r"loader\.num_workers=-1 .* >= 0"),
         (["data=imagefolder"], r"data\.root is required"),
         (["trainer.epochs=0"], r"trainer\.epochs=0"),
         (["trainer.max_steps=0"], r"trainer\.max_steps=0 .* -1 \(no limit\)"),
-        (["trainer.optimizer=adam"], r"trainer\.optimizer='adam' .* one of 'sgd', 'adamw'"),
         (["loader.pin_memory=maybe"], r"loader\.pin_memory='maybe' .* true or false or one of 'auto'"),
         (["amp=1"], r"amp=1 .* true or false"),
         (["precision=fp16"], r"precision\.dtype='fp16' .* amp=true"),
@@ -89,8 +115,7 @@ def test_tracking_uri_environment_variable_beats_the_default_but_not_an_explicit
         (["loader.prefetch_factor=2"], r"loader\.prefetch_factor=2 .*loader\.num_workers=0"),
         (["loader=resident", "loader.num_workers=2"], r"loader\.num_workers=2 .*loader\.resident=true"),
         (["device=cpu", "device.index=1"], r"device\.index=1 .*only cuda"),
-        (["model.hidden_sizes=[]"], r"model\.hidden_sizes=\[\] .* non-empty list"),
-        (["model.hidden_sizes=[512,x]"], r"model\.hidden_sizes\[1\]='x' .* an integer"),
+        (["+trainer.lr=0.1"], r"trainer\.lr=0\.1 .* it moved to optimizer\.lr"),
         (["+loader.bogus=1"], r"loader\.bogus=1 .* one of the loader keys: batch_size"),
         (["+surprise=1"], r"surprise=1 .* top-level keys"),
         (["data=synthetic", "data.shape=[28,28]"], r"data\.shape=\[28, 28\] .* \[channels, height, width\]"),
@@ -105,7 +130,16 @@ def test_bad_values_name_the_key_the_value_and_what_is_allowed(overrides: list[s
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["model=nope"], r"^model=nope is not an option: expected one of mlp, resnet18, resnet50$"),
+        (
+            ["model=nope"],
+            r"^model=nope is not an option: expected one of custom, mlp, resnet18, resnet50, timm, torchvision$",
+        ),
+        (["trainer.lr=0.1"], r"^trainer\.lr moved: use optimizer\.lr$"),
+        (["trainer.optimizer=adamw"], r"^trainer\.optimizer moved: use optimizer=sgd\|adamw\|adam\|custom"),
+        (
+            ["model=custom", "model._target_=nets.Tiny", "model.width=3"],
+            r"^model\.width is not a key of model yet: .* add it with a \+: \+model\.width=\.\.\.$",
+        ),
         (["data=imagenet"], r"^data=imagenet is not an option: expected one of .*digits.*synthetic"),
         (["loader.bogus=1"], r"^loader\.bogus is not a config key of loader"),
         (["loader.batch_size=[1"], r"^cannot parse the overrides 'loader\.batch_size=\[1'"),
@@ -126,14 +160,14 @@ def test_a_blank_experiment_name_is_refused(blank: str) -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["trainer.lr=inf"],
-        ["trainer.lr=nan"],
-        ["trainer.momentum=nan"],
-        ["trainer.weight_decay=inf"],
+        ["optimizer.lr=inf"],
+        ["optimizer.lr=nan"],
+        ["optimizer.momentum=nan"],
+        ["optimizer.weight_decay=inf"],
         ["data=imagefolder", "data.root=x", "data.val_fraction=nan"],
         ["monitor.interval_s=inf"],
         ["loader=workers", "loader.timeout=inf"],
-        ["trainer.lr=1e999"],  # too large for a float: Hydra reads it as inf
+        ["optimizer.lr=1e999"],  # too large for a float: Hydra reads it as inf
     ],
     ids=" ".join,
 )
@@ -162,8 +196,9 @@ def test_an_unresolvable_interpolation_is_a_config_error(monkeypatch: pytest.Mon
 def test_flatten_gives_dotted_keys_for_every_leaf() -> None:
     flat = flatten(load().to_dict())
     assert flat["loader.batch_size"] == 64
-    assert flat["model.name"] == "mlp"
+    assert flat["model._target_"] == "pipeline.engine.models.mlp"
     assert flat["model.hidden_sizes"] == [512]
+    assert flat["optimizer.lr"] == 0.01 and flat["scheduler._target_"] is None
     assert flat["amp"] is False
     assert flat["tracking.tags"] == {}
     assert all(not isinstance(v, dict) or not v for v in flat.values())
@@ -173,3 +208,22 @@ def test_from_dictconfig_accepts_plain_mappings_and_returns_frozen_records() -> 
     cfg = from_dictconfig(load().to_dict())
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.loader.batch_size = 1  # type: ignore[misc]
+
+
+def test_a_custom_group_passes_every_other_key_as_a_keyword_and_records_it_back_among_its_keys() -> None:
+    cfg = load(["model=custom", "model._target_=nets.Tiny", "+model.width=64", "+model.layers=[8,4]"])
+    assert (cfg.model._target_, cfg.model.keywords) == ("nets.Tiny", {"width": 64, "layers": [8, 4]})
+    assert cfg.to_dict()["model"] == {"_target_": "nets.Tiny", "width": 64, "layers": [8, 4]}
+    assert cfg.model.label == "Tiny"
+    assert from_dictconfig(cfg.to_dict()) == cfg  # the record composes back into the same config
+
+
+def test_custom_data_keeps_its_own_keys_and_hands_the_others_to_the_factory() -> None:
+    cfg = load(["data=custom", "data._target_=sets.make", "+data.root=here", "+data.n=10", "data.num_classes=3"])
+    assert cfg.data.keywords == {"root": "here", "n": 10}
+    assert (cfg.data.root, cfg.data.num_classes, cfg.data.target_key) == (None, 3, "target")
+
+
+def test_a_keyword_left_at_missing_is_required() -> None:
+    with pytest.raises(ConfigError, match=r"^model\.arch is required"):
+        load(["model=torchvision"])

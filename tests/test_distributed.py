@@ -318,7 +318,7 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_finishes_the
     assert run.info.status == "KILLED"
     checkpoints = list((tmp_path / "checkpoints").rglob("last.pt"))
     assert len(checkpoints) == 1
-    assert torch.load(checkpoints[0], weights_only=False)["position"].step == 6
+    assert torch.load(checkpoints[0], weights_only=False)["position"]["step"] == 6
 
     resumed = torchrun(tmp_path, f"resume={run.info.run_id}")
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
@@ -466,7 +466,7 @@ def test_two_nodes_stop_together_when_one_nodes_torchrun_is_stopped_and_resume_e
     run = only_run(tmp_path)  # one run, rank 0's, recorded from the other node
     assert run.info.status == "KILLED" and run.data.params["distributed.world_size"] == "2"
     (checkpoint,) = (tmp_path / "checkpoints").rglob("last.pt")
-    assert torch.load(checkpoint, weights_only=False)["position"].step == int(stops[0][1])
+    assert torch.load(checkpoint, weights_only=False)["position"]["step"] == int(stops[0][1])
 
     resumed = two_nodes(tmp_path, f"resume={run.info.run_id}")
     assert [code for code, _ in resumed] == [0, 0], "\n".join(text for _, text in resumed)[-4000:]
@@ -587,7 +587,7 @@ def test_an_overlapped_step_records_its_all_reduce_time_and_a_one_process_run_re
     _epoch(state, one_rank, log=lambda metrics, step: logged.append(metrics))  # steps 1-4, logged at 2 and 4
     # step 1 (averaged by hand) is measured for the first log, step 3 (overlapped: the hook saw its last gradient)
     # for the second; steps 2 and 4 run unwatched
-    assert [sorted(m) for m in logged] == [["time/allreduce_ms", "train/loss"]] * 2
+    assert [sorted(m) for m in logged] == [["time/allreduce_ms", "train/loss", "train/lr"]] * 2
     assert all(m["time/allreduce_ms"] > 0 for m in logged) and one_rank.step_metrics() == {}  # read once
     assert Solo().step_metrics() == {}
 

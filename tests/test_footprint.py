@@ -37,7 +37,7 @@ def free_gb(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
 
 
 def test_the_estimate_counts_parameters_gradients_optimizer_state_and_the_micro_batch(make_cfg: MakeCfg) -> None:
-    cfg = make_cfg("model.hidden_sizes=[100]", "trainer.optimizer=adamw")
+    cfg = make_cfg("model.hidden_sizes=[100]", "optimizer=adamw")
     got = estimate(cfg, in_shape=(1, 28, 28), num_classes=10, samples=4)
     parameters = 784 * 100 + 100 + 100 * 10 + 10
     assert got.parameters == parameters
@@ -115,6 +115,7 @@ def test_the_cli_and_autotune_refuse_it_in_one_line(
 
 def _cpu_out_of_memory_in_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     original = build_module.build_model
+    monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: None)  # faults in the run only
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)

@@ -45,7 +45,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
 ) -> None:
     poison_step(monkeypatch, 7, float("nan"))
-    with pytest.raises(NonFiniteLoss, match=r"training loss became nan at step 7: lower trainer.lr") as info:
+    with pytest.raises(NonFiniteLoss, match=r"training loss became nan at step 7: lower optimizer.lr") as info:
         train(make_cfg("trainer.max_steps=-1", "trainer.log_every_n_steps=5"), echo=False)
     assert info.value.step == 7
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])

@@ -48,7 +48,7 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
     )
     probe = (
         "import pipeline.config as c; d = c.config_dir(); cfg = c.load(['model=resnet50']);"
-        "print(c.__file__); print(d); print(cfg.model.name);"
+        "print(c.__file__); print(d); print(cfg.model.label);"
         "print(c.sweep_jobs(['loader.batch_size=32,64', 'trainer.seed=1,2']))"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}

@@ -102,11 +102,13 @@ def test_cuda_only_switches_are_set_on_cuda(cuda_switches) -> None:
     assert not torch.backends.cuda.matmul.allow_tf32
 
 
-def test_channels_last_is_refused_for_the_mlp_which_has_no_convolutions() -> None:
+def test_channels_last_is_refused_for_the_mlp_which_has_no_convolutions(make_cfg) -> None:
+    from pipeline.engine.build import build
+
     with pytest.raises(
-        ConfigError, match=r"^trainer\.channels_last=True is not allowed: expected false with model=mlp"
+        ConfigError, match=r"^trainer\.channels_last=True is not allowed: expected false for Sequential: .* no Conv2d"
     ):
-        load(["trainer.channels_last=true"])
+        build(make_cfg("trainer.channels_last=true"))
     assert load(["model=resnet18", "trainer.channels_last=true"]).trainer.channels_last
 
 

@@ -130,7 +130,7 @@ def test_set_epoch_passes_through_to_a_resident_loader_too() -> None:
 
 def tiny_state() -> TrainState:
     torch.manual_seed(0)
-    model = mlp(16, [8], 2)
+    model = mlp((16,), 2, [8])
     return TrainState(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),

@@ -232,15 +232,15 @@ def test_resume_refuses_a_different_model_and_records_other_changes(
         train(make_cfg(*BASE, "model.hidden_sizes=[256]", "resume=latest"), echo=False)
     with pytest.raises(CheckpointError, match=r"loader.batch_size: 64 in the checkpoint, 32 now"):
         train(make_cfg(*BASE, "loader.batch_size=32", "resume=latest"), echo=False)
-    with pytest.raises(CheckpointError, match=r"trainer.lr: 0.01 in the checkpoint, 0.02 now. .*add fork=true"):
-        train(make_cfg(*BASE, "trainer.lr=0.02", "resume=latest"), echo=False)
+    with pytest.raises(CheckpointError, match=r"optimizer.lr: 0.01 in the checkpoint, 0.02 now. .*add fork=true"):
+        train(make_cfg(*BASE, "optimizer.lr=0.02", "resume=latest"), echo=False)
     with pytest.raises(CheckpointError, match=r"data.name: 'digits' in the checkpoint, 'synthetic' now"):
         train(make_cfg(*BASE, "data=synthetic", "resume=latest"), echo=False)
     resumed = train(make_cfg(*BASE, "trainer.log_every_n_steps=5", "resume=latest"), echo=False)
     tags = MlflowClient(store_uri).get_run(resumed.run_id).data.tags
     assert tags["resume.changed"] == "trainer.log_every_n_steps: 10 -> 5"
     params = MlflowClient(store_uri).get_run(resumed.run_id).data.params
-    assert params["trainer.lr"] == "0.01" and params["data.name"] == "digits"  # still what ran
+    assert params["optimizer.lr"] == "0.01" and params["data.name"] == "digits"  # still what ran
 
 
 def test_fork_continues_a_checkpoint_in_a_new_run_with_new_hyper_parameters(
@@ -260,14 +260,14 @@ def test_fork_continues_a_checkpoint_in_a_new_run_with_new_hyper_parameters(
             train(make_cfg(*BASE), echo=False)
     (source_id,) = [p.name for p in Path("checkpoints").iterdir()]
     monkeypatch.setattr(build_module, "build_optimizer", watched)
-    fork = train(make_cfg(*BASE, "trainer.lr=0.02", f"resume={source_id}", "fork=true"), echo=False)
+    fork = train(make_cfg(*BASE, "optimizer.lr=0.02", f"resume={source_id}", "fork=true"), echo=False)
     client = MlflowClient(store_uri)
     run, before = client.get_run(fork.run_id), client.get_run(source_id)
     assert fork.run_id != source_id and fork.steps == 46 and set(lrs) == {0.02} and len(lrs) == 41
-    assert run.data.params["trainer.lr"] == "0.02" and run.data.params["fork"] == "true"
+    assert run.data.params["optimizer.lr"] == "0.02" and run.data.params["fork"] == "true"
     assert run.data.tags["forked_from"] == source_id and run.data.tags["forked_at_step"] == "5"
-    assert run.data.tags["fork.changed"] == "fork: False -> True; trainer.lr: 0.01 -> 0.02"
-    assert before.info.status == "KILLED" and before.data.params["trainer.lr"] == "0.01"  # the source is untouched
+    assert run.data.tags["fork.changed"] == "fork: False -> True; optimizer.lr: 0.01 -> 0.02"
+    assert before.info.status == "KILLED" and before.data.params["optimizer.lr"] == "0.01"  # the source is untouched
     assert [m.step for m in client.get_metric_history(fork.run_id, "train/loss")] == [10, 20, 30, 40]
 
 
@@ -515,7 +515,11 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(
     with pytest.raises(CheckpointError, match=rf"checkpoints/{run_id}/last.pt is not a readable checkpoint \(.*\): it"):
         train(make_cfg(*BASE, f"resume={run_id}"), echo=False)
     path.write_bytes(whole)
-    with pytest.raises(CheckpointError, match=r"different model, .*model.name: 'mlp' in the checkpoint, 'resnet18'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"different model .*model._target_: 'pipeline.engine.models.mlp' in the checkpoint, "
+        r"'pipeline.engine.models.resnet' now; model.arch: None in the checkpoint, 'resnet18'",
+    ):
         train(make_cfg(*BASE, "model=resnet18", f"resume={path}"), echo=False)
     other = f"sqlite:///{tmp_path / 'other.db'}"
     with pytest.raises(CheckpointError, match=rf"run {run_id} is recorded elsewhere \(tracking.uri: "):

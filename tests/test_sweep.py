@@ -46,7 +46,11 @@ def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
     ("derived", "swept", "name"),
     [
         ("mlp-digits-cpu-bs32-w0", {"loader.batch_size": "32", "loader.num_workers": "0"}, "bs32-w0-mlp-digits-cpu"),
-        ("mlp-digits-cpu-bs32-w0", {"loader.batch_size": "32", "trainer.lr": "0.01"}, "bs32-lr0.01-mlp-digits-cpu-w0"),
+        (
+            "mlp-digits-cpu-bs32-w0",
+            {"loader.batch_size": "32", "optimizer.lr": "0.01"},
+            "bs32-lr0.01-mlp-digits-cpu-w0",
+        ),
         (
             "mlp-digits-cpu-bs32-w0",
             {"trainer.optimizer": "adamw", "loader": "workers"},
@@ -55,13 +59,13 @@ def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
         ("mlp-digits-cpu-bs32-w0", {"device": "auto"}, "device=auto-mlp-digits-cpu-bs32-w0"),  # auto would read cpu
         ("mlp-digits-cpu-amp-bf16-bs32-w0", {"device": "cpu", "amp": "true"}, "cpu-amp-bf16-mlp-digits-bs32-w0"),
         ("mlp-digits-cpu-bs32-w0", {"trainer.seed": "1", "amp": "false"}, "fp32-seed1-mlp-digits-cpu-bs32-w0"),
-        ("mlp-digits-cpu-bs32-w0", {"trainer.lr": "0.0029813770307052724"}, "lr0.00298138-mlp-digits-cpu-bs32-w0"),
+        ("mlp-digits-cpu-bs32-w0", {"optimizer.lr": "0.0029813770307052724"}, "lr0.00298138-mlp-digits-cpu-bs32-w0"),
         (
             "mlp-digits-cpu-bs32-w0",
-            {"trainer.lr": "0.1", "other.lr": "1e-05"},
-            "trainer.lr0.1-other.lr1e-05-mlp-digits-cpu-bs32-w0",
+            {"optimizer.lr": "0.1", "other.lr": "1e-05"},
+            "optimizer.lr0.1-other.lr1e-05-mlp-digits-cpu-bs32-w0",
         ),
-        ("my-own-name", {"trainer.lr": "0.1"}, "lr0.1-my-own-name"),  # not a derived name: kept whole, after
+        ("my-own-name", {"optimizer.lr": "0.1"}, "lr0.1-my-own-name"),  # not a derived name: kept whole, after
     ],
 )
 def test_a_jobs_name_starts_with_what_the_sweep_varies(derived: str, swept: dict[str, str], name: str) -> None:
@@ -83,7 +87,12 @@ def test_an_experiment_file_holds_only_differences_under_the_command_that_runs_i
 def test_the_gpu_experiment_sets_the_data_device_and_loader_it_names() -> None:
     cfg = load(["experiment=mnist_gpu", "trainer.epochs=2"])  # an override still applies on top
     assert (cfg.data.name, cfg.device.name, cfg.loader.resident, cfg.amp) == ("mnist", "cuda", True, True)
-    assert (cfg.loader.batch_size, cfg.trainer.optimizer, cfg.trainer.lr, cfg.trainer.epochs) == (256, "adamw", 1e-3, 2)
+    assert (cfg.loader.batch_size, cfg.optimizer._target_, cfg.optimizer.lr, cfg.trainer.epochs) == (
+        256,
+        "torch.optim.AdamW",
+        1e-3,
+        2,
+    )
     assert cfg.model == load([]).model  # what the file does not name stays the default
 
 
@@ -95,7 +104,7 @@ def hydra_config(*overrides: str) -> Any:
 @pytest.mark.parametrize(
     ("name", "metric", "searched"),
     [
-        ("accuracy_optuna", "val/acc", {"trainer.lr", "loader.batch_size"}),
+        ("accuracy_optuna", "val/acc", {"optimizer.lr", "loader.batch_size"}),
         ("throughput_optuna", "throughput/samples_per_s", {"loader.batch_size", "loader.num_workers", "amp"}),
     ],
 )
@@ -124,8 +133,8 @@ def test_an_unknown_optimized_metric_stops_the_sweep_before_any_job(
     assert run_main(monkeypatch, *args) == 2
     err = capsys.readouterr().err
     assert err == (
-        "error: hydra.callbacks.sweep.optimized_metric='loss' is not allowed: expected one of 'val/acc', "
-        "'throughput/samples_per_s'; no job was started\n"
+        "error: hydra.callbacks.sweep.optimized_metric='loss' is not allowed: expected one of 'primary', "
+        "'throughput/samples_per_s' or a val/<name> metric; no job was started\n"
     )
     assert not (tmp_path / "mlflow.db").exists() and list(tmp_path.glob("multirun/*/*/jobs")) == []
 
@@ -145,13 +154,13 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     metric = "hydra.callbacks.sweep.optimized_metric=throughput/samples_per_s"
-    assert run_main(monkeypatch, "-m", "loader.batch_size=32,64", "trainer.lr=0.01,0.1", metric, *TINY) == 0
+    assert run_main(monkeypatch, "-m", "loader.batch_size=32,64", "optimizer.lr=0.01,0.1", metric, *TINY) == 0
     parent, children = sweep_runs(tmp_path)
     sweep_id = parent.data.tags["sweep.id"]
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep.failed"] == "0"
-    assert parent.info.run_name == f"sweep-{sweep_id[:8]}: loader.batch_size=32,64 trainer.lr=0.01,0.1"
-    assert parent.data.tags["sweep.keys"] == "loader.batch_size,trainer.lr"
-    assert parent.data.tags["sweep.command"].startswith("python -m pipeline -m loader.batch_size=32,64 trainer.lr=")
+    assert parent.info.run_name == f"sweep-{sweep_id[:8]}: loader.batch_size=32,64 optimizer.lr=0.01,0.1"
+    assert parent.data.tags["sweep.keys"] == "loader.batch_size,optimizer.lr"
+    assert parent.data.tags["sweep.command"].startswith("python -m pipeline -m loader.batch_size=32,64 optimizer.lr=")
     assert [r.info.run_name for r in children] == [
         "bs32-lr0.01-mlp-digits-cpu-w0",
         "bs32-lr0.1-mlp-digits-cpu-w0",
@@ -162,7 +171,7 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
         assert run.info.status == "FINISHED"
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert (run.data.tags["sweep.id"], run.data.tags["sweep.job"]) == (sweep_id, str(number))
-        assert run.data.tags["sweep.keys"] == "loader.batch_size,trainer.lr"
+        assert run.data.tags["sweep.keys"] == "loader.batch_size,optimizer.lr"
     returned = outcomes(tmp_path)  # what each job handed the sweeper: the configured metric
     assert [returned[n]["value"] for n in range(4)] == pytest.approx(
         [r.data.metrics["throughput/samples_per_s"] for r in children]
@@ -189,18 +198,18 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
 def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_listing_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    args = ["-m", "trainer.lr=0.01,1e30,0.02", "trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
+    args = ["-m", "optimizer.lr=0.01,1e30,0.02", "trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
     assert run_main(monkeypatch, *args, "monitor.plots=false", "device=cpu") == 2
     parent, children = sweep_runs(tmp_path)
     assert [r.info.status for r in children] == ["FINISHED", "FAILED", "FINISHED"]  # the job after it still ran
     assert children[1].data.tags["error"].startswith("NonFiniteLoss: training loss became nan at step ")
     assert children[1].info.run_name == "lr1e+30-mlp-digits-cpu-bs32-w0"
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "1"
-    assert parent.data.tags["sweep.failures"].startswith("job #1 (trainer.lr=1e+30 trainer.epochs=1 ")
+    assert parent.data.tags["sweep.failures"].startswith("job #1 (optimizer.lr=1e+30 trainer.epochs=1 ")
     assert "NonFiniteLoss: training loss became nan" in parent.data.tags["sweep.failures"]
     err = capsys.readouterr().err
     listed = err[err.index("error: 1 of 3 sweep job(s) failed; the others ran and are recorded:") :].splitlines()
-    assert len(listed) == 2 and listed[1].startswith("  job #1 (trainer.lr=1e+30 ")
+    assert len(listed) == 2 and listed[1].startswith("  job #1 (optimizer.lr=1e+30 ")
     assert "): NonFiniteLoss: training loss became nan at step" in listed[1]
     note = parent.data.tags["mlflow.note.content"]
     line = next(row for row in note.splitlines() if row.startswith("| lr1e+30-mlp-digits-cpu-bs32-w0 "))
@@ -260,12 +269,12 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
 def test_a_sweep_with_tracking_off_records_nothing_but_still_lists_its_failures(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    args = ["-m", "trainer.lr=0.01,1e30", "tracking=none", "trainer.epochs=1", "trainer.max_steps=3", "device=cpu"]
+    args = ["-m", "optimizer.lr=0.01,1e30", "tracking=none", "trainer.epochs=1", "trainer.max_steps=3", "device=cpu"]
     assert run_main(monkeypatch, *args) == 2
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
     assert [(o["status"], o["exit_code"]) for o in outcomes(tmp_path).values()] == [("FINISHED", 0), ("FAILED", 2)]
     err = capsys.readouterr().err
-    assert "error: 1 of 2 sweep job(s) failed; the others ran and are recorded:\n  job #1 (trainer.lr=1e+30 " in err
+    assert "error: 1 of 2 sweep job(s) failed; the others ran and are recorded:\n  job #1 (optimizer.lr=1e+30 " in err
 
 
 @pytest.mark.slow
@@ -296,14 +305,14 @@ def test_an_optuna_search_runs_its_trials_as_nested_runs_returning_val_acc(
     assert parent.info.status == "FINISHED"
     assert (parent.data.tags["sweep.sweeper"], parent.data.tags["sweep.keys"]) == (
         "optuna",
-        "trainer.lr,loader.batch_size",
+        "optimizer.lr,loader.batch_size",
     )
     assert parent.info.run_name.endswith(
-        "trainer.lr=tag(log, interval(0.001, 0.3)) loader.batch_size=choice(32, 64, 128, 256)"
+        "optimizer.lr=tag(log, interval(0.001, 0.3)) loader.batch_size=choice(32, 64, 128, 256)"
     )
     assert len(children) == 2 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     for run in children:
-        assert 0.001 <= float(run.data.params["trainer.lr"]) <= 0.3
+        assert 0.001 <= float(run.data.params["optimizer.lr"]) <= 0.3
         assert run.data.params["loader.batch_size"] in {"32", "64", "128", "256"}
         assert run.info.run_name.startswith("lr")  # what the search varies comes first
     assert children[0].info.run_name != children[1].info.run_name
@@ -343,7 +352,7 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
 def test_an_optuna_search_whose_every_trial_fails_still_closes_its_parent_and_lists_them(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    args = ["hparams_search=accuracy_optuna", "hydra.sweeper.n_trials=2", "trainer.lr=1e30", "trainer.max_steps=3"]
+    args = ["hparams_search=accuracy_optuna", "hydra.sweeper.n_trials=2", "optimizer.lr=1e30", "trainer.max_steps=3"]
     assert run_main(monkeypatch, *args, "trainer.epochs=1", "monitor.plots=false", "device=cpu") == 2  # the user's
     parent, children = sweep_runs(tmp_path)
     assert [r.info.status for r in children] == ["FAILED", "FAILED"]
@@ -372,9 +381,12 @@ def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() 
     from pipeline.report.summary import EpochRecord, RunResult, format_summary
 
     steps = Breakdown(0.0, 0.0, 1.0, 9, 900, 0.1, 10, 1000)
-    epoch = EpochRecord(1, 0.5, 0.4, 0.9, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})
+    val = {"val/loss": 0.4, "val/acc": 0.9}
+    epoch = EpochRecord(1, 0.5, val, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})
     result = RunResult("r", "id", "cpu", "CPU", "fp32", "x", 10, 10, 1.0, epochs=[epoch], breakdown=steps)
     assert sweep.objective(result, "throughput/samples_per_s") == 1800.0  # what Optuna maximises: the job's
     assert "1,800 samples/s in the last epoch (steady state, all ranks; rank 0 900;" in format_summary(result)
     alone = dataclasses.replace(result, epochs=[dataclasses.replace(epoch, ranks={})])
     assert sweep.objective(alone, "throughput/samples_per_s") == 900.0
+    assert sweep.objective(result, "primary") == 0.9 and sweep.objective(result, "val/loss") == 0.4
+    assert sweep.objective(result, "val/mae") is None  # a metric the run did not record: nothing for the sweeper

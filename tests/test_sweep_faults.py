@@ -112,7 +112,9 @@ def test_killing_one_parallel_worker_leaves_no_run_running(tmp_path: Path) -> No
     assert b"Traceback" not in err and b"4 job(s), 0 finished, 2 failed, 2 not run" in out
 
 
-@pytest.mark.parametrize(("mode", "key"), [(["-m", "trainer.lr=0.01,0.02"], "hydra.sweep.dir"), ([], "hydra.run.dir")])
+@pytest.mark.parametrize(
+    ("mode", "key"), [(["-m", "optimizer.lr=0.01,0.02"], "hydra.sweep.dir"), ([], "hydra.run.dir")]
+)
 def test_an_output_folder_through_a_file_is_one_line_and_leaves_no_run_open(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, mode: list[str], key: str
 ) -> None:

@@ -17,12 +17,12 @@ TINY = ["device=cpu", "trainer.max_steps=1", "trainer.epochs=1"]
 
 
 def test_a_sweep_is_expanded_as_hydras_basic_sweeper_does() -> None:
-    jobs = sweep_jobs(["loader.batch_size=16,32", "trainer.lr=range(1,3)", "device=cpu", "hydra.job.chdir=false"])
+    jobs = sweep_jobs(["loader.batch_size=16,32", "optimizer.lr=range(1,3)", "device=cpu", "hydra.job.chdir=false"])
     assert jobs == [
-        ["loader.batch_size=16", "trainer.lr=1", "device=cpu"],
-        ["loader.batch_size=16", "trainer.lr=2", "device=cpu"],
-        ["loader.batch_size=32", "trainer.lr=1", "device=cpu"],
-        ["loader.batch_size=32", "trainer.lr=2", "device=cpu"],
+        ["loader.batch_size=16", "optimizer.lr=1", "device=cpu"],
+        ["loader.batch_size=16", "optimizer.lr=2", "device=cpu"],
+        ["loader.batch_size=32", "optimizer.lr=1", "device=cpu"],
+        ["loader.batch_size=32", "optimizer.lr=2", "device=cpu"],
     ]
     assert sweep_jobs(["model=glob(resnet*)"]) == [["model=resnet18"], ["model=resnet50"]]
     assert sweep_jobs(["loader.batch_size=choice(8,16)"]) == [["loader.batch_size=8"], ["loader.batch_size=16"]]
@@ -31,7 +31,7 @@ def test_a_sweep_is_expanded_as_hydras_basic_sweeper_does() -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["trainer.lr=interval(0.001,0.1)"],  # a continuous search space (Optuna's): no list of jobs to check
+        ["optimizer.lr=interval(0.001,0.1)"],  # a continuous search space (Optuna's): no list of jobs to check
         ["hydra/sweeper=other", "loader.batch_size=16,0"],  # another sweeper chooses the jobs
     ],
 )
@@ -50,9 +50,9 @@ def test_an_unparsable_sweep_is_a_one_line_override_error() -> None:
     [
         (["loader.batch_size=32,0,64"], "loader.batch_size=0", "loader.batch_size=0 is not allowed"),
         (["loader.batch_size=range(0,64,32)"], "loader.batch_size=0", "loader.batch_size=0 is not allowed"),
-        (["trainer.lr=choice(0.1,inf)"], "trainer.lr=inf", "trainer.lr=inf is not allowed"),
+        (["optimizer.lr=choice(0.1,inf)"], "optimizer.lr=inf", "optimizer.lr=inf is not allowed"),
         (["data=glob([digits,image*])"], "data=imagefolder", "data.root is required"),
-        (["loader.batch_size=16,32", "trainer.lr=0"], "loader.batch_size=16 trainer.lr=0", "trainer.lr=0.0"),
+        (["loader.batch_size=16,32", "optimizer.lr=0"], "loader.batch_size=16 optimizer.lr=0", "optimizer.lr=0 "),
     ],
 )
 def test_a_sweep_with_a_bad_job_exits_2_before_any_job_runs(
@@ -117,13 +117,13 @@ def test_a_bad_sweep_in_a_real_process_is_refused_without_importing_torch(tmp_pa
 def test_an_interval_without_an_optuna_search_is_one_line_naming_hparams_search(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, sweeper: list[str]
 ) -> None:
-    assert run_main(monkeypatch, "-m", *sweeper, "trainer.lr=interval(0.1,0.2)", *TINY) == 2
+    assert run_main(monkeypatch, "-m", *sweeper, "optimizer.lr=interval(0.1,0.2)", *TINY) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: trainer.lr=interval(0.1,0.2) needs an Optuna search: add hparams_search=")
+    assert err.startswith("error: optimizer.lr=interval(0.1,0.2) needs an Optuna search: add hparams_search=")
     assert err.count("\n") == 1 and not (tmp_path / "mlflow.db").exists()
 
 
 def test_an_interval_in_an_optuna_search_is_left_to_optuna() -> None:
     from hydra_plugins.pipeline_sweeper.interleaved_sweeper import check_search_space
 
-    check_search_space(["hparams_search=accuracy_optuna", "trainer.lr=interval(0.1,0.2)"])  # raises nothing
+    check_search_space(["hparams_search=accuracy_optuna", "optimizer.lr=interval(0.1,0.2)"])  # raises nothing

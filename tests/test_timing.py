@@ -76,7 +76,7 @@ def test_the_timer_marks_when_a_batch_is_asked_for_and_when_it_arrives() -> None
 
 def tiny_state() -> TrainState:
     torch.manual_seed(0)
-    model = mlp(16, [8], 2)
+    model = mlp((16,), 2, [8])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = PrecisionPolicy("cpu", None)
     return TrainState(model, optimizer, policy.make_scaler(), MicroBatcher(8, 8))

@@ -61,7 +61,11 @@ def test_every_config_key_is_a_param(recorded: tuple[MlflowClient, str, RunConfi
     client, run_id, cfg = recorded
     params = client.get_run(run_id).data.params
     assert set(params) == set(flatten(cfg.to_dict()))
-    assert params["loader.batch_size"] == "64" and params["model.name"] == "mlp" and params["amp"] == "false"
+    assert (
+        params["loader.batch_size"] == "64"
+        and params["model._target_"] == "pipeline.engine.models.mlp"
+        and params["amp"] == "false"
+    )
     assert params["model.hidden_sizes"] == "[512]" and params["device.index"] == "null"
 
 
@@ -124,7 +128,8 @@ def test_metrics_are_written_in_batches_not_per_step(
     monkeypatch.setattr(MlflowClient, "log_batch", counting)
     # the writer's clock out of the way: an epoch slower than its period (a busy machine) would add a timed write
     monkeypatch.setattr(tracking, "WRITE_EVERY_S", 3600.0)
-    result = train(make_cfg("trainer.epochs=3", "trainer.max_steps=-1", "trainer.log_every_n_steps=1"), echo=False)
+    overrides = ["trainer.epochs=3", "trainer.max_steps=-1", "trainer.log_every_n_steps=1", "tracking.log_model=false"]
+    result = train(make_cfg(*overrides), echo=False)
     assert result.steps == 3 * 45  # 1,438 samples at batch 32, one train/loss value per step
     assert len(writes) <= 3 + 1  # one write per epoch, plus the end
     history = MlflowClient(store_uri).get_metric_history(result.run_id, "train/loss")
@@ -439,7 +444,7 @@ def test_every_string_the_tracker_sends_is_masked_with_the_secret_values() -> No
     tracker = MlflowTracker(
         client, uri="sqlite:///x.db", experiment_id="1", experiment="unit", run_id="r1", secret_values={SECRET}
     )
-    tracker.log_params({"data.root": f"/data/{SECRET}", "trainer.lr": 0.1, "tracking.tags.pwd": "open-sesame"})
+    tracker.log_params({"data.root": f"/data/{SECRET}", "optimizer.lr": 0.1, "tracking.tags.pwd": "open-sesame"})
     tracker.set_tags({"mlflow.note.content": f"run {SECRET}: 1 epoch", "hint": "curl -H 'X-Api-Key: abc123'"})
     tracker.log_text(f"data:\n  root: /data/{SECRET}\n", "config.yaml")
     spec = DataSpec(SECRET, (1, 28, 28), 10, 8, 2, (0.1,), (0.3,), source=f"/data/{SECRET}", digest="0badf00d")

@@ -137,8 +137,8 @@ def test_resnet_with_channels_last_sees_nhwc_inputs_and_weights(
         "data.val_samples=4",
         "loader.batch_size=4",
         "trainer.channels_last=true",
-        "trainer.optimizer=adamw",
-        "trainer.lr=1e-3",
+        "optimizer=adamw",
+        "optimizer.lr=1e-3",
         "trainer.max_steps=2",
     )
     result = train(cfg, echo=False)

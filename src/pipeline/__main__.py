@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> float | None:
             raise  # Hydra prints the whole traceback (HYDRA_FULL_ERROR=1 is set by --debug)
         report_bug(err, debug=False)
         sys.exit(1)
-    return result.val_acc
+    return result.metric(result.primary)
 
 
 def run_sweep_job(cfg: DictConfig) -> float | None:
@@ -171,6 +171,13 @@ def check_sweep(args: list[str]) -> None:
 
 
 def _fail(err: PipelineError) -> NoReturn:
+    """One line; under ``--debug`` the traceback of what caused it first (a user's factory that raised)."""
+    from pipeline.common.cli import debugging
+
+    if debugging() and err.__cause__ is not None:
+        import traceback
+
+        traceback.print_exception(err.__cause__, file=sys.stderr)
     print(f"error: {err}", file=sys.stderr, flush=True)
     sys.exit(2)
 

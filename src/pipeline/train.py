@@ -24,6 +24,7 @@ from pipeline.engine.loop import evaluate, train_epoch
 from pipeline.engine.memory import out_of_memory_is_an_error
 from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.engine.provenance import run_tags, sweep_run_name
+from pipeline.engine.restore import restore
 from pipeline.engine.stopping import Stopped, StopRequests, signal_name
 from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
@@ -92,7 +93,7 @@ def _train(
         if sweep is not None and not cfg.tracking.run_name:  # a sweep's jobs differ in what the name may not show
             setup = dataclasses.replace(setup, run_name=sweep_run_name(setup.run_name, sweep.values))
         if resumed is not None:
-            resume.restore(setup.state, resumed, setup.device, cfg.trainer)
+            restore(setup.state, resumed, setup.device, cfg.optimizer)
         typed = mask_overrides(overrides, cfg.env_keys)
         tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
         if sweep is not None:
@@ -124,6 +125,7 @@ def _train(
                 device=setup.device,
                 config=recorded,
                 lock=resumed.lock if resumed else None,
+                classes=list(setup.spec.classes) if setup.spec.classes else None,
             ) as saver:
                 sampler = open_sampler(
                     cfg.monitor,
@@ -303,18 +305,17 @@ def run_epoch(
             prepare=setup.prepare,
             micro=setup.eval_micro,
             group=setup.group,
+            task=setup.task,
+            split_batch=state.split,
         )
     utilisation = sampler.summary(since=since)
     ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
-    record = EpochRecord(
-        epoch, stats.loss, val.loss, val.accuracy, stats.seconds, stats.samples_per_s, stats.breakdown, ranks
-    )
+    record = EpochRecord(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks)
     eval_micro = setup.eval_micro
     tracker.log_metrics(
         {
             "train/epoch_loss": record.train_loss,
-            "val/loss": record.val_loss,
-            "val/acc": record.val_acc,
+            **record.val_metrics,
             "time/epoch_s": record.seconds,
             **stats.breakdown.metrics(),
             **utilisation.metrics(),
@@ -327,13 +328,15 @@ def run_epoch(
         step=epoch,
     )
     tracker.flush()
+    primary = setup.task.primary
     log.info(
-        "epoch %d/%d: train/loss %.4f val/loss %.4f val/acc %.4f %.2fs %.0f samples/s",
+        "epoch %d/%d: train/loss %.4f val/loss %.4f %s %.4f %.2fs %.0f samples/s",
         epoch,
         t.epochs,
         record.train_loss,
         record.val_loss,
-        record.val_acc,
+        primary,
+        record.val_metrics.get(primary, float("nan")),
         record.seconds,
         record.job_samples_per_s,
     )

@@ -19,7 +19,6 @@ from pipeline.config.schema import (
     DataConfig,
     DeviceConfig,
     LoaderConfig,
-    ModelConfig,
     MonitorConfig,
     OomConfig,
     PrecisionConfig,
@@ -27,6 +26,15 @@ from pipeline.config.schema import (
     TrackingConfig,
     TrainerConfig,
     cuda_only_expected,
+    tree,
+)
+from pipeline.config.targets import (
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TargetConfig,
+    TaskConfig,
+    target_label,
 )
 
 __all__ = [
@@ -38,8 +46,12 @@ __all__ = [
     "ModelConfig",
     "MonitorConfig",
     "OomConfig",
+    "OptimizerConfig",
     "PrecisionConfig",
     "RunConfig",
+    "SchedulerConfig",
+    "TargetConfig",
+    "TaskConfig",
     "TrackingConfig",
     "TrainerConfig",
     "compose",
@@ -49,4 +61,6 @@ __all__ = [
     "from_dictconfig",
     "load",
     "sweep_jobs",
+    "target_label",
+    "tree",
 ]

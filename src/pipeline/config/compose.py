@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.common.errors import ConfigError, OverrideError
-from pipeline.config.schema import MAX_TAG_KEY, MISSING_VALUE, TAGS_PREFIX, RunConfig, _at_most
+from pipeline.config.schema import MAX_TAG_KEY, MISSING_VALUE, MOVED, TAGS_PREFIX, RunConfig, _at_most
+from pipeline.config.targets import TargetConfig
+
+OPEN_GROUPS = ("model", "data", "optimizer", "scheduler")  # groups whose new keys are a _target_'s keywords
 
 
 def config_dir() -> Path:
@@ -67,6 +70,13 @@ def compose(overrides: Sequence[str] = ()) -> Any:
         key = getattr(err.__cause__, "full_key", None)
         if key and "To append" in str(err):
             parent = key.rpartition(".")[0]
+            if key in MOVED:
+                raise OverrideError(f"{key} moved: use {MOVED[key]}") from None
+            if parent in OPEN_GROUPS:  # a keyword for the group's _target_: new keys take a +
+                raise OverrideError(
+                    f"{key} is not a key of {parent} yet: to pass it to {parent}._target_ as a keyword, add it with "
+                    f"a +: +{key}=..."
+                ) from None
             raise OverrideError(
                 f"{key} is not a config key{f' of {parent}' if parent else ''}: check the spelling "
                 f"(python -m pipeline --cfg job shows every key)"
@@ -179,13 +189,28 @@ def _build(cls: type, node: Any, prefix: str) -> Any:
         raise ConfigError(prefix.rstrip(".") or "config", node, "a group of keys")
     hints = typing.get_type_hints(cls)
     settable = [f for f in fields(cls) if not f.metadata.get("internal")]
-    known = [f.name for f in settable]
-    for key in node:
-        if key not in known:
-            where = f"{prefix.rstrip('.')} keys" if prefix else "top-level keys"
-            raise ConfigError(f"{prefix}{key}", node[key], f"one of the {where}: {', '.join(known)}")
+    spread = next((f for f in settable if f.metadata.get("spread")), None)
+    fixed = [f for f in settable if f is not spread]
+    if spread is not None:  # a group whose other keys are a _target_'s keywords (pipeline.config.targets)
+        opener = getattr(cls, "open_fields", None)
+        kept = opener(node) if opener is not None else frozenset(f.name for f in fixed)
+        if kept is None:
+            spread = None
+        else:
+            fixed = [f for f in fixed if f.name in kept]
+    known = [f.name for f in fixed]
     kwargs = {}
-    for f in settable:
+    if spread is not None:
+        kwargs[spread.name] = {k: _keyword(v, f"{prefix}{k}") for k, v in node.items() if k not in known}
+    else:
+        for key in node:
+            if key not in known:
+                moved = MOVED.get(f"{prefix}{key}")
+                if moved:
+                    raise ConfigError(f"{prefix}{key}", node[key], f"nothing here: it moved to {moved}")
+                where = f"{prefix.rstrip('.')} keys" if prefix else "top-level keys"
+                raise ConfigError(f"{prefix}{key}", node[key], f"one of the {where}: {', '.join(known)}")
+    for f in fixed:
         key = f"{prefix}{f.name}"
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name not in node or node[f.name] == MISSING_VALUE:
@@ -199,8 +224,21 @@ def _build(cls: type, node: Any, prefix: str) -> Any:
     return built
 
 
+def _keyword(value: Any, key: str) -> Any:
+    """A keyword for a ``_target_``, as composed: any plain value, none of it still ``???``."""
+    if isinstance(value, Mapping):
+        return {str(k): _keyword(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_keyword(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if value == MISSING_VALUE:
+        raise ConfigError.missing(key)
+    return value
+
+
 def _coerce(value: Any, hint: Any, key: str, *, finite: bool = True) -> Any:
     if dataclasses.is_dataclass(hint):
+        if isinstance(value, str) and hint is TargetConfig:  # data.collate_fn=mymodule.pad: a target, no keywords
+            value = {"_target_": value}
         return _build(hint, value, prefix=f"{key}.")
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):

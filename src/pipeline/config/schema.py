@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline.common.errors import ConfigError
+from pipeline.config.targets import (
+    SPREAD,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TargetConfig,
+    TaskConfig,
+    check_target,
+)
 
 MISSING_VALUE = "???"
 
@@ -44,25 +53,6 @@ class DeviceConfig:
             raise ConfigError("device.index", self.index, f"null with device={self.name} (only cuda has indices)")
         if self.index is not None and self.index < 0:
             raise ConfigError("device.index", self.index, "a GPU index >= 0")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: Literal["mlp", "resnet18", "resnet50"]
-    hidden_sizes: list[int] | None = None
-    stem: Literal["auto", "imagenet", "small"] | None = None
-
-    def check(self) -> None:
-        if self.name == "mlp":
-            if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
-                raise ConfigError("model.hidden_sizes", self.hidden_sizes, "a non-empty list of sizes >= 1")
-            if self.stem is not None:
-                raise ConfigError("model.stem", self.stem, "no stem for model=mlp (resnets only)")
-        else:
-            if self.stem is None:
-                raise ConfigError("model.stem", self.stem, "one of 'auto', 'imagenet', 'small'")
-            if self.hidden_sizes is not None:
-                raise ConfigError("model.hidden_sizes", self.hidden_sizes, f"none for model={self.name}")
 
 
 @dataclass(frozen=True)
@@ -138,12 +128,18 @@ class LoaderConfig:
             )
 
 
-DIGITS = ("digits", "mnist")  # datasets of handwritten digits: mirroring changes what a sample shows
+DIGITS = ("digits", "mnist")
+CUSTOM_DATA_KEYS = frozenset(
+    {"name", "_target_", "target_key", "collate_fn", "split_batch", "steps_per_epoch", "num_classes"}
+)  # datasets of handwritten digits: mirroring changes what a sample shows
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: Literal["digits", "mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic"]
+    """data: a built-in source by ``name``, or ``name=custom`` with a ``_target_`` returning ``(train, val)`` (or
+    ``{"train": ..., "val": ...}``) datasets; a custom group's keys other than the ones below are its keywords."""
+
+    name: Literal["digits", "mnist", "fashion_mnist", "cifar10", "imagefolder", "synthetic", "custom"]
     root: str | None = None
     download: bool | None = None  # null where the dataset is never downloaded (digits, synthetic, folders)
     image_size: int | None = None
@@ -155,8 +151,28 @@ class DataConfig:
     val_samples: int | None = None
     augment: Literal["none", "crop", "flip", "crop_flip"] = "none"  # training only (pipeline.data.augment)
     augment_padding: int = 4  # zero pixels on each side before the random crop
+    # data=custom only (pipeline.data.custom)
+    _target_: str | None = None  # the factory of the datasets
+    target_key: str = "target"  # dict items: the target's entry; the other entries are the model's keyword inputs
+    collate_fn: TargetConfig | None = None  # batches from items; null = PyTorch's default_collate
+    split_batch: TargetConfig | None = None  # (batch, pieces) -> micro-batches, for batches the OOM fallback can't cut
+    steps_per_epoch: int | None = None  # iterable datasets: batches per epoch (required without __len__)
+    keywords: dict[str, Any] = field(default_factory=dict, metadata=SPREAD)
+
+    @staticmethod
+    def open_fields(node: Any) -> frozenset[str] | None:
+        """With ``data=custom`` (or a ``_target_``), the keys that stay the pipeline's; every other key is a keyword
+        of the factory. None for a built-in source, whose keys are all fixed."""
+        if node.get("name") != "custom" and node.get("_target_") is None:
+            return None
+        return CUSTOM_DATA_KEYS
 
     def check(self) -> None:
+        if self.name == "custom" or self._target_ is not None:
+            self._check_custom()
+            return
+        if self.steps_per_epoch is not None or self.collate_fn is not None or self.split_batch is not None:
+            raise ConfigError("data.name", self.name, "custom for data.collate_fn, data.split_batch, steps_per_epoch")
         if self.name == "imagefolder" and not self.root:
             raise ConfigError("data.root", self.root, "a folder with one sub-folder per class for data=imagefolder")
         if self.image_size is not None and self.image_size < 1:
@@ -187,15 +203,27 @@ class DataConfig:
                 "data.augment_padding", 0, f"an integer >= 1 with data.augment={self.augment} (0 pixels crops nothing)"
             )
 
+    def _check_custom(self) -> None:
+        if self.name != "custom":
+            raise ConfigError("data._target_", self._target_, f"null with data={self.name} (data=custom takes one)")
+        if self._target_ is None:
+            raise ConfigError.missing("data._target_")
+        check_target("data._target_", self._target_)
+        for key, hook in (("data.collate_fn", self.collate_fn), ("data.split_batch", self.split_batch)):
+            if hook is not None:
+                hook.check_at(key)
+        if not self.target_key:
+            raise ConfigError("data.target_key", self.target_key, "the name of the target's entry in dict items")
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+            raise ConfigError("data.steps_per_epoch", self.steps_per_epoch, "null or an integer >= 1")
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ConfigError("data.num_classes", self.num_classes, "null (from the dataset) or an integer >= 1")
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
     epochs: int
     max_steps: int
-    optimizer: Literal["sgd", "adamw"]
-    lr: float
-    momentum: float
-    weight_decay: float
     seed: int
     log_every_n_steps: int
     channels_last: bool
@@ -215,12 +243,6 @@ class TrainerConfig:
             raise ConfigError("trainer.epochs", self.epochs, "an integer >= 1")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError("trainer.max_steps", self.max_steps, "-1 (no limit) or an integer >= 1")
-        if not self.lr > 0:
-            raise ConfigError("trainer.lr", self.lr, "a learning rate > 0")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError("trainer.momentum", self.momentum, "a value in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError("trainer.weight_decay", self.weight_decay, "a value >= 0")
         if self.log_every_n_steps < 1:
             raise ConfigError("trainer.log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
         if not 0 <= self.seed < 2**32:  # torch's generators, NumPy and the loader's worker seeds all take it
@@ -244,6 +266,7 @@ class TrackingConfig:
     experiment: str
     run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    log_model: bool = True  # the trained model as an MLflow logged model (pipeline.record.logged_model)
 
     def check(self) -> None:
         if self.enabled and not self.uri.strip():
@@ -324,6 +347,9 @@ class RunConfig:
     precision: PrecisionConfig
     loader: LoaderConfig
     data: DataConfig
+    task: TaskConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
     trainer: TrainerConfig
     tracking: TrackingConfig
     monitor: MonitorConfig
@@ -347,12 +373,6 @@ class RunConfig:
             raise ConfigError(
                 "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"
             )
-        if self.trainer.channels_last and self.model.name == "mlp":
-            raise ConfigError(
-                "trainer.channels_last",
-                True,
-                "false with model=mlp (channels_last lays out convolution inputs; the MLP has no convolutions)",
-            )
         cuda_only = self.trainer.cuda_only()
         if cuda_only and self.device.name in ("cpu", "mps"):  # device=auto: checked once it has chosen (precision.py)
             key, value = next(iter(cuda_only.items()))
@@ -360,9 +380,39 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain nested values (what the run uses; see ``pipeline.common.secrets`` for the record)."""
-        tree = dataclasses.asdict(self)
-        del tree["env_keys"]
-        return tree
+        return tree(self)
+
+
+def tree(node: Any) -> Any:
+    """A config dataclass as the nested plain values of its YAML: a group's spread keywords back among its keys
+    (``{"_target_": "nets.Tiny", "width": 64}``), unset hooks as null, internal fields left out."""
+    if not dataclasses.is_dataclass(node):
+        if isinstance(node, list):
+            return [tree(item) for item in node]
+        if isinstance(node, dict):
+            return {key: tree(value) for key, value in node.items()}
+        return node
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(node):
+        if f.metadata.get("internal"):
+            continue
+        value = getattr(node, f.name)
+        if value is None and f.metadata.get("omit_none"):
+            continue
+        if f.metadata.get("spread"):
+            out.update(tree(value))
+        else:
+            out[f.name] = tree(value)
+    return out
+
+
+# Keys that moved to a group of their own: named in the refusal of the old key.
+MOVED = {
+    "trainer.optimizer": "optimizer=sgd|adamw|adam|custom (the optimizer group)",
+    "trainer.lr": "optimizer.lr",
+    "trainer.momentum": "optimizer.momentum",
+    "trainer.weight_decay": "optimizer.weight_decay",
+}
 
 
 def cuda_only_expected(key: str, device_type: str) -> str:

@@ -2,9 +2,9 @@
 
 from pipeline.data.augment import CropFlip, make_augment
 from pipeline.data.loaders import (
+    AsGiven,
     EpochLoader,
     EpochOrder,
-    LoaderError,
     Normalize,
     ResidentLoader,
     first_batch,
@@ -12,8 +12,10 @@ from pipeline.data.loaders import (
 )
 from pipeline.data.prefetch import DevicePrefetcher, with_prefetch
 from pipeline.data.sources import DataBundle, DataSpec, load_data
+from pipeline.data.workers import LoaderError
 
 __all__ = [
+    "AsGiven",
     "CropFlip",
     "DataBundle",
     "DataSpec",

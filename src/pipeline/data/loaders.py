@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
 
 from pipeline.common.errors import ConfigError
 from pipeline.config import LoaderConfig
-from pipeline.data.workers import (
-    WATCHDOG_GRACE_S,
-    LoaderError,
-    Watchdog,
-    describe_fault,
-    is_worker_fault,
-    kill_workers,
-    leave_ctrl_c_to_the_trainer,
-)
+from pipeline.data import structures
+from pipeline.data.iterable import IterableLoader
+from pipeline.data.workers import WatchedLoader, leave_ctrl_c_to_the_trainer
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Any, Any]  # (inputs, targets): uint8 images and labels for the built-in sources
 
 
 class EpochOrder(Sampler[int]):
@@ -87,17 +82,8 @@ class EpochOrder(Sampler[int]):
         return self.shard_size - self.start
 
 
-class EpochLoader(DataLoader):
-    """A DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch.
-
-    With workers, a worker that dies or stops answering ends the epoch with a ``LoaderError``
-    rather than a traceback or a hang: ``loader.timeout`` bounds every wait for a batch, including
-    the ones PyTorch's own timeout does not cover (receiving a batch's shared memory from a worker
-    that was stopped, e.g. by SIGSTOP, after it announced the batch), through a SIGALRM watchdog
-    in the main thread (two ``setitimer`` calls a batch, about a microsecond; Windows has no SIGALRM, so there
-    PyTorch's timeout alone applies). Under spawn and forkserver the first batch also waits for the workers to
-    start and import torch, seconds each: loader.timeout must cover that too.
-    """
+class EpochLoader(WatchedLoader):
+    """A watched DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch."""
 
     sampler: EpochOrder
 
@@ -105,58 +91,24 @@ class EpochLoader(DataLoader):
         """Use ``epoch``'s order and pass over its first ``skip`` batches (resume) without loading them."""
         self.sampler.set_epoch(epoch, start=skip * (self.batch_size or 1))
 
-    def __iter__(self) -> Iterator[Batch]:
-        batches = super().__iter__()
-        if self.num_workers == 0:
-            return batches  # the main process loads: nothing to watch, nothing added per batch
-        return self._watched(batches)
-
-    def _watched(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        watchdog = Watchdog(self.timeout + WATCHDOG_GRACE_S if self.timeout else 0.0)
-        with watchdog:
-            while True:
-                try:
-                    with watchdog.armed():
-                        batch = next(batches)
-                except StopIteration:
-                    return
-                except LoaderError:  # the watchdog's: a batch that never came
-                    kill_workers(batches)
-                    raise
-                except RuntimeError as err:
-                    if not is_worker_fault(err):
-                        raise
-                    kill_workers(batches)
-                    raise LoaderError(describe_fault(str(err), self.timeout)) from err
-                except (ConnectionError, EOFError) as err:
-                    if "in DataLoader worker process" in str(err):  # the dataset's own error, re-raised from a worker
-                        raise
-                    # a worker that died while this process received a batch's shared memory from it: the socket
-                    # passing the file descriptor is reset mid-receive, before PyTorch notices the death
-                    kill_workers(batches)
-                    lost = f"a loader worker's connection broke mid-batch ({type(err).__name__}: {err})"
-                    raise LoaderError(describe_fault(lost, self.timeout)) from err
-                yield batch
-
 
 class ResidentLoader:
-    """Batches cut by index from a dataset that lives on the device as two tensors.
+    """Batches cut by index from a dataset that lives on the device: inputs and targets, each a tensor (or a
+    structure of them, ``pipeline.data.structures``).
 
     One permutation per epoch (made on the CPU by an ``EpochOrder``, so the order does not
     depend on the device), then each batch is an index gather on the device: no per-sample
     Python, no collation, no host-to-device copy. Call ``set_epoch`` before each epoch.
     """
 
-    def __init__(
-        self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, shuffle: bool, drop_last: bool, seed: int
-    ) -> None:
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    def __init__(self, images: Any, labels: Any, *, batch_size: int, shuffle: bool, drop_last: bool, seed: int) -> None:
+        if structures.count(images) != structures.count(labels):
+            raise ValueError(f"{structures.count(images)} inputs but {structures.count(labels)} targets")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.images, self.labels = images, labels
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
-        self.order = EpochOrder(len(labels), seed=seed, shuffle=shuffle)
+        self.order = EpochOrder(structures.count(labels), seed=seed, shuffle=shuffle)
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         self.order.set_epoch(epoch, start=skip * self.batch_size)
@@ -169,12 +121,14 @@ class ResidentLoader:
         size, first = self.batch_size, self.order.start
         if not self.shuffle:  # slices are views: no gather
             for start in range(first, first + len(self) * size, size):
-                yield self.images[start : start + size], self.labels[start : start + size]
+                cut = slice(start, start + size)
+                yield structures.take(self.images, cut), structures.take(self.labels, cut)
             return
-        order = self.order.indices().to(self.images.device, non_blocking=True)
+        device = structures.leaves(self.labels)[0].device
+        order = self.order.indices().to(device, non_blocking=True)
         for start in range(0, len(self) * size, size):
             index = order[start : start + size]
-            yield self.images[index], self.labels[index]
+            yield structures.take(self.images, index), structures.take(self.labels, index)
 
 
 class Normalize:
@@ -194,6 +148,18 @@ class Normalize:
         return x.contiguous(memory_format=self.memory_format)
 
 
+class AsGiven:
+    """The user's inputs as their dataset made them (no normalisation); 4-D tensors in ``channels_last`` if asked."""
+
+    def __init__(self, *, channels_last: bool = False) -> None:
+        self.channels_last = channels_last
+
+    def __call__(self, inputs: Any) -> Any:
+        if self.channels_last and isinstance(inputs, torch.Tensor):
+            return inputs.contiguous(memory_format=torch.channels_last)
+        return inputs
+
+
 def make_loader(
     dataset: Dataset,
     cfg: LoaderConfig,
@@ -203,36 +169,44 @@ def make_loader(
     seed: int,
     rank: int = 0,
     world: int = 1,
-) -> EpochLoader | ResidentLoader:
+    collate: Callable[[list[Any]], Any] | None = None,
+    steps: int | None = None,
+) -> EpochLoader | ResidentLoader | IterableLoader:
     """The batches of one split, as ``loader.*`` configures them (this rank's share, under DDP).
 
     Args:
-        dataset: yields ``(uint8 image [C, H, W], label)``.
+        dataset: yields ``(uint8 image [C, H, W], label)``, or the user's items (``collate`` batches them).
         cfg: the loader group.
         device: where training runs (resident data is moved there; pinning only for CUDA).
         train: shuffle and honour ``drop_last`` (validation does neither).
         seed: seeds the shuffling, so the same seed gives the same order.
         rank, world: this process's rank and the number of ranks (DDP); ``loader.batch_size`` is per rank.
+        collate: the user's items into ``(inputs, targets)`` (``pipeline.data.custom.Batches``); None = torch's.
+        steps: an iterable dataset's batches per epoch (None: one pass, for validation).
     """
+    pin = device.type == "cuda" and cfg.pin_memory in ("auto", True)
+    if isinstance(dataset, IterableDataset):
+        return IterableLoader(
+            dataset, cfg, collate=collate, steps=steps, pin=pin, seed=seed, start_method=worker_start_method(cfg)
+        )
     if cfg.resident:
-        images, labels = materialize(dataset)
+        images, labels = materialize(dataset, collate, device=device)
         if world > 1:  # a fixed share per rank, so each moves only its own samples to its device
-            share = resident_share(len(labels), rank=rank, world=world, pad=train)
-            images, labels = images[share], labels[share]
+            share = resident_share(structures.count(labels), rank=rank, world=world, pad=train)
+            images, labels = structures.take(images, share), structures.take(labels, share)
         resident = ResidentLoader(
-            images.to(device),
-            labels.to(device),
+            structures.move(images, device, non_blocking=False),
+            structures.move(labels, device, non_blocking=False),
             batch_size=cfg.batch_size,
             shuffle=train,
             drop_last=train and cfg.drop_last,
             seed=seed,
         )
-        return _with_steps(resident, cfg, len(labels))
+        return _with_steps(resident, cfg, structures.count(labels))
     if cfg.pin_memory is True and device.type != "cuda":
         log.warning(
             "loader.pin_memory=true has no effect on %s: pinned memory speeds up copies to CUDA only", device.type
         )
-    pin = device.type == "cuda" and cfg.pin_memory in ("auto", True)
     loader = EpochLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -246,6 +220,7 @@ def make_loader(
         generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
         multiprocessing_context=worker_start_method(cfg),
         worker_init_fn=leave_ctrl_c_to_the_trainer,
+        collate_fn=collate,
     )
     return _with_steps(loader, cfg, len(dataset))
 
@@ -285,20 +260,59 @@ def _with_steps(batches: EpochLoader | ResidentLoader, cfg: LoaderConfig, sample
     return batches
 
 
-def materialize(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """All samples as two tensors: free for tensor datasets, one decoding pass for image folders."""
+def materialize(
+    dataset: Dataset, collate: Callable[[list[Any]], Any] | None = None, *, device: torch.device | None = None
+) -> tuple[Any, Any]:
+    """All samples as inputs and targets: free for tensor datasets, one pass over the others (an image folder's
+    decoding, the user's items), after their estimated size is checked against the memory free on the host and on
+    ``device``.
+
+    Raises:
+        DoesNotFit: the dataset would not fit (``pipeline.engine.footprint``).
+    """
     if isinstance(dataset, TensorDataset):
         images, labels = dataset.tensors
         return images, labels
-    loader = DataLoader(dataset, batch_size=256, shuffle=False)
+    _check_resident_room(dataset, collate, device)
+    loader = DataLoader(dataset, batch_size=256, shuffle=False, collate_fn=collate)
     parts = list(loader)
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return structures.concat([p[0] for p in parts]), structures.concat([p[1] for p in parts])
 
 
-def first_batch(dataset: Dataset, size: int) -> Batch:
+def _check_resident_room(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, device: Any) -> None:
+    """Refuse ``loader.resident=true`` for a dataset whose first samples say it would not fit where it would live."""
+    from pipeline.engine.footprint import check_data, free_memory, size
+
+    sample = (collate or default_collate)([dataset[i] for i in range(min(8, len(dataset)))])
+    if not structures.only_tensors(sample):
+        raise ConfigError(
+            "loader.resident",
+            True,
+            f"false for batches of {structures.describe(sample)}: a resident dataset is tensors alone, cut by index",
+        )
+    needs = structures.nbytes(sample) * len(dataset) // max(structures.count(sample[1]), 1)
+    fix = "loader.resident=false (the DataLoader reads it as it goes), or a smaller dataset"
+    check_data(f"loader.resident=true with {len(dataset):,} samples", needs, fix)
+    if device is not None and device.type == "cuda":
+        free = free_memory(device)
+        if needs > free.bytes:
+            from pipeline.engine.footprint import DoesNotFit
+
+            raise DoesNotFit(
+                f"loader.resident=true with {len(dataset):,} samples needs about {size(needs)} on {device}, but "
+                f"{size(free.bytes)} is {free.where}: {fix}"
+            )
+
+
+def first_batch(dataset: Dataset, size: int, collate: Callable[[list[Any]], Any] | None = None) -> Batch:
     """The dataset's first ``size`` samples as one batch (a slice of tensor datasets; decoded otherwise)."""
     if isinstance(dataset, TensorDataset):
         images, labels = dataset.tensors
         return images[:size], labels[:size]
-    items = [dataset[i] for i in range(min(size, len(dataset)))]
-    return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])
+    items = []
+    for item in dataset if isinstance(dataset, IterableDataset) else (dataset[i] for i in range(len(dataset))):
+        items.append(item)
+        if len(items) == size:
+            break
+    batch = (collate or default_collate)(items)
+    return batch[0], batch[1]

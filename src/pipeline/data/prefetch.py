@@ -37,8 +37,9 @@ import torch
 
 from pipeline.common.errors import ConfigError
 from pipeline.config import LoaderConfig
+from pipeline.data import structures
 
-Batch = tuple[torch.Tensor, ...]
+Batch = tuple[Any, ...]  # (inputs, targets), each a tensor or a structure of them (pipeline.data.structures)
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,14 @@ class CudaCopies:
         copied = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             started.record(self.stream)
-            batch = tuple(tensor.to(self.device, non_blocking=True) for tensor in host)
+            batch = tuple(structures.move(part, self.device) for part in host)
             copied.record(self.stream)
         return InFlight(batch, host, started, copied)
 
     def hand_over(self, flight: InFlight) -> Batch:
         training = torch.cuda.current_stream(self.device)
         training.wait_event(flight.copied)  # queued on the device: the host goes on
-        for tensor in flight.batch:
+        for tensor in structures.leaves(flight.batch):
             tensor.record_stream(training)  # when freed, the block waits for the training stream's work on it
         return flight.batch
 
@@ -97,7 +98,7 @@ class InlineCopies:
 
     def start(self, host: Batch) -> InFlight:
         started = time.perf_counter()
-        batch = tuple(tensor.to(self.device) for tensor in host)
+        batch = tuple(structures.move(part, self.device, non_blocking=False) for part in host)
         return InFlight(batch, host, started, time.perf_counter())
 
     def hand_over(self, flight: InFlight) -> Batch:

@@ -1,8 +1,9 @@
-"""Datasets, read from files (or made in memory) into one shape: uint8 images, int64 labels.
+"""Datasets, read from files (or made in memory) into one shape: uint8 images, int64 labels; or the user's own.
 
-Every source yields ``(image, label)`` with the image a ``uint8`` tensor ``[C, H, W]``; scaling
+Every built-in source yields ``(image, label)`` with the image a ``uint8`` tensor ``[C, H, W]``; scaling
 to float and normalising happen on the device, on whole batches (``loaders.Normalize``), which
-also makes host-to-device copies four times smaller than float32 would.
+also makes host-to-device copies four times smaller than float32 would. ``data=custom`` is the user's
+factory (``pipeline.data.custom``): its items reach the model as they are.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from pipeline.common.errors import DatasetError
-from pipeline.config import DataConfig
+from pipeline.config import DataConfig, target_label
 from pipeline.data.archives import read_published
 from pipeline.data.images import image_folder
 from pipeline.engine.footprint import FLOAT32, check_data
@@ -27,6 +30,24 @@ log = logging.getLogger(__name__)
 SPLIT_SEED = 0  # fixed, so train/val splits never depend on trainer.seed
 DIGITS_SAMPLES, DIGITS_SIDE = 1797, 28  # scikit-learn's 8x8 digits, upsampled to 28x28 unless data.image_size
 MIN_VAL_SAMPLES = 100  # fewer, and val/acc moves in steps over 1%: too coarse to compare runs by
+
+DIGITS_CLASSES = tuple(str(d) for d in range(10))
+CLASSES = {  # the published datasets' class names, in label order
+    "mnist": DIGITS_CLASSES,
+    "fashion_mnist": (
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ),
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+}
 
 # Per-channel mean/std of the training pixels in [0, 1] (the usual published values).
 _STATS = {
@@ -42,14 +63,23 @@ class DataSpec:
     """What a run trains on: enough to build the model and to record the dataset in MLflow."""
 
     name: str
-    in_shape: tuple[int, int, int]
-    num_classes: int
-    train_size: int
-    val_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
+    in_shape: tuple[int, ...] | None  # one sample's input (None: keyword inputs, or no tensor)
+    num_classes: int | None  # None: not a classification dataset, or unknown
+    train_size: int | None  # None: an iterable dataset without a length
+    val_size: int | None
+    mean: tuple[float, ...] | None  # None: the user's data, handed to the model as it is (no Normalize)
+    std: tuple[float, ...] | None
     source: str  # where it came from: a folder, or how it was made
     digest: str  # 8 hex digits that change when the samples change
+    classes: tuple[str, ...] | None = None  # the class names, in label order
+    class_to_idx: dict[str, int] | None = None  # an image folder's sub-folder -> label
+    inputs: str = "uint8 images"  # what a batch's inputs are, for the record (structures.describe)
+    iterable: bool = False  # an IterableDataset: no sampler, each rank and worker reads its own share
+
+    @property
+    def builtin(self) -> bool:
+        """A built-in source: uint8 images normalised and augmented on the device."""
+        return self.mean is not None
 
 
 @dataclass
@@ -57,6 +87,9 @@ class DataBundle:
     spec: DataSpec
     train: Dataset
     val: Dataset
+    collate: Callable[[list[Any]], Any] | None = None  # None: torch's default (built-in sources)
+    split_batch: Callable[[Any, int], list[Any]] | None = None  # the user's hook for the OOM fallback
+    first: tuple[Any, Any] | None = None  # the first training items as a batch (data=custom; built-ins: first_batch)
 
 
 def load_data(cfg: DataConfig) -> DataBundle:
@@ -65,6 +98,8 @@ def load_data(cfg: DataConfig) -> DataBundle:
     Raises:
         DatasetError: files are missing and could not be downloaded, or the folder is unusable.
     """
+    if cfg.name == "custom":
+        return _custom(cfg)
     _check_room(cfg)
     if cfg.name == "digits":
         bundle = _digits(cfg)
@@ -102,7 +137,7 @@ def _check_room(cfg: DataConfig) -> None:
 def _warn_few_val(cfg: DataConfig, spec: DataSpec) -> None:
     """Warn when val/acc is too coarse to tell runs apart: with n samples it moves in steps of 1/n."""
     n = spec.val_size
-    if n >= MIN_VAL_SAMPLES:
+    if n is None or spec.train_size is None or n >= MIN_VAL_SAMPLES:
         return
     if cfg.name == "synthetic":
         fix = f"data.val_samples >= {MIN_VAL_SAMPLES}"
@@ -133,6 +168,7 @@ def tensor_bundle(
     source: str,
     mean: tuple[float, ...] | None = None,
     std: tuple[float, ...] | None = None,
+    classes: tuple[str, ...] | None = None,
 ) -> DataBundle:
     """Wrap in-memory uint8 images ``[N, C, H, W]`` and labels; mean/std default to the train split's."""
     images, labels = train
@@ -150,6 +186,7 @@ def tensor_bundle(
         std=std,
         source=source,
         digest=_tensor_digest(*train, *val),
+        classes=classes,
     )
     return DataBundle(spec, TensorDataset(*train), TensorDataset(*val))
 
@@ -171,6 +208,7 @@ def _digits(cfg: DataConfig) -> DataBundle:
         val=(images[val_idx], labels[val_idx]),
         num_classes=10,
         source="sklearn.datasets.load_digits",
+        classes=tuple(str(d) for d in range(10)),
     )
 
 
@@ -206,6 +244,7 @@ def _torchvision(cfg: DataConfig) -> DataBundle:
         source=str(root.resolve()),
         mean=mean,
         std=std,
+        classes=CLASSES.get(cfg.name),
     )
 
 
@@ -226,6 +265,8 @@ def _imagefolder(cfg: DataConfig) -> DataBundle:
         std=std,
         source=str(root.resolve()),
         digest=hashlib.sha256(listing.encode()).hexdigest()[:8],
+        classes=tuple(folder.classes),
+        class_to_idx=dict(folder.class_to_idx),
     )
     return DataBundle(spec, Subset(folder, train_idx.tolist()), Subset(folder, val_idx.tolist()))
 
@@ -254,6 +295,38 @@ def _synthetic(cfg: DataConfig) -> DataBundle:
         std=(0.2887,) * shape[0],
         source=f"synthetic: uniform uint8 {list(shape)}, {classes} classes, seed {SPLIT_SEED}",
     )
+
+
+def _custom(cfg: DataConfig) -> DataBundle:
+    """The user's datasets (``pipeline.data.custom``), described by their first batch."""
+    from pipeline.data import custom, structures
+
+    made = custom.load(cfg)
+    inputs = made.first[0]
+    spec = DataSpec(
+        name=target_label(cfg._target_),
+        in_shape=tuple(inputs.shape[1:]) if isinstance(inputs, torch.Tensor) else None,
+        num_classes=made.num_classes,
+        train_size=_length(made.train),
+        val_size=_length(made.val),
+        mean=None,
+        std=None,
+        source=made.source,
+        digest=made.digest,
+        classes=made.classes,
+        class_to_idx=made.class_to_idx,
+        inputs=structures.describe(inputs),
+        iterable=made.iterable,
+    )
+    return DataBundle(spec, made.train, made.val, made.collate, made.split_batch, made.first)
+
+
+def _length(dataset: Any) -> int | None:
+    """A dataset's ``len()``; None for an iterable dataset that has none."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _tensor_digest(*tensors: torch.Tensor) -> str:

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from pipeline.common.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -166,3 +168,47 @@ def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
     with a checkpoint. SIGTERM keeps its default: PyTorch's last resort against a stuck worker is ``terminate()``
     (a SIGTERM sent to the whole group is met in ``pipeline.train`` instead)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class WatchedLoader(DataLoader):
+    """A DataLoader whose workers, when it has any, are watched: a worker that dies or stops answering ends the
+    epoch with a ``LoaderError`` rather than a traceback or a hang. ``loader.timeout`` bounds every wait for a batch,
+    including the ones PyTorch's own timeout does not cover (receiving a batch's shared memory from a worker
+    that was stopped, e.g. by SIGSTOP, after it announced the batch), through a SIGALRM watchdog
+    in the main thread (two ``setitimer`` calls a batch, about a microsecond; Windows has no SIGALRM, so there
+    PyTorch's timeout alone applies). Under spawn and forkserver the first batch also waits for the workers to
+    start and import torch, seconds each: loader.timeout must cover that too.
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        if self.num_workers == 0:
+            return batches  # the main process loads: nothing to watch, nothing added per batch
+        return self._watched(batches)
+
+    def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
+        watchdog = Watchdog(self.timeout + WATCHDOG_GRACE_S if self.timeout else 0.0)
+        with watchdog:
+            while True:
+                try:
+                    with watchdog.armed():
+                        batch = next(batches)
+                except StopIteration:
+                    return
+                except LoaderError:  # the watchdog's: a batch that never came
+                    kill_workers(batches)
+                    raise
+                except RuntimeError as err:
+                    if not is_worker_fault(err):
+                        raise
+                    kill_workers(batches)
+                    raise LoaderError(describe_fault(str(err), self.timeout)) from err
+                except (ConnectionError, EOFError) as err:
+                    if "in DataLoader worker process" in str(err):  # the dataset's own error, re-raised from a worker
+                        raise
+                    # a worker that died while this process received a batch's shared memory from it: the socket
+                    # passing the file descriptor is reset mid-receive, before PyTorch notices the death
+                    kill_workers(batches)
+                    lost = f"a loader worker's connection broke mid-batch ({type(err).__name__}: {err})"
+                    raise LoaderError(describe_fault(lost, self.timeout)) from err
+                yield batch

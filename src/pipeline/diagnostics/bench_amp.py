@@ -38,7 +38,7 @@ def bench_amp_resnet(sizes: Sizes) -> list[Row]:
     if device != "cpu":
         return []
     torch.manual_seed(0)
-    model = resnet("resnet50", in_channels=1, image_px=28, num_classes=10, stem="small").train()
+    model = resnet("resnet50", (1, 28, 28), 10, stem="small").train()
     batch = 4 if sizes is QUICK else 16
     images, labels = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
 

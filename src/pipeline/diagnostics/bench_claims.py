@@ -113,9 +113,9 @@ def bench_amp_check(sizes: Sizes) -> list[Row]:
 
     torch.manual_seed(0)
     images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
-    models = {"MLP 784-512-10": mlp(784, [512], 10)}
+    models = {"MLP 784-512-10": mlp((784,), 10, [512])}
     if not _quick(sizes):
-        models["ResNet-18, 28 px"] = resnet("resnet18", in_channels=1, image_px=28, num_classes=10, stem="small")
+        models["ResNet-18, 28 px"] = resnet("resnet18", (1, 28, 28), 10, stem="small")
     rows = []
     for name, model in models.items():
         probes = [probe_cpu_amp(model, images, labels, dtype=torch.bfloat16) for _ in range(sizes.repeats + 2)]

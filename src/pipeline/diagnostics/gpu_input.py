@@ -88,7 +88,7 @@ def bare_resnet(plan: Plan, *, amp: bool, channels_last: bool, seconds: float) -
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    model = resnet("resnet50", in_channels=3, image_px=plan.image_px, num_classes=1000, stem="imagenet")
+    model = resnet("resnet50", (3, plan.image_px, plan.image_px), 1000, stem="imagenet")
     model = model.to(device, memory_format=layout).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     images = torch.randn(plan.batch, 3, plan.image_px, plan.image_px, device=device).contiguous(memory_format=layout)

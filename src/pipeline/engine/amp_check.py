@@ -31,12 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipeline.common.stats import paired_ratio
+from pipeline.data.structures import call_model, count, take
 from pipeline.engine.precision import PrecisionPolicy
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ MAX_REPEATS = 100
 BUDGET_S = 10.0  # no pair starts that would end later (the warm-ups always run)
 SAME = 1.10  # amp within this factor of float32's speed either way is "about the same"
 _FORMATS = {"bf16": "bfloat16", "fp16": "float16"}
+Loss = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> scalar
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def has_amx() -> bool | None:
     return None if flags is None else "amx_bf16" in flags
 
 
-def probe_batch(model: nn.Module, images: torch.Tensor, run_batch: int) -> int:
+def probe_batch(model: nn.Module, images: Any, run_batch: int) -> int:
     """The run's batch, capped so that one float32 step is about ``PROBE_FLOPS`` of arithmetic.
 
     The FLOPs are counted on a 2-sample forward of ``model`` (in eval mode, on a copy): the same for every run of
@@ -128,23 +131,24 @@ def probe_batch(model: nn.Module, images: torch.Tensor, run_batch: int) -> int:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    sample = images[:PROBE_MIN_BATCH]
+    sample = take(images, slice(0, PROBE_MIN_BATCH))
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
-        model.eval()(sample)
-    per_sample = 3 * counter.get_total_flops() / len(sample)  # forward + backward ~ 3 forwards
+        call_model(model.eval(), sample)
+    per_sample = 3 * counter.get_total_flops() / count(sample)  # forward + backward ~ 3 forwards
     fits = int(PROBE_FLOPS // per_sample) if per_sample > 0 else run_batch
-    return max(PROBE_MIN_BATCH, min(run_batch, len(images), fits))
+    return max(PROBE_MIN_BATCH, min(run_batch, count(images), fits))
 
 
 def probe_cpu_amp(
     model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
+    images: Any,
+    labels: Any,
     *,
     dtype: torch.dtype,
     budget_s: float = BUDGET_S,
     pairs: int = PAIRS,
+    loss: Loss = F.cross_entropy,
 ) -> AmpProbe:
     """Time training steps of ``model`` in float32 and under CPU autocast to ``dtype``, in interleaved pairs.
 
@@ -154,7 +158,8 @@ def probe_cpu_amp(
     Args:
         model: The run's model, on the CPU.
         images: An already-normalised float32 batch on the CPU (the run's first, after ``prepare``).
-        labels: Its int64 class labels; the loss is ``F.cross_entropy``.
+        labels: Its targets.
+        loss: The run's loss (``pipeline.engine.tasks``): ``loss(outputs, targets)``.
         dtype: The autocast dtype the run would use (``torch.bfloat16`` or ``torch.float16``).
         budget_s: No pair starts that would end after this many seconds (the two warm-ups always run).
         pairs: The most pairs.
@@ -163,10 +168,11 @@ def probe_cpu_amp(
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         copied = _bare_copy(model)
-        batch = probe_batch(copied, images, len(images))
+        batch = probe_batch(copied, images, count(labels))
         copied.train()
-        fp32_step = _train_step(copied, images[:batch], labels[:batch], None)
-        amp_step = _train_step(copied, images[:batch], labels[:batch], dtype)
+        cut = slice(0, batch)
+        fp32_step = _train_step(copied, take(images, cut), take(labels, cut), None, loss)
+        amp_step = _train_step(copied, take(images, cut), take(labels, cut), dtype, loss)
         first, times = time_pairs(fp32_step, amp_step, pairs=pairs, until=deadline)
     if not times[0]:
         return AmpProbe(first[0], first[1], math.nan, batch, 0, name, has_amx())
@@ -224,7 +230,7 @@ def _bare_copy(model: nn.Module) -> nn.Module:
 
 
 def _train_step(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype | None
+    model: nn.Module, images: Any, labels: Any, dtype: torch.dtype | None, loss: Loss
 ) -> Callable[[], None]:
     """One forward and backward step, as the loop runs it (no optimizer step: it costs the same in both)."""
 
@@ -232,8 +238,8 @@ def _train_step(
         model.zero_grad(set_to_none=True)
         cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with cast:
-            loss = F.cross_entropy(model(images), labels)
-        loss.backward()
+            value = loss(call_model(model, images), labels)
+        value.backward()
 
     return step
 
@@ -252,7 +258,7 @@ def amp_advice(probe: AmpProbe) -> str | None:
 
 
 def check_cpu_amp(
-    policy: PrecisionPolicy, model: nn.Module, batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    policy: PrecisionPolicy, model: nn.Module, batch: Callable[[], tuple[Any, Any]], loss: Loss = F.cross_entropy
 ) -> AmpProbe | None:
     """With amp=true on the CPU, time the run's model in both formats before training and warn if amp is slower.
 
@@ -261,7 +267,7 @@ def check_cpu_amp(
     """
     if policy.device_type != "cpu" or policy.dtype is None:
         return None
-    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype)
+    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype, loss=loss)
     advice = amp_advice(probe)
     if advice:
         log.warning(advice)

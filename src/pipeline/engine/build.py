@@ -11,13 +11,16 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pipeline.common.errors import ConfigError
 from pipeline.config import LoaderConfig, RunConfig
 from pipeline.data import (
+    AsGiven,
     CropFlip,
+    DataBundle,
     DataSpec,
     DevicePrefetcher,
     EpochLoader,
@@ -29,15 +32,20 @@ from pipeline.data import (
     make_loader,
     with_prefetch,
 )
+from pipeline.data.iterable import IterableLoader, check_shares, steps_per_epoch
+from pipeline.data.structures import move, split
 from pipeline.engine.amp_check import AmpProbe, check_cpu_amp
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.engine.devices import DeviceChoice, activate, resolve_device
 from pipeline.engine.footprint import check_training
+from pipeline.engine.inputs import check_first_batch
 from pipeline.engine.loop import TrainState
 from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_tail
-from pipeline.engine.models import build_model, build_optimizer, count_parameters
+from pipeline.engine.models import BUILTIN, build_model, count_parameters
+from pipeline.engine.optim import build_optimizer, build_scheduler
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.engine.provenance import run_name
+from pipeline.engine.tasks import Task, make_task
 from pipeline.parallel.distributed import Group, Solo
 
 log = logging.getLogger(__name__)
@@ -52,12 +60,14 @@ class Setup:
     policy: PrecisionPolicy
     backends: dict[str, str]
     spec: DataSpec
+    task: Task  # the loss and the validation metrics (pipeline.engine.tasks)
+    first: tuple[Any, Any]  # the first training batch on the host (the logged model's input example)
     state: TrainState
     eval_micro: MicroBatcher  # evaluation's own: its out-of-memory errors never shrink training's
     parameters: int
-    train_batches: EpochLoader | ResidentLoader | DevicePrefetcher
-    val_batches: EpochLoader | ResidentLoader | DevicePrefetcher
-    prepare: Normalize  # per micro-batch: evaluation's whole path, training's last step
+    train_batches: EpochLoader | ResidentLoader | IterableLoader | DevicePrefetcher
+    val_batches: EpochLoader | ResidentLoader | IterableLoader | DevicePrefetcher
+    prepare: Normalize | AsGiven  # per micro-batch: evaluation's whole path, training's last step
     augment: CropFlip | None  # training only, once per batch before the OOM replay; None = data.augment=none
     run_name: str
     amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
@@ -93,57 +103,63 @@ def build(
 
     data = load_data(cfg.data)
     spec = data.spec
-    check_training(cfg, in_shape=spec.in_shape, num_classes=spec.num_classes, device=device)  # before allocating
-    model = build_model(cfg.model, in_shape=spec.in_shape, num_classes=spec.num_classes).to(device)
+    task = make_task(cfg.task).to(device)
+    model = _model(cfg, spec, device)
     batchnorm = has_batchnorm(model)
     train_loader = _batchnorm_safe(cfg, batchnorm=batchnorm, samples=spec.train_size, world=group.world_size)
+    if spec.builtin:
+        prepare: Normalize | AsGiven = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
+    else:
+        prepare = AsGiven(channels_last=t.channels_last)
+    first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
+    check_first_batch(
+        model, task, first, prepare=prepare, device=device, channels_last=t.channels_last, autocast=policy.autocast
+    )
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    prepare = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
-    augment = make_augment(
-        cfg.data, in_shape=spec.in_shape, seed=t.seed, device=device, rank=group.rank, world=group.world_size
-    )
+    augment = None
+    if spec.builtin:  # the user's data arrives augmented by its own transform
+        augment = make_augment(
+            cfg.data, in_shape=spec.in_shape, seed=t.seed, device=device, rank=group.rank, world=group.world_size
+        )
 
-    def first_prepared() -> tuple[torch.Tensor, torch.Tensor]:  # read only when the amp check runs
-        images, labels = first_batch(data.train, cfg.loader.batch_size)
-        return prepare(images.to(device)), labels.to(device)
+    def first_prepared() -> tuple[Any, Any]:  # read only when the amp check runs
+        images, labels = first_batch(data.train, cfg.loader.batch_size, data.collate)
+        return prepare(move(images, device)), move(labels, device)
 
-    amp_probe = check_cpu_amp(policy, model, first_prepared)
+    amp_probe = check_cpu_amp(policy, model, first_prepared, loss=task.loss)
     parameters = count_parameters(model)
     model = group.wrap(model)
     if t.compile:  # around DDP's wrapper, not inside it: dynamo's DDPOptimizer then splits the graph at DDP's buckets,
         # so each bucket's all-reduce starts while backward still computes (one compiled backward would hold all back)
         model = compile_model(model, mode=t.compile_mode)  # compiles lazily: the first step pays
-    optimizer = build_optimizer(  # the model's own parameters: not DDP's agreement (pipeline.parallel.overlap.Agreeing)
-        t.optimizer, group.unwrap(model).parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-    )
+    # the model's own parameters: not DDP's agreement (pipeline.parallel.overlap.Agreeing)
+    optimizer = build_optimizer(cfg.optimizer, group.unwrap(model).parameters())
     batch = cfg.loader.batch_size
-    shard = {"rank": group.rank, "world": group.world_size}
+    train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(t, len(train_batches)))
     setup = Setup(
         cfg=cfg,
         choice=choice,
         policy=policy,
         backends=backends,
         spec=spec,
+        task=task,
+        first=first,
         state=TrainState(
             model,
             optimizer,
             policy.make_scaler(),
             MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1),
             compiles=CompileWatch.start() if t.compile else NO_COMPILE,
+            scheduler=scheduler,
+            task=task,
+            split=_splitter(data),
         ),
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
         parameters=parameters,
-        train_batches=with_prefetch(
-            make_loader(data.train, train_loader, device=device, train=True, seed=t.seed, **shard),
-            cfg.loader,
-            device=device,
-        ),
-        val_batches=with_prefetch(
-            make_loader(data.val, cfg.loader, device=device, train=False, seed=t.seed, **shard),
-            cfg.loader,
-            device=device,
-        ),
+        train_batches=train_batches,
+        val_batches=val_batches,
         prepare=prepare,
         augment=augment,
         run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
@@ -151,18 +167,83 @@ def build(
         group=group,
     )
     log.info(
-        "run %s: %s on %s, %d train / %d val samples, %s parameters",
+        "run %s: %s on %s, %s train / %s val samples, %s parameters",
         setup.run_name,
-        cfg.model.name,
+        cfg.model.label,
         spec.name,
-        spec.train_size,
-        spec.val_size,
+        spec.train_size if spec.train_size is not None else "a stream of",
+        spec.val_size if spec.val_size is not None else "a stream of",
         f"{parameters:,}",
     )
     return setup
 
 
-def _batchnorm_safe(cfg: RunConfig, *, batchnorm: bool, samples: int, world: int) -> LoaderConfig:
+def _model(cfg: RunConfig, spec: DataSpec, device: torch.device) -> torch.nn.Module:
+    """The model on ``device``, after its memory needs were checked: the pipeline's own factories on the meta device
+    before anything is allocated; a user's model (or pretrained weights) once made, on the host."""
+    shapes = {"in_shape": spec.in_shape, "num_classes": spec.num_classes}
+    own = cfg.model._target_.startswith(BUILTIN) and not cfg.model.keywords.get("weights")
+    if own:
+        check_training(cfg, **shapes, device=device)
+    model = build_model(cfg.model, **shapes)
+    if not own:
+        check_training(cfg, **shapes, device=device, model=model)
+    return model.to(device)
+
+
+def _loaders(
+    cfg: RunConfig, data: DataBundle, train_loader: LoaderConfig, *, device: torch.device, group: Solo | Group
+) -> tuple[Any, Any]:
+    """The training and validation batches (this rank's share), each behind a device prefetcher where wanted; the
+    user's datasets are checked for what their workers and ranks need first."""
+    from pipeline.data import custom
+
+    seed, shard = cfg.trainer.seed, {"rank": group.rank, "world": group.world_size}
+    steps = None
+    if data.spec.iterable:
+        steps = steps_per_epoch(
+            data.train, configured=cfg.data.steps_per_epoch, batch_size=cfg.loader.batch_size, world=group.world_size
+        )
+        check_shares(data.train, cfg.loader, collate=data.collate, gather=group.gather, world=group.world_size)
+    elif cfg.data.steps_per_epoch is not None:
+        raise ConfigError(
+            "data.steps_per_epoch", cfg.data.steps_per_epoch, "null for a map-style dataset (its length is the epoch)"
+        )
+    if not data.spec.builtin:
+        custom.check_picklable(data, cfg.loader)
+    made = [
+        make_loader(dataset, loader, device=device, train=train, seed=seed, collate=data.collate, steps=n, **shard)
+        for dataset, loader, train, n in ((data.train, train_loader, True, steps), (data.val, cfg.loader, False, None))
+    ]
+    return tuple(with_prefetch(batches, cfg.loader, device=device) for batches in made)
+
+
+def _splitter(data: DataBundle) -> Any:
+    """How the out-of-memory fallback cuts a batch: the user's ``data.split_batch``, checked to give as many pieces
+    as asked, or the structures' own cut."""
+    hook = data.split_batch
+    if hook is None:
+        return split
+
+    def cut(batch: Any, pieces: int) -> list[Any]:
+        parts = list(hook(batch, pieces))
+        if len(parts) != pieces:
+            from pipeline.common.errors import DatasetError
+
+            raise DatasetError(f"data.split_batch returned {len(parts)} micro-batches where {pieces} were asked for")
+        return parts
+
+    return cut
+
+
+def total_steps(trainer: Any, per_epoch: int) -> int:
+    """The run's optimizer steps: every epoch's batches, or ``trainer.max_steps`` when fewer (the schedule's
+    length)."""
+    steps = trainer.epochs * per_epoch
+    return min(steps, trainer.max_steps) if trainer.max_steps > 0 else steps
+
+
+def _batchnorm_safe(cfg: RunConfig, *, batchnorm: bool, samples: int | None, world: int) -> LoaderConfig:
     """The training loader's config, such that a model with BatchNorm never trains on a batch of one sample (the
     statistics of one value per channel are undefined: PyTorch stops with "Expected more than 1 value per channel").
 
@@ -174,12 +255,16 @@ def _batchnorm_safe(cfg: RunConfig, *, batchnorm: bool, samples: int, world: int
     loader = cfg.loader
     if not batchnorm:
         return loader
-    why = f"at least 2 for model={cfg.model.name}: its BatchNorm layers cannot normalise a batch of one sample"
+    why = f"at least 2 for model={cfg.model.label}: its BatchNorm layers cannot normalise a batch of one sample"
     if loader.batch_size == 1:
         raise ConfigError("loader.batch_size", 1, why)
     if cfg.oom.micro_batch_size == 1:
         raise ConfigError("oom.micro_batch_size", 1, why)
-    if loader.drop_last or not single_sample_tail(samples, batch_size=loader.batch_size, world=world):
+    if (
+        samples is None
+        or loader.drop_last
+        or not single_sample_tail(samples, batch_size=loader.batch_size, world=world)
+    ):
         return loader
     share = f" over {world} ranks" if world > 1 else ""
     log.warning(

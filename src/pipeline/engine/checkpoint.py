@@ -1,9 +1,11 @@
 """Checkpoints on disk: written atomically, with a small ``state.json`` beside them, under a lock.
 
-A checkpoint holds everything needed to continue as if nothing happened: model, optimizer and
+A checkpoint holds everything needed to continue as if nothing happened: model, optimizer, schedule and
 GradScaler state, torch's RNG states, the epoch/batch/step position (the data order is a
 function of the seed and the epoch, see ``data.loaders.EpochOrder``), the micro-batch size, the
-config that made it and the MLflow run id. It is written to a temporary file in the same folder
+config that made it, the class names and the MLflow run id, all of them tensors and plain values, so that
+``torch.load(path, weights_only=True)`` reads it anywhere, without this package. It is written to a temporary file
+in the same folder
 and renamed over ``last.pt``: a reader sees the previous checkpoint or the new one, never half
 of one. Beside it, ``state.json`` says in a few hundred bytes whose run it is, where it stands
 and whether that run finished, so ``resume=latest`` can choose without loading every checkpoint;
@@ -48,7 +50,7 @@ LAST = "last.pt"
 STATE = "state.json"
 LOCK = "run.lock"
 HOLDER = "run.lock.holder"  # who holds run.lock, written once it is taken (filelock truncates the lock file itself)
-FORMAT = 2  # 2: the data order is (seed, epoch); format 1 carried a generator state instead
+FORMAT = 3  # 3: plain values only, and the schedule; 2: the data order is (seed, epoch); 1: a generator state
 WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")  # torch.save on a full disk
 
 
@@ -105,7 +107,8 @@ def load(path: Path) -> dict[str, Any]:
         CheckpointError: not a readable checkpoint (truncated, another file) or one from an older pipeline.
     """
     try:
-        # weights_only: tensors and plain values only (a crafted file's pickle could run any code); Position is ours
+        # weights_only: tensors and plain values only (a crafted file's pickle could run any code); format 2 held
+        # Position objects, allowed here so that such a file is refused below for its format, not as foreign
         with torch.serialization.safe_globals([Position]), warnings.catch_warnings():
             # a plain pickle (not torch.save's) draws torch's warning before the refusal below says it in one line
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
@@ -126,8 +129,10 @@ def load(path: Path) -> dict[str, Any]:
         version = payload.get("format", 1) if isinstance(payload, dict) else "none"
         raise CheckpointError(
             f"{path} was written by an older pipeline or another program (checkpoint format {version}, this one "
-            f"reads {FORMAT}): its data order cannot be reproduced; start a new run"
+            f"reads {FORMAT}): start a new run"
         )
+    if isinstance(payload.get("position"), dict):  # saved as a plain dict: readable without this package
+        payload["position"] = Position(**payload["position"])
     return payload
 
 
@@ -241,6 +246,7 @@ def payload(state: Any, **extra: Any) -> dict[str, Any]:
     return {
         "model": unwrap(state.model).state_dict(),  # behind torch.compile's and DDP's wrappers
         "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),  # {} for scheduler=none
         "scaler": state.scaler.state_dict(),
         "micro_batch": state.micro.micro_batch,
         **extra,
@@ -309,6 +315,7 @@ class Checkpointer:
         lock: RunLock | None = None,
         write: bool = True,
         world_size: int = 1,
+        classes: list[str] | None = None,
     ) -> Checkpointer:
         """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
         ``state`` (a ``loop.TrainState``) and ``config`` (the masked config, compared on resume).
@@ -319,7 +326,9 @@ class Checkpointer:
         return cls(
             folder=folder,
             enabled=cfg.checkpoint.enabled and write,
-            contents=lambda: payload(state, run_id=run_id, run_name=run_name, config=config, world_size=world_size),
+            contents=lambda: payload(
+                state, run_id=run_id, run_name=run_name, config=config, world_size=world_size, classes=classes
+            ),
             device=device,
             scope={
                 "run_id": run_id,
@@ -337,7 +346,8 @@ class Checkpointer:
         if position == self.last:  # a mid-epoch checkpoint was just written here: only the status changes
             self._write_state(position, status)
             return self.path
-        save(self.path, {**self.contents(), "format": FORMAT, "position": position, "rng": rng_state(self.device)})
+        contents = {**self.contents(), "format": FORMAT, "position": asdict(position), "rng": rng_state(self.device)}
+        save(self.path, contents)
         self._write_state(position, status)
         self.last = position
         return self.path

@@ -89,50 +89,85 @@ class Estimate:
         return self.state_bytes + self.batch_bytes
 
 
-def estimate(cfg: RunConfig, *, in_shape: tuple[int, int, int], num_classes: int, samples: int) -> Estimate:
+def estimate(
+    cfg: RunConfig,
+    *,
+    in_shape: tuple[int, ...] | None,
+    num_classes: int | None,
+    samples: int,
+    model: torch.nn.Module | None = None,
+) -> Estimate:
     """The training state and a ``samples``-sample micro-batch of ``cfg``'s model on ``in_shape`` inputs, measured on
-    the meta device (nothing is allocated, whatever the sizes)."""
+    the meta device (nothing is allocated, whatever the sizes). Without ``model``, the pipeline's own factory makes
+    it there; a user's model, made already, runs on meta copies of its tensors (``torch.func.functional_call``).
+    Inputs that are no single tensor (``in_shape`` None) count the state alone."""
     from pipeline.engine.models import build_model
 
-    with torch.device("meta"):
-        model = build_model(cfg.model, in_shape=in_shape, num_classes=num_classes).eval()  # 1 sample: BN
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(cfg.model, in_shape=in_shape, num_classes=num_classes)
+    model.eval()  # 1 sample: BatchNorm
     parameters = sum(p.numel() for p in model.parameters())
-    t = cfg.trainer
-    moments = 2 if t.optimizer == "adamw" else 1 if t.momentum else 0  # AdamW's two moments, SGD's momentum
-    kept = [samples * math.prod(in_shape)]
+    kept = [samples * math.prod(in_shape)] if in_shape is not None else [0]
 
     def keep(module: torch.nn.Module, inputs: object, output: object) -> None:
         if isinstance(output, torch.Tensor):
             kept.append(output.numel())
 
     weighted = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-    handles = [m.register_forward_hook(keep) for m in weighted]
+    handles = [m.register_forward_hook(keep) for m in weighted] if in_shape is not None else []
     try:
-        model(torch.empty(samples, *in_shape, device="meta"))
-    except (RuntimeError, ValueError):  # an input too small for the model: the real run says so, in its own words
-        kept = kept[:1]
+        if in_shape is not None:
+            _meta_forward(model, torch.empty(samples, *in_shape, device="meta"))
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):  # too small an input, an op without a meta
+        kept = kept[:1]  # kernel: the real run says so in its own words
     finally:
         for handle in handles:
             handle.remove()
     per_value = HALF if cfg.amp else FLOAT32
-    return Estimate(parameters, parameters * FLOAT32 * (2 + moments), sum(kept) * per_value, samples)
+    return Estimate(parameters, parameters * FLOAT32 * (2 + _moments(cfg)), sum(kept) * per_value, samples)
 
 
-def check_training(cfg: RunConfig, *, in_shape: tuple[int, int, int], num_classes: int, device: torch.device) -> None:
+def _meta_forward(model: torch.nn.Module, inputs: torch.Tensor) -> None:
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if all(t.is_meta for t in tensors.values()):
+        model(inputs)
+        return
+    meta = {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
+    torch.func.functional_call(model, meta, (inputs,))
+
+
+def _moments(cfg: RunConfig) -> int:
+    """Tensors the optimizer keeps per parameter: Adam's two moments, SGD's momentum (others: none counted, a
+    floor)."""
+    target = cfg.optimizer._target_.rsplit(".", 1)[-1].lower()
+    if target.startswith("adam"):
+        return 2
+    return 1 if target == "sgd" and cfg.optimizer.keywords.get("momentum") else 0
+
+
+def check_training(
+    cfg: RunConfig,
+    *,
+    in_shape: tuple[int, ...] | None,
+    num_classes: int | None,
+    device: torch.device,
+    model: torch.nn.Module | None = None,
+) -> None:
     """Refuse a model whose training state and smallest micro-batch (``oom.min_micro_batch`` samples: the least the
     out-of-memory fallback can shrink to) exceed the memory free on ``device``.
 
     Raises:
         DoesNotFit: with the estimate, its parts, the free memory and what to change.
     """
-    need = estimate(cfg, in_shape=in_shape, num_classes=num_classes, samples=cfg.oom.min_micro_batch)
+    need = estimate(cfg, in_shape=in_shape, num_classes=num_classes, samples=cfg.oom.min_micro_batch, model=model)
     free = free_memory(device)
     if need.total <= free.bytes:
         return
-    shape = "x".join(map(str, in_shape))
-    sizes = f" model.hidden_sizes={cfg.model.hidden_sizes}" if cfg.model.hidden_sizes else ""
+    shape = f" on {'x'.join(map(str, in_shape))} inputs" if in_shape is not None else ""
+    sizes = f" model.hidden_sizes={cfg.model.keywords['hidden_sizes']}" if "hidden_sizes" in cfg.model.keywords else ""
     raise DoesNotFit(
-        f"model={cfg.model.name}{sizes} on {shape} inputs needs at least {size(need.total)} to train "
+        f"model={cfg.model.label}{sizes}{shape} needs at least {size(need.total)} to train "
         f"({size(need.state_bytes)} for {need.parameters:,} parameters, their gradients and the optimizer's state; "
         f"{size(need.batch_bytes)} for a micro-batch of {need.samples}), but the {free.where} is "
         f"{size(free.bytes)}: use a smaller model or input size (data.image_size), or a machine with more memory"

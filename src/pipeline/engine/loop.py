@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pipeline.data.structures import call_model, count, move, split
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
 from pipeline.engine.losses import LossWindow
 from pipeline.engine.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
+from pipeline.engine.optim import NoSchedule, Schedule, current_lr
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.tasks import Classification, Task
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
 from pipeline.parallel.distributed import Group, Solo
 
@@ -31,10 +34,14 @@ SOLO = Solo()  # a plain run: every collective is free
 LogFn = Callable[[dict[str, float], int], None]
 
 
+Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
+
+
 @dataclass
 class TrainState:
-    """What an epoch advances: the model, its optimizer and scaler, the micro-batch, the global step, and what
-    torch.compile has compiled (an eager run's watch never changes)."""
+    """What an epoch advances: the model, its optimizer, schedule and scaler, the micro-batch, the global step, and
+    what torch.compile has compiled (an eager run's watch never changes); with the task that scores a batch and how
+    a batch is cut into micro-batches (``data.split_batch``, or ``pipeline.data.structures.split``)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -42,6 +49,9 @@ class TrainState:
     micro: MicroBatcher
     step: int = 0
     compiles: CompileWatch | NoCompile = NO_COMPILE
+    scheduler: Schedule = field(default_factory=NoSchedule)
+    task: Task = field(default_factory=Classification)
+    split: Splitter = split
 
 
 @dataclass(frozen=True)
@@ -64,9 +74,16 @@ class EpochStats:
 
 @dataclass(frozen=True)
 class EvalStats:
-    loss: float
-    accuracy: float
+    metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.tasks)
     samples: int
+
+    @property
+    def loss(self) -> float:
+        return self.metrics.get("val/loss", float("nan"))
+
+    @property
+    def accuracy(self) -> float:
+        return self.metrics.get("val/acc", float("nan"))
 
 
 def train_epoch(
@@ -118,12 +135,12 @@ def train_epoch(
     stopped = 0
     for images, labels in timer.batches(batches):
         compiled_before = state.compiles.count  # a Python int: reading it costs nothing
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
+        images = move(images, device)  # a tensor (built-in sources) or the user's structure of them
+        labels = move(labels, device)
         timer.copied()
         if augment is not None:  # once per batch, before the replay below (off: not even a call)
             images = augment(images, state.step + 1)
-        n = labels.shape[0]
+        n = count(labels)
         while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
             # DDP, once a step has fit: the last micro-batch's backward is held back and runs after the agreement,
             # with the all-reduce inside it; until then (and in one process) every backward runs here
@@ -184,6 +201,7 @@ def train_epoch(
         state.micro.found = True
         scaler.step(optimizer)
         scaler.update()
+        state.scheduler.step()  # once per optimizer step, whatever the micro-batches (scheduler=none: nothing)
         if scaler.is_enabled():  # float16: the scaler already synced this step; a lower scale = a skipped step
             new_scale = scaler.get_scale()
             skipped, scale = skipped + (new_scale < scale), new_scale
@@ -194,7 +212,8 @@ def train_epoch(
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
         if state.step % log_every == 0:
-            log({"train/loss": window.close(carried), **group.step_metrics()}, state.step)  # host sync; NaN/inf raise
+            logged = {"train/loss": window.close(carried), "train/lr": current_lr(optimizer)}  # host sync; NaN raises
+            log({**logged, **group.step_metrics()}, state.step)
         if checkpoint_every and state.step % checkpoint_every == 0:
             window.verify()  # host sync point; raises on NaN/inf before anything is written
             save_checkpoint()
@@ -222,36 +241,37 @@ def train_epoch(
 
 def forward_backward(
     state: TrainState,
-    images: torch.Tensor,
-    labels: torch.Tensor,
+    images: Any,
+    labels: Any,
     *,
     policy: PrecisionPolicy,
-    prepare: Callable[[torch.Tensor], torch.Tensor],
+    prepare: Callable[[Any], Any],
     hold_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of the batch's mean loss, summed over micro-batches; returns that loss, detached.
 
-    Each micro-batch's loss is weighted by its share of the batch, so the gradients equal the
-    whole batch's (up to float rounding) and the optimizer step is unchanged. With ``hold_last``, the last
-    micro-batch's backward is not run: its weighted loss is returned second (else None), for DDP to run it with
-    the all-reduce overlapped once the ranks have agreed that the step goes on.
+    Each micro-batch's loss is weighted by its share of what the loss averages over (``task.weight``: samples,
+    elements or counted tokens), so the gradients equal the whole batch's (up to float rounding) and the optimizer
+    step is unchanged. With ``hold_last``, the last micro-batch's backward is not run: its weighted loss is returned
+    second (else None), for DDP to run it with the all-reduce overlapped once the ranks have agreed that the step
+    goes on. The forward and the loss run under autocast (``amp=true``).
     """
     state.optimizer.zero_grad(set_to_none=True)
-    n = labels.shape[0]
-    pieces = state.micro.pieces(n)
+    task = state.task
+    pieces = state.micro.pieces(count(labels))
     if pieces == 1:  # the common case: no accumulation, no extra ops
         with policy.autocast():
-            loss = F.cross_entropy(state.model(prepare(images)), labels)
+            loss = task.loss(call_model(state.model, prepare(images)), labels)
         if hold_last:
             return loss.detach(), loss
         state.scaler.scale(loss).backward()
         return loss.detach(), None
-    total = torch.zeros((), device=labels.device)
-    for index, (part, part_labels) in enumerate(
-        zip(images.tensor_split(pieces), labels.tensor_split(pieces), strict=True)
-    ):
+    parts = state.split((images, labels), pieces)
+    whole = task.weight(labels)
+    total = torch.zeros((), device=_device_of(labels))
+    for index, (part, part_labels) in enumerate(parts):
         with policy.autocast():
-            loss = F.cross_entropy(state.model(prepare(part)), part_labels) * (part_labels.shape[0] / n)
+            loss = task.loss(call_model(state.model, prepare(part)), part_labels) * (task.weight(part_labels) / whole)
         total += loss.detach()
         if hold_last and index == pieces - 1:
             return total, loss
@@ -259,35 +279,46 @@ def forward_backward(
     return total, None
 
 
+def _device_of(batch: Any) -> torch.device:
+    from pipeline.data.structures import leaves
+
+    found = leaves(batch)
+    return found[0].device if found else torch.device("cpu")
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[Any],
     *,
     device: torch.device,
     policy: PrecisionPolicy,
-    prepare: Callable[[torch.Tensor], torch.Tensor],
+    prepare: Callable[[Any], Any],
     micro: MicroBatcher | None = None,
     group: Solo | Group = SOLO,
+    task: Task | None = None,
+    split_batch: Splitter = split,
 ) -> EvalStats:
-    """Mean loss and accuracy over ``batches``; one host sync at the end.
+    """``val/loss`` and the task's metrics over ``batches``; one host sync at the end.
 
     With ``micro`` (evaluation's own, never training's), batches run in its micro-batches and an
     out-of-memory error shrinks them and replays the batch (no accumulation needed: evaluation only sums).
     Under DDP each rank evaluates its share and the sums are reduced before they become numbers.
     """
+    task = task or Classification()
     model.eval()
-    total_loss = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
+    task.reset()
+    exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+    totals = torch.zeros(task.width, device=device, dtype=exact)  # a rank without batches sends these zeros
     samples = 0
     for images, labels in batches:
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        n = labels.shape[0]
+        images, labels = move(images, device), move(labels, device)
+        n = count(labels)
         while True:
             try:
-                batch_loss, batch_correct = _evaluate_batch(
-                    model, images, labels, policy=policy, prepare=prepare, chunks=micro.chunks(n) if micro else [(0, n)]
+                pieces = micro.pieces(n) if micro else 1
+                batch_sums = _evaluate_batch(
+                    model, split_batch((images, labels), pieces), task=task, policy=policy, prepare=prepare
                 )
                 break
             except Exception as err:
@@ -297,32 +328,24 @@ def evaluate(
                         raise recompile_limit_error(None) from err
                     raise
             micro.recover(failure, step=-1, optimizer=None, scaler=None, device=device)
-        total_loss += batch_loss
-        correct += batch_correct
+        totals += batch_sums.to(exact)
         samples += n
-    exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    counted = torch.tensor(samples, device=device)
-    totals = group.sum(torch.stack([total_loss.to(exact), correct.to(exact), counted.to(exact)]))
-    loss_sum, correct_sum, count = totals.tolist()  # the pass's one host sync
-    if count == 0:
-        return EvalStats(float("nan"), float("nan"), 0)
-    return EvalStats(loss_sum / count, correct_sum / count, int(count))
+    counted = torch.tensor([float(samples)], device=device, dtype=exact)
+    reduced = group.sum(torch.cat([totals, counted])).tolist()  # the pass's one host sync
+    count_all = int(reduced[-1])
+    if count_all == 0:
+        return EvalStats({name: float("nan") for name in task.metric_names}, 0)
+    return EvalStats(task.finish(reduced[:-1]), count_all)
 
 
 def _evaluate_batch(
-    model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    policy: PrecisionPolicy,
-    prepare: Callable[[torch.Tensor], torch.Tensor],
-    chunks: list[tuple[int, int]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    loss = torch.zeros((), device=labels.device)
-    correct = torch.zeros((), device=labels.device, dtype=torch.long)
-    for start, stop in chunks:
+    model: nn.Module, parts: list[Any], *, task: Task, policy: PrecisionPolicy, prepare: Callable[[Any], Any]
+) -> torch.Tensor:
+    sums = None
+    for inputs, targets in parts:
         with policy.autocast():
-            logits = model(prepare(images[start:stop]))
-        loss += F.cross_entropy(logits.float(), labels[start:stop], reduction="sum")
-        correct += (logits.argmax(dim=1) == labels[start:stop]).sum()
-    return loss, correct
+            outputs = call_model(model, prepare(inputs))
+        batch = task.sums(outputs, targets)
+        sums = batch if sums is None else sums + batch
+    assert sums is not None
+    return sums

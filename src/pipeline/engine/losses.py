@@ -18,7 +18,7 @@ class NonFiniteLoss(PipelineError):
     def __init__(self, step: int, value: float) -> None:
         self.step, self.value = step, value
         super().__init__(
-            f"training loss became {value} at step {step}: lower trainer.lr, with amp=true try precision=bf16 "
+            f"training loss became {value} at step {step}: lower optimizer.lr, with amp=true try precision=bf16 "
             f"(float16 overflows easily), and check the data for NaN or infinite values"
         )
 

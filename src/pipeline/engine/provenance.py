@@ -7,6 +7,7 @@ refuses the GPU is recorded as such (the doctor's report explains it), not raise
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import os
@@ -16,12 +17,13 @@ import shlex
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline import __version__
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, target_label
 from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
 from pipeline.engine.devices import DeviceChoice, cudnn_version
 from pipeline.engine.precision import PrecisionPolicy
@@ -91,6 +93,9 @@ def environment_tags(environment: dict[str, Any], device: torch.device) -> dict[
 SHOWN_AS = {
     "model": "model",
     "model.name": "model",
+    "model._target_": "model",
+    "model.arch": "model",
+    "data._target_": "data",
     "data": "data",
     "data.name": "data",
     "device": "device",  # unless auto, which the name shows resolved (device=auto and device=cpu both say cpu)
@@ -111,7 +116,8 @@ DERIVED = re.compile(
 
 def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
     """A readable name that differs wherever comparable runs differ: ``resnet50-cifar10-cuda-amp-bf16-bs128-w4``."""
-    parts = [cfg.model.name, cfg.data.name, device_type]
+    data = cfg.data.name if cfg.data._target_ is None else target_label(cfg.data._target_)
+    parts = [cfg.model.label, data, device_type]
     if precision != "fp32":
         parts.append(precision)
     parts.append(f"bs{cfg.loader.batch_size}")
@@ -122,7 +128,7 @@ def run_name(cfg: RunConfig, *, device_type: str, precision: str) -> str:
 def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
     """``name`` with what the sweep varies first, so that jobs differ in the first characters the UI shows.
 
-    ``mlp-digits-cpu-bs32-w0`` with ``trainer.lr=0.01`` and ``loader.batch_size=32`` swept becomes
+    ``mlp-digits-cpu-bs32-w0`` with ``optimizer.lr=0.01`` and ``loader.batch_size=32`` swept becomes
     ``bs32-lr0.01-mlp-digits-cpu-w0``: each swept value in the order typed (the seed and other repeat keys last),
     as the derived name shows it (``bs32``, ``amp-bf16`` or ``fp32``) or as ``lr0.01`` / ``optimizer=adamw``, then
     the rest of the name; a long number is cut to 6 significant digits (``lr0.00298138``).
@@ -144,7 +150,7 @@ def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
                 moved.add(where)
             continue
         leaf = key.rsplit(".", 1)[-1]
-        label = leaf if leaves.count(leaf) == 1 else key  # trainer.lr and other.lr both swept: the full keys
+        label = leaf if leaves.count(leaf) == 1 else key  # optimizer.lr and other.lr both swept: the full keys
         front.append(f"{label}{_short(value)}" if NUMBER.fullmatch(value) else f"{label}={value}")
     rest = [parts[p] for p in DERIVED.groupindex if p not in moved and parts.get(p) and parts[p] != "fp32"]
     return "-".join([*front, *(rest if shown else [name])])
@@ -153,6 +159,36 @@ def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
 def _short(number: str) -> str:
     """A number as typed, or to 6 significant digits when longer (Optuna's ``0.0029813770307052724``)."""
     return number if len(number) <= 8 else f"{float(number):.6g}"
+
+
+def code_tags(prefix: str, obj: Any, *, target: str) -> dict[str, str]:
+    """Where a user's object came from: ``<prefix>.class`` (module and class of ``obj``, when given),
+    ``<prefix>.file`` (the file its ``_target_`` is defined in) and ``<prefix>.file_sha256`` (a hash of that file's
+    bytes): the provenance of code that lives outside this package, beside the launch folder's own git commit
+    (``git_tags``). Targets of this package or of installed libraries carry no file."""
+    from pipeline.common.targets import resolve, source_file
+
+    tags = {}
+    if obj is not None:
+        tags[f"{prefix}.class"] = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    try:
+        made_by = resolve(target, key=prefix)
+    except Exception:  # it resolved when the object was made; a module changed since is no reason to fail a run
+        made_by = type(obj) if obj is not None else None
+    path = source_file(made_by) if made_by is not None else None
+    if path and not _installed(path):
+        tags[f"{prefix}.file"] = path
+        with contextlib.suppress(OSError):  # a file gone since it was imported: the path and class still say a lot
+            tags[f"{prefix}.file_sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return tags
+
+
+def _installed(path: str) -> bool:
+    """A file of this package or of an installed library (site-packages), not the user's own code."""
+    import pipeline
+
+    package = os.path.dirname(os.path.abspath(pipeline.__file__))
+    return os.path.abspath(path).startswith(package) or "site-packages" in path or "dist-packages" in path
 
 
 def describe_loader(cfg: RunConfig) -> str:

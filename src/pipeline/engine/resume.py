@@ -1,4 +1,5 @@
-"""Resuming: which checkpoint ``resume=`` names, whether this config may continue it, and putting it back.
+"""Resuming: which checkpoint ``resume=`` names and whether this config may continue it (``pipeline.engine.restore``
+puts it back).
 
 Continuing the same MLflow run (the default) may change only how the run runs (``RUNTIME``:
 its length, logging, monitoring, loader workers, the device), never what it computes, so the
@@ -18,10 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipeline.common.uris import absolute
-from pipeline.config import RunConfig, TrainerConfig, flatten
+from pipeline.config import RunConfig, flatten
 from pipeline.engine.checkpoint import (
     LAST,
     CheckpointError,
@@ -29,10 +28,8 @@ from pipeline.engine.checkpoint import (
     RunLock,
     load,
     read_state,
-    set_rng_state,
     store_id,
 )
-from pipeline.parallel.overlap import unwrap
 from pipeline.record import outbox
 
 log = logging.getLogger(__name__)
@@ -40,7 +37,7 @@ log = logging.getLogger(__name__)
 # Keys whose change makes a checkpoint unusable: the weights', the optimizer state's or the data's shape,
 # or what "batch N of the epoch" means.
 STRUCTURAL = ("model.", "data.name", "data.shape", "data.image_size", "data.channels", "data.num_classes")
-STRUCTURAL_KEYS = ("trainer.optimizer", "loader.batch_size")
+STRUCTURAL_KEYS = ("optimizer._target_", "scheduler._target_", "data._target_", "loader.batch_size")
 # What continuing the same run may change: how it runs, not what it computes (prefixes and keys).
 RUNTIME = (
     "trainer.epochs",
@@ -227,7 +224,8 @@ def check_resumable(changes: Mapping[str, tuple[Any, Any]], *, fork: bool, run: 
     structural = {k: v for k, v in changes.items() if k.startswith(STRUCTURAL) or k in STRUCTURAL_KEYS}
     if structural:
         raise CheckpointError(
-            f"cannot resume run {run} with a different model, data shape, optimizer or batch size "
+            f"cannot resume run {run} with a different model (its _target_, architecture or keywords), data, data "
+            f"shape, optimizer, schedule or batch size "
             f"({_listed(structural)}): drop these overrides, or start a new run without resume="
         )
     if fork:
@@ -356,35 +354,3 @@ def _run_info(uri: str, run_id: str) -> Any:
         return MlflowClient(uri).get_run(run_id).info
     except MlflowException:
         return None
-
-
-def restore(state: Any, resumed: Resumed, device: torch.device, trainer: TrainerConfig) -> None:
-    """Put a checkpoint back into a ``loop.TrainState``: weights, optimizer, scaler, micro-batch, step, RNG.
-
-    The optimizer's hyper-parameters are this run's (``check_resumable`` let them differ only for
-    a fork). The data order needs nothing: it is the epoch's (``data.loaders.EpochOrder``).
-
-    Raises:
-        CheckpointError: the states do not fit this model or optimizer (named with the file).
-    """
-    saved = resumed.saved
-    try:
-        unwrap(state.model).load_state_dict(saved["model"])  # whatever either side wrapped
-        state.optimizer.load_state_dict(saved["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
-            f"{resumed.path} does not fit this model and optimizer ({first}): resume with the config it was "
-            f"written with, or start a new run"
-        ) from err
-    for group in state.optimizer.param_groups:
-        group.update(
-            {k: v for k, v in (("lr", trainer.lr), ("momentum", trainer.momentum)) if k in group},
-            weight_decay=trainer.weight_decay,
-        )
-    if saved["scaler"] and state.scaler.is_enabled():  # a disabled GradScaler saves {} and loads nothing
-        state.scaler.load_state_dict(saved["scaler"])
-    state.micro.micro_batch = saved["micro_batch"]
-    state.step = saved["position"].step
-    set_rng_state(saved["rng"], device)
-    log.info("resuming %s at %s from %s", f"run {resumed.source}", resumed.position, resumed.path)

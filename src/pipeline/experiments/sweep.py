@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 import uuid
 from collections.abc import Sequence
@@ -66,7 +67,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Metric = Literal["val/acc", "throughput/samples_per_s"]  # what a job can return to the sweeper
+# what a job can return to the sweeper: its task's leading metric, a validation metric by name, or its speed
+Metric = Literal["primary", "throughput/samples_per_s"]
+VALIDATION = re.compile(r"val/[\w.]+")
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
 _UNFINISHED: set[Path] = set()  # folders of the sweeps started in this process and not yet ended (end_unfinished)
 
@@ -79,10 +82,12 @@ class SweepCallback(Callback):
     jobs at the end (the list, status 2 or 1).
 
     Args:
-        optimized_metric: what each job returns to the sweeper (``val/acc`` or ``throughput/samples_per_s``).
+        optimized_metric: what each job returns to the sweeper: ``primary`` (the task's leading metric: val/acc,
+            val/mae, val/f1, val/perplexity), a validation metric by name (``val/rmse``), or
+            ``throughput/samples_per_s``.
     """
 
-    def __init__(self, optimized_metric: str = "val/acc") -> None:
+    def __init__(self, optimized_metric: str = "primary") -> None:
         self.optimized_metric = optimized_metric
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -124,8 +129,10 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
     from pipeline.parallel.slurm import check_slurm_commands
     from pipeline.record.filesystems import check_slurm_store
 
-    if metric not in get_args(Metric):
-        raise ConfigError("hydra.callbacks.sweep.optimized_metric", metric, _one_of(get_args(Metric)))
+    if metric not in get_args(Metric) and not VALIDATION.fullmatch(metric):
+        raise ConfigError(
+            "hydra.callbacks.sweep.optimized_metric", metric, f"{_one_of(get_args(Metric))} or a val/<name> metric"
+        )
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
     check_slurm_commands(launcher)
     if OmegaConf.select(config, "tracking.enabled"):
@@ -191,12 +198,12 @@ def finished(job: SweepJob, result: RunResult) -> float | None:
 
 
 def objective(result: RunResult, metric: str) -> float | None:
-    """``val/acc`` or the steady-state samples/s of the last epoch (a DDP job's over all its ranks), None when not
-    finite."""
+    """The task's leading metric (``primary``), a ``val/...`` metric, or the steady-state samples/s of the last epoch
+    (a DDP job's over all its ranks); None when not finite (or the run has no such metric)."""
     if metric == "throughput/samples_per_s":
         value = result.epochs[-1].job_samples_per_s if result.epochs else math.nan
     else:
-        value = result.val_acc
+        value = result.metric(result.primary if metric == "primary" else metric)
     return value if math.isfinite(value) else None
 
 

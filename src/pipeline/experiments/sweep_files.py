@@ -78,7 +78,7 @@ class SweepJob:
 
     @property
     def values(self) -> dict[str, str]:
-        """The swept keys' values in this job, as typed: ``{"loader.batch_size": "32", "trainer.lr": "0.01"}``."""
+        """The swept keys' values in this job, as typed: ``{"loader.batch_size": "32", "optimizer.lr": "0.01"}``."""
         given = {}
         for override in self.overrides:
             key, _, value = override.partition("=")
@@ -113,12 +113,12 @@ class JobOutcome:
     value: float | None = None  # what the job returned to the sweeper
 
     def line(self) -> str:
-        """One line for the terminal: ``job #3 (trainer.lr=1e30): NonFiniteLoss: ...``."""
+        """One line for the terminal: ``job #3 (optimizer.lr=1e30): NonFiniteLoss: ...``."""
         error = next(iter((self.error or "").strip().splitlines()), self.status)
         return f"{self.name()}: {error}"
 
     def name(self) -> str:
-        """``job #3 (trainer.lr=1e30)``."""
+        """``job #3 (optimizer.lr=1e30)``."""
         return f"job #{self.job} ({' '.join(self.overrides) or 'no overrides'})"
 
 

@@ -23,6 +23,7 @@ from pipeline.record.tracking import HTTP_RETRIES, MlflowTracker
 
 if TYPE_CHECKING:  # an annotation only: the record does not import the engine
     from pipeline.data.sources import DataSpec
+    from pipeline.record.logged_model import ModelCard
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Tracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_dataset(self, spec: DataSpec, context: str) -> None: ...
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
+    def log_model(self, model: Any, card: ModelCard) -> str | None: ...
     def flush(self) -> None: ...
     def last_step(self, key: str) -> int | None: ...
     def log_only_new_steps(self) -> None: ...
@@ -70,6 +72,9 @@ class NullTracker:
 
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
         pass  # the figure is never drawn
+
+    def log_model(self, model: Any, card: ModelCard) -> str | None:
+        return None
 
     def flush(self) -> None:
         pass

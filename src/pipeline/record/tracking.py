@@ -51,6 +51,7 @@ from pipeline.common.secrets import mask_text, mask_value
 from pipeline.common.uris import ui_base
 from pipeline.record import outbox
 from pipeline.record.heartbeat import Heartbeat
+from pipeline.record.logged_model import ModelCard
 from pipeline.record.store import retrying, server_down
 
 if TYPE_CHECKING:  # an annotation only: the record does not import the engine
@@ -326,12 +327,7 @@ class MlflowTracker:
             digest=self.mask(spec.digest),
             source_type="local" if local else "code",
             source=json.dumps({"uri": source} if local else {"tags": {"origin": source}}),
-            schema=json.dumps(
-                {
-                    "image": {"dtype": "uint8", "shape": list(spec.in_shape)},
-                    "label": {"dtype": "int64", "classes": spec.num_classes},
-                }
-            ),
+            schema=json.dumps({"inputs": spec.inputs, "shape": spec.in_shape, "classes": spec.num_classes}),
             profile=json.dumps({"train_samples": spec.train_size, "val_samples": spec.val_size}),
         )
         inputs = [DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])]
@@ -358,6 +354,30 @@ class MlflowTracker:
 
     def _stored_last_step(self, key: str) -> int | None:
         return max((m.step for m in retrying(lambda: self.client.get_metric_history(self.run_id, key))), default=None)
+
+    def log_model(self, model: Any, card: ModelCard) -> str | None:
+        """The trained model as the run's logged model (``pipeline.record.logged_model``), its metrics linked; returns
+        the URI that loads it. A store that refuses it costs the run nothing else: a warning, and None."""
+        from mlflow.exceptions import MlflowException
+
+        from pipeline.record.logged_model import log_model
+
+        self.flush()  # the final metrics are in the store before they are linked to the model
+        try:
+            return log_model(
+                self.client,
+                uri=self.uri,
+                experiment_id=self.experiment_id,
+                run_id=self.run_id,
+                model=model,
+                card=card.masked(self.mask),
+                mask=self.mask,
+            )
+        except (MlflowException, OSError) as err:
+            log.warning(
+                "the trained model was not logged to MLflow (%s): the checkpoint still holds it", self.mask(str(err))
+            )
+            return None
 
     def describe(self) -> list[str]:
         """Where the run is and how to look at it (printed in the run's summary)."""

@@ -7,6 +7,7 @@ In a DDP job only rank 0 records its start; every rank concludes (the other rank
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import yaml
@@ -15,10 +16,12 @@ from pipeline.config import flatten
 from pipeline.diagnostics import doctor
 from pipeline.engine.build import Setup
 from pipeline.engine.memory import batchnorm_note
-from pipeline.engine.provenance import describe_loader, environment_tags
+from pipeline.engine.models import has_convolutions
+from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
 from pipeline.engine.resume import Resumed
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.record.lifecycle import Tracker
+from pipeline.record.logged_model import ModelCard
 from pipeline.report.plots import step_breakdown, utilisation_timeline
 from pipeline.report.summary import EpochRecord, RunResult
 from pipeline.report.verdict import judge
@@ -42,6 +45,18 @@ def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[
     environment = doctor.report(smoke=False)  # the doctor's findings, kept with the run
     tracker.log_text(json.dumps(environment, indent=2), "environment.json")
     tracker.set_tags(environment_tags(environment, setup.device))
+    spec, cfg = setup.spec, setup.cfg
+    if spec.classes:
+        tracker.log_text(
+            json.dumps({"classes": spec.classes, "class_to_idx": spec.class_to_idx}, indent=1), "classes.json"
+        )
+    code = {
+        "task.primary": setup.task.primary,
+        **code_tags("model", setup.group.unwrap(setup.state.model), target=cfg.model._target_),
+    }
+    if cfg.data._target_ is not None:
+        code.update(code_tags("data", None, target=cfg.data._target_))
+    tracker.set_tags(code)
 
 
 def conclude(
@@ -65,6 +80,7 @@ def conclude(
         gpu_util_pct=utilisation.gpu_util_mean_pct,
         precision=setup.policy.label,
         amp_check=setup.amp_probe,
+        convolutional=has_convolutions(setup.state.model),
     )
     tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message}
     note = batchnorm_note(setup.state.model, setup.state.micro)
@@ -78,7 +94,12 @@ def conclude(
         )
         tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
     notes = [note] if note else []
-    once = {"time/total_s": total_s}
+    model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
+    logged, once = "", {"time/total_s": total_s}
+    if setup.cfg.tracking.log_model and tracker.run_id is not None and epochs:
+        began = time.perf_counter()
+        logged = tracker.log_model(model.cpu(), model_card(setup, model)) or ""  # the run's training is over
+        once["time/log_model_s"] = time.perf_counter() - began
     compile_s = compile_seconds([e.breakdown for e in epochs]) if setup.cfg.trainer.compile else None
     once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
     if compile_s is not None:
@@ -122,11 +143,39 @@ def conclude(
         bottleneck=verdict.bottleneck,
         verdict=verdict.message,
         tracking=tracker.describe(),
-        model=setup.group.unwrap(setup.state.model),  # the job's wrapper must not outlive its process group
+        model=model,
+        primary=setup.task.primary,
+        logged_model=f"mlflow.pytorch.load_model('{logged}')" if logged else "",
         amp_probe=setup.amp_probe,
         notes=notes,
         distributed=setup.group.describe(setup.cfg.loader.batch_size),
     )
+
+
+def model_card(setup: Setup, model: Any) -> ModelCard:
+    """What the logged model carries (``pipeline.record.logged_model``): two samples as the model takes them (the
+    built-in sources' after normalisation), its output for them, the classes and how inputs were prepared."""
+    import torch
+
+    from pipeline.data.structures import call_model, move
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = setup.prepare(move(setup.first[0], setup.device, non_blocking=False))  # the first two samples
+    inputs = move(inputs, device, non_blocking=False)
+    with torch.no_grad():
+        outputs = call_model(model.eval(), inputs)
+    spec = setup.spec
+    metadata: dict[str, Any] = {"task": setup.task.name, "primary_metric": setup.task.primary}
+    if spec.classes:
+        metadata.update(classes=list(spec.classes), class_to_idx=spec.class_to_idx)
+    if spec.builtin:
+        metadata["inputs"] = {
+            "from": "uint8 pixels [N, C, H, W]",
+            "scale": "x / 255",
+            "mean": spec.mean,
+            "std": spec.std,
+        }
+    return ModelCard(inputs, outputs, metadata, [*setup.task.metric_names, "train/epoch_loss"])
 
 
 def compile_seconds(breakdowns: list[Breakdown]) -> float | None:

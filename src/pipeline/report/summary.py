@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,12 +14,19 @@ from pipeline.monitor import UtilSummary, summarize
 class EpochRecord:
     epoch: int
     train_loss: float
-    val_loss: float
-    val_acc: float
+    val_metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.tasks)
     seconds: float  # wall clock, first step included
     samples_per_s: float  # steady state
     breakdown: Breakdown
     ranks: dict[str, float] = field(default_factory=dict)  # DDP: every rank's shares (pipeline.parallel.distributed)
+
+    @property
+    def val_loss(self) -> float:
+        return self.val_metrics.get("val/loss", math.nan)
+
+    @property
+    def val_acc(self) -> float:
+        return self.val_metrics.get("val/acc", math.nan)
 
     @property
     def job_samples_per_s(self) -> float:
@@ -61,6 +69,8 @@ class RunResult:
     notes: list[str] = field(default_factory=list)  # caveats about what the numbers mean (e.g. BatchNorm)
     distributed: str = ""  # DDP: world size, backend, per-rank and global batch ("" for one process)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
+    primary: str = "val/acc"  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
+    logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
 
     @property
     def val_acc(self) -> float:
@@ -69,6 +79,10 @@ class RunResult:
     @property
     def val_loss(self) -> float:
         return self.epochs[-1].val_loss if self.epochs else float("nan")
+
+    def metric(self, name: str) -> float:
+        """The last epoch's value of validation metric ``name`` (``val/mae``), NaN when the run has none."""
+        return self.epochs[-1].val_metrics.get(name, math.nan) if self.epochs else math.nan
 
 
 def format_summary(result: RunResult) -> str:
@@ -83,8 +97,12 @@ def format_summary(result: RunResult) -> str:
     if result.distributed:
         lines.append(f"  distributed {result.distributed}")
     if last is not None:
+        ordered = sorted(last.val_metrics.items(), key=lambda item: (item[0] != result.primary, item[0] == "val/loss"))
+        shown = " · ".join(
+            f"{name} {value:.4g}" if abs(value) >= 1e4 else f"{name} {value:.4f}" for name, value in ordered
+        )
         lines += [
-            f"  accuracy    val/acc {last.val_acc:.4f} · val/loss {last.val_loss:.4f} · "
+            f"  {'accuracy' if result.primary == 'val/acc' else 'validation':<12}{shown} · "
             f"train/epoch_loss {last.train_loss:.4f}",
             f"  speed       {last.job_samples_per_s:,.0f} samples/s in the last epoch (steady state"
             + (f", all ranks; rank 0 {last.samples_per_s:,.0f}" if last.ranks else "")
@@ -113,6 +131,8 @@ def format_summary(result: RunResult) -> str:
         lines.append(f"  amp check   {result.amp_probe.describe()}")
     if result.verdict:
         lines.append(f"  bottleneck  {result.verdict}")
+    if result.logged_model:
+        lines.append(f"  model out   {result.logged_model}")
     lines += [f"  note        {note}" for note in result.notes]
     lines += ["  " + line for line in result.tracking]
     return "\n".join(lines)

@@ -60,6 +60,7 @@ def judge(
     overhead_pct: float = 0.0,
     cpus: int | None = None,
     amp_check: AmpProbe | None = None,
+    convolutional: bool = True,
 ) -> Verdict:
     """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
     ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``)."""
@@ -76,12 +77,16 @@ def judge(
     if kind == "input":
         hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
     elif kind == "compute":
-        hint = compute_hint(cfg, device_type=device_type, precision=precision, amp_check=amp_check)
+        hint = compute_hint(
+            cfg, device_type=device_type, precision=precision, amp_check=amp_check, convolutional=convolutional
+        )
     else:
         hint = (
             input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
             + "; then "
-            + compute_hint(cfg, device_type=device_type, precision=precision, amp_check=amp_check)
+            + compute_hint(
+                cfg, device_type=device_type, precision=precision, amp_check=amp_check, convolutional=convolutional
+            )
         )
     label = {"input": "input-bound", "compute": "compute-bound", "mixed": "mixed"}[kind]
     return Verdict(kind, f"{label}: {evidence} — {hint}{bookkeeping}")
@@ -104,7 +109,16 @@ def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -
     return f"all {cpus} CPUs already load data; try loader.resident=true{pin}"
 
 
-def compute_hint(cfg: RunConfig, *, device_type: str, precision: str, amp_check: AmpProbe | None = None) -> str:
+def compute_hint(
+    cfg: RunConfig,
+    *,
+    device_type: str,
+    precision: str,
+    amp_check: AmpProbe | None = None,
+    convolutional: bool = True,
+) -> str:
+    """What to try when the device computes most of the time; ``convolutional``: the model has 2-D convolutions
+    (only then is ``channels_last`` worth a try)."""
     if device_type == "cpu":
         hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
         if precision != "fp32":
@@ -117,7 +131,7 @@ def compute_hint(cfg: RunConfig, *, device_type: str, precision: str, amp_check:
     steps = []
     if precision == "fp32":
         steps.append("amp=true")
-    if cfg.model.name != "mlp" and not cfg.trainer.channels_last:
+    if convolutional and not cfg.trainer.channels_last:
         steps.append("trainer.channels_last=true")
     if not cfg.trainer.compile:
         steps.append("trainer.compile=true")

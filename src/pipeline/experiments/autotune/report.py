@@ -130,7 +130,7 @@ def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
             lines.append("  (noisy: the confirmation rounds disagreed by 10% or more; rerun on a quieter machine)")
     lines.append("  " + override_line(overrides, outcome.current.loader, suggested.loader))
     if suggested.loader.batch_size != outcome.current.loader.batch_size:
-        lines.append("  (a larger batch changes the optimisation: scale trainer.lr with it and check val/acc)")
+        lines.append("  (a larger batch changes the optimisation: scale optimizer.lr with it and check val/acc)")
     return lines
 
 

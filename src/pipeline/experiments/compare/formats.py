@@ -13,8 +13,8 @@ import textwrap
 
 from pipeline.common.markdown import markdown_table
 from pipeline.common.stats import NOISY, Summary
-from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS, VAL_ACC
-from pipeline.experiments.compare.rows import PROVENANCE, SHOWN, Row
+from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS
+from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
 from pipeline.experiments.compare.table import Line, Speedup, Table
 
 WIDTH = 100  # prose lines are wrapped to this many characters
@@ -79,7 +79,7 @@ def _headers(table: Table) -> list[str]:
         *(["vs previous"] if table.ladder else []),
         "step ms = " + "+".join(STEP_PARTS),
         "step vs baseline",
-        "val/acc",
+        table.quality,
         "GPU util %",
         "peak MB",
         "bottleneck",
@@ -96,9 +96,9 @@ def _cells(table: Table, line: Line) -> list[str]:
         row.name,
         str(row.n),
         row.tag("device.type") if row.tag("device.type") != "–" else row.param("device.name"),
-        row.param("model.name"),
+        row.model,
         row.tag("precision"),
-        *(row.param(k) for k in SHOWN if k != "model.name"),
+        *(row.param(k) for k in LOADER_SHOWN),
         *(row.param(k) for k in table.diff_keys),
         *(_provenance(row, t) for t in table.provenance),
         _range(row.stat(EPOCH_S), "¹" if row.single_epoch else ""),
@@ -109,7 +109,7 @@ def _cells(table: Table, line: Line) -> list[str]:
         *([line.vs_previous.cell() if line.vs_previous else "–"] if table.ladder else []),
         _step(row),
         "baseline" if is_base else line.step_change or "–",
-        _range(row.stat(VAL_ACC)),
+        _range(row.stat(table.quality)),
         _num(s.median) if (s := row.stat(GPU_UTIL)) else "–",
         (_num(peak.median) + ("²" if device_peak else "")) if peak else "–",
         row.tag("bottleneck"),
@@ -222,7 +222,12 @@ def _wrap(text: str) -> list[str]:
 
 def table_csv(table: Table) -> str:
     """One line per row: every number unrounded, min and max included; the ladder's total and mean step last."""
-    metrics = {"epoch_s": lambda r: r.stat(EPOCH_S), "samples_per_s": Row.speed, "val_acc": lambda r: r.stat(VAL_ACC)}
+    quality = table.quality.replace("/", "_")  # val_acc, val_mae, ...
+    metrics = {
+        "epoch_s": lambda r: r.stat(EPOCH_S),
+        "samples_per_s": Row.speed,
+        quality: lambda r: r.stat(table.quality),
+    }
     header = ["run", "n", "run_ids", "status", "device", "device_name", "model", "precision"]
     header += ["batch_size", "workers", "resident", *table.diff_keys, *table.provenance]
     header += [f"{name}_{part}" for name in metrics for part in ("median", "min", "max")]
@@ -245,9 +250,9 @@ def table_csv(table: Table) -> str:
                 row.status,
                 row.tag("device.type"),
                 row.tag("device.name"),
-                row.param("model.name"),
+                row.model,
                 row.tag("precision"),
-                *(row.param(k) for k in SHOWN if k != "model.name"),
+                *(row.param(k) for k in LOADER_SHOWN),
                 *(row.param(k) for k in table.diff_keys),
                 *(row.runs[0].tags.get(t, "") for t in table.provenance),
                 *(_g(getattr(s, part, None)) for s in stats for part in ("median", "low", "high")),

@@ -20,11 +20,14 @@ STEP_PARTS = {  # a step's parts, as the table and the chart name them, from the
     "own work": "time/overhead_pct",
 }
 VAL_ACC = "val/acc"
+VAL_LOSS = "val/loss"
+PRIMARY = "task.primary"  # the tag naming a run's leading validation metric (val/acc, val/mae, ...)
+LOWER_IS_BETTER = frozenset({"val/loss", "val/mae", "val/rmse", "val/perplexity"})
 GPU_UTIL = "gpu/util_mean_pct"
 PEAK_MB = "memory/max_allocated_mb"  # the allocator's peak (CUDA)
 DEVICE_PEAK_MB = "gpu/mem_peak_mb"  # NVML's reading of the whole device: shown only where PEAK_MB is missing
 OOM_EVENTS = "oom/events"  # a running count, logged only at an event: missing = none
-CORE = (EPOCH_S, THROUGHPUT, VAL_ACC)  # a run lacking one of these is listed under the table
+CORE = (EPOCH_S, THROUGHPUT)  # a run lacking one of these, or its leading metric, is listed under the table
 
 ROLE, PARENT = "sweep.role", "parent"  # the tag (set by the sweep callback) that marks a sweep's parent run
 
@@ -68,6 +71,15 @@ class RunRecord:
         """Steady-state samples/s of the whole job: every rank's under DDP, else the run's; None if not recorded."""
         value = self.metrics.get(GLOBAL_THROUGHPUT, self.metrics.get(THROUGHPUT))
         return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def quality(self) -> str:
+        """The run's leading validation metric (``task.primary``; runs from before tasks: ``val/acc``)."""
+        return self.tags.get(PRIMARY, VAL_ACC)
+
+    def lacking(self) -> list[str]:
+        """The metrics every row needs that this run did not record."""
+        return [m for m in (*CORE, self.quality) if m not in self.metrics]
 
     @property
     def job(self) -> float:

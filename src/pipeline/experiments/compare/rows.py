@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.common.stats import Summary, summarize
+from pipeline.config import target_label
 from pipeline.config.design import REPEAT_KEYS  # runs differing only here are repeats of one configuration
 from pipeline.experiments.compare.records import DEVICE_PEAK_MB, OOM_EVENTS, PEAK_MB, STEP_PARTS, RunRecord
 
@@ -24,7 +25,9 @@ from pipeline.experiments.compare.records import DEVICE_PEAK_MB, OOM_EVENTS, PEA
 BOOKKEEPING_PREFIXES = ("tracking.", "monitor.")
 BOOKKEEPING = frozenset({"checkpoint.dir", "trainer.progress", "resume", "fork"})
 # params with a column of their own (model, batch, workers, resident; amp and its dtype are the precision column)
-SHOWN = ("model.name", "loader.batch_size", "loader.num_workers", "loader.resident")
+MODEL_KEYS = ("model._target_", "model.arch", "model.name")  # the model column (model.name: runs before _target_)
+LOADER_SHOWN = ("loader.batch_size", "loader.num_workers", "loader.resident")
+SHOWN = (*MODEL_KEYS, *LOADER_SHOWN)
 COVERED = frozenset({"amp", "precision.dtype"})  # the precision column shows what these decide
 # The code and software a run measured, with the column name each gets when it differs between rows.
 PROVENANCE = {
@@ -97,6 +100,16 @@ class Row:
 
     def param(self, key: str) -> str:
         return self.runs[0].params.get(key, "–")  # equal across repeats, by construction
+
+    @property
+    def model(self) -> str:
+        """The model column: its architecture by name, else its ``_target_``'s last part (``mlp``, ``Tiny``)."""
+        params = self.runs[0].params
+        if params.get("model.arch"):
+            return params["model.arch"]
+        if params.get("model._target_"):
+            return target_label(params["model._target_"])
+        return params.get("model.name", "–")
 
     def tag(self, key: str) -> str:
         values = Counter(r.tags[key] for r in self.runs if key in r.tags)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, Drift, compare, drift, holm
-from pipeline.experiments.compare.records import CORE, STEP_PARTS, VAL_ACC, CompareError, RunRecord
+from pipeline.experiments.compare.records import LOWER_IS_BETTER, STEP_PARTS, VAL_LOSS, CompareError, RunRecord
 from pipeline.experiments.compare.rows import (
     COVERED,
     PROVENANCE,
@@ -84,6 +84,7 @@ class Table:
     drift: Drift | None
     lacking: list[tuple[RunRecord, list[str]]]  # runs without some CORE metrics, and which
     ranked_by: str | None = None  # an objective the rows are sorted by (a search), best first
+    quality: str = "val/acc"  # the validation metric shown: the rows' leading one, val/loss where they differ
     min_effect: float = MIN_EFFECT
     alpha: float = ALPHA
 
@@ -104,7 +105,7 @@ def build(
         baseline: a row's name, or a run's id (or its first 8 characters) or name, whose row the others are
             measured against; default the first row.
         ladder: also compare each row with the one before, and give the total and the mean step.
-        rank_by: sort the rows by this metric's median, best first (a search's objective: ``val/acc``, or
+        rank_by: sort the rows by this metric's median, best first (a search's objective: a ``val/...`` metric, or
             ``throughput/samples_per_s`` for the job's whole throughput).
 
     Raises:
@@ -126,7 +127,8 @@ def build(
         versus = BASELINE if row is base else vs_base[others.index(row)]
         lines.append(Line(row, versus, previous, "" if row is base else step_change(base, row)))
     diff, same = differences(records)
-    lacking = [(r, missing) for r in records if (missing := [m for m in CORE if m not in r.metrics])]
+    lacking = [(r, missing) for r in records if (missing := r.lacking())]
+    leading = {r.quality for r in records}
     total = lines[-1].vs_baseline.ratio if ladder and len(lines) > 1 and lines[-1].row is not base else None
     return Table(
         lines=lines,
@@ -143,6 +145,7 @@ def build(
         ranked_by=rank_by,
         min_effect=min_effect,
         alpha=alpha,
+        quality=leading.pop() if len(leading) == 1 else VAL_LOSS,
     )
 
 
@@ -220,8 +223,10 @@ def sweep_drift(rows: Sequence[Row]) -> Drift | None:
 
 def _ranked(rows: list[Row], metric: str) -> list[Row]:
     def key(row: Row) -> float:
-        s = row.speed() if metric != VAL_ACC else row.stat(VAL_ACC)
-        return -s.median if s is not None else float("inf")
+        s = row.stat(metric) if metric.startswith("val/") else row.speed()
+        if s is None:
+            return float("inf")
+        return s.median if metric in LOWER_IS_BETTER else -s.median
 
     return sorted(rows, key=key)
 

@@ -1,0 +1,324 @@
+"""The user's own datasets (``data=custom``): made by their factory, checked before any run starts.
+
+    python -m pipeline data=custom data._target_=sets.make +data.n=1000
+
+The factory returns ``(train, val)`` or ``{"train": ..., "val": ...}``, each a map-style dataset (``__getitem__``
+and ``__len__``) or a ``torch.utils.data.IterableDataset``. An item is ``(input, target)``, or a dict whose
+``data.target_key`` entry is the target and whose other entries are the model's keyword inputs; ``Batches`` turns
+every collated batch into ``(inputs, targets)``, in the loader's workers. The first items are read at start-up: a
+factory that returns no datasets, items that hold no tensors, a dataset that spawn workers cannot pickle and an
+iterable dataset without a length or ``data.steps_per_epoch`` are each one line, before any MLflow run is opened.
+
+The class count comes from ``data.num_classes`` or the dataset's ``classes`` (torchvision's convention, looked for
+through ``Subset`` wrappers); ``class_to_idx`` is kept with the run. Items reach the model as they are: no
+normalisation and no augmentation (a dataset's own transform does those).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import pickle
+import pickletools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from pipeline.common.errors import DatasetError
+from pipeline.common.targets import bind, instantiate, source_file
+from pipeline.config import DataConfig, LoaderConfig
+from pipeline.data import structures
+
+log = logging.getLogger(__name__)
+
+DIGEST_ITEMS = 64  # the dataset input's digest covers this many first items of each split
+
+
+@dataclass(frozen=True)
+class Batches:
+    """A collate function that hands the loop ``(inputs, targets)``: the user's ``collate`` (or torch's default)
+    first, then a dict batch's ``target_key`` entry taken out as the targets. Picklable, for spawn workers."""
+
+    collate: Callable[[list[Any]], Any]
+    target_key: str
+
+    def __call__(self, items: list[Any]) -> tuple[Any, Any]:
+        return as_pair(self.collate(items), self.target_key)
+
+
+def as_pair(batch: Any, target_key: str) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a collated batch: a dict loses its target entry, a pair stays as it is."""
+    if isinstance(batch, Mapping):
+        if target_key not in batch:
+            raise DatasetError(
+                f"a batch is a dict without the {target_key!r} entry (its keys: {', '.join(map(str, batch))}): set "
+                f"data.target_key to the target's key"
+            )
+        return {k: v for k, v in batch.items() if k != target_key}, batch[target_key]
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise DatasetError(
+        f"a batch is {structures.describe(batch)}: expected (inputs, targets) or a dict with a {target_key!r} entry "
+        f"(from the dataset's items, or data.collate_fn)"
+    )
+
+
+@dataclass(frozen=True)
+class Custom:
+    """What ``load`` found: the splits, how to batch them, and what the first items say."""
+
+    train: Any
+    val: Any
+    collate: Batches
+    split_batch: Callable[[Any, int], list[Any]] | None
+    first: tuple[Any, Any]  # the first two training items as one batch: (inputs, targets)
+    classes: tuple[str, ...] | None
+    class_to_idx: dict[str, int] | None
+    num_classes: int | None
+    source: str
+    digest: str
+
+    @property
+    def iterable(self) -> bool:
+        return isinstance(self.train, IterableDataset)
+
+
+def load(cfg: DataConfig) -> Custom:
+    """Make the user's datasets and check their first items.
+
+    Raises:
+        DatasetError: no datasets, items that are not tensors (or dicts or tuples of them).
+        TargetError: the factory cannot be imported or raised (``pipeline.common.targets``).
+    """
+    path = str(cfg._target_)
+    made = instantiate(path, cfg.keywords, key="data")
+    train, val = _splits(made, path)
+    collate = Batches(_collate(cfg), cfg.target_key)
+    first_items = [_item(train, i, "training", path) for i in range(2)]
+    first_items = [item for item in first_items if item is not None]
+    if not first_items:
+        raise DatasetError(f"data._target_={path}: the training set yields no items")
+    if cfg.collate_fn is None:
+        for index, item in enumerate(first_items):
+            check_item(item, cfg.target_key, where=f"training item {index}")
+    first = collate(first_items)
+    check_batch(first, where="the first training batch")
+    if _item(val, 0, "validation", path) is None:
+        raise DatasetError(f"data._target_={path}: the validation set yields no items")
+    classes, class_to_idx = _classes(train)
+    num_classes = cfg.num_classes or (len(classes) if classes else None)
+    hook = cfg.split_batch
+    split = bind(hook._target_, hook.keywords, key="data.split_batch") if hook is not None else None
+    return Custom(
+        train=train,
+        val=val,
+        collate=collate,
+        split_batch=split,
+        first=first,
+        classes=classes,
+        class_to_idx=class_to_idx,
+        num_classes=num_classes,
+        source=f"{path} ({source_file(made if not isinstance(made, tuple | list | Mapping) else train) or 'code'})",
+        digest=structures.digest([collate(_first_items(s)) for s in (train, val)]),
+    )
+
+
+def _collate(cfg: DataConfig) -> Callable[[list[Any]], Any]:
+    if cfg.collate_fn is None:
+        return default_collate
+    hook = cfg.collate_fn
+    if hook._partial_ is False:  # a class (or a factory) that makes the collate function
+        return instantiate(hook._target_, hook.keywords, key="data.collate_fn")
+    return bind(hook._target_, hook.keywords, key="data.collate_fn")
+
+
+def _splits(made: Any, path: str) -> tuple[Any, Any]:
+    if isinstance(made, Mapping):
+        missing = [k for k in ("train", "val") if k not in made]
+        if missing:
+            raise DatasetError(
+                f"data._target_={path} returned a dict without {' and '.join(repr(m) for m in missing)} (its keys: "
+                f"{', '.join(map(str, made))}): return (train, val) or {{'train': ..., 'val': ...}}"
+            )
+        pair: Sequence[Any] = (made["train"], made["val"])
+    elif isinstance(made, tuple | list) and len(made) == 2:
+        pair = made
+    else:
+        what = "one dataset" if is_dataset(made) else f"a {type(made).__name__}"
+        raise DatasetError(
+            f"data._target_={path} returned {what}: return (train, val) or {{'train': ..., 'val': ...}}, each a "
+            f"torch.utils.data.Dataset"
+        )
+    for name, dataset in zip(("train", "val"), pair, strict=True):
+        if not is_dataset(dataset):
+            raise DatasetError(
+                f"data._target_={path} returned a {type(dataset).__name__} as {name}: expected a dataset "
+                f"(map-style: __getitem__ and __len__; or a torch.utils.data.IterableDataset)"
+            )
+    return pair[0], pair[1]
+
+
+def is_dataset(obj: Any) -> bool:
+    """A map-style dataset (``__getitem__`` and ``__len__``, a ``Dataset`` or not) or an ``IterableDataset``."""
+    if isinstance(obj, IterableDataset):
+        return True
+    if isinstance(obj, str | bytes | torch.Tensor | Mapping):
+        return False
+    return isinstance(obj, Dataset) or (hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
+
+
+def _item(dataset: Any, index: int, split: str, path: str) -> Any:
+    """Item ``index`` of a split (an iterable's ``index``-th), None when it has fewer."""
+    try:
+        if isinstance(dataset, IterableDataset):
+            for i, item in enumerate(dataset):
+                if i == index:
+                    return item
+            return None
+        if len(dataset) <= index:
+            return None
+        return dataset[index]
+    except DatasetError:
+        raise
+    except Exception as err:
+        from pipeline.common.targets import FactoryFailed, one_line
+
+        raise FactoryFailed(
+            f"data._target_={path}: reading {split} item {index} raised {one_line(err)} (--debug shows the traceback)"
+        ) from err
+
+
+def _first_items(dataset: Any) -> list[Any]:
+    items = []
+    if isinstance(dataset, IterableDataset):
+        for item in dataset:
+            items.append(item)
+            if len(items) == DIGEST_ITEMS:
+                break
+        return items
+    return [dataset[i] for i in range(min(DIGEST_ITEMS, len(dataset)))]
+
+
+LEAVES = (torch.Tensor, int, float, bool)
+
+
+def check_item(item: Any, target_key: str, *, where: str) -> None:
+    """An item the default collate turns into tensors: ``(input, target)`` or a dict with ``target_key``.
+
+    Raises:
+        DatasetError: another shape, or something inside that is no tensor, array or number.
+    """
+    if isinstance(item, Mapping):
+        if target_key not in item:
+            raise DatasetError(
+                f"{where} is a dict without the {target_key!r} entry (its keys: {', '.join(map(str, item))}): set "
+                f"data.target_key to the target's key"
+            )
+        _check_leaves(item, where)
+        return
+    if isinstance(item, tuple | list) and len(item) == 2:
+        _check_leaves(item, where)
+        return
+    size = f" of {len(item)}" if isinstance(item, tuple | list) else ""
+    raise DatasetError(
+        f"{where} is a {type(item).__name__}{size}: expected (input, target), or a dict whose {target_key!r} entry is "
+        f"the target (data.target_key) and whose other entries are the model's keyword inputs"
+    )
+
+
+def _check_leaves(value: Any, where: str) -> None:
+    import numpy as np
+
+    if isinstance(value, (*LEAVES, np.ndarray, np.number)):
+        return
+    if isinstance(value, Mapping):
+        for v in value.values():
+            _check_leaves(v, where)
+        return
+    if isinstance(value, tuple | list):
+        for v in value:
+            _check_leaves(v, where)
+        return
+    hint = {
+        "Image": "add torchvision.transforms.ToTensor() (or PILToTensor()) to the dataset's transform",
+        "str": "turn text into token tensors in the dataset, or give data.collate_fn that does",
+    }.get(type(value).__name__, "return tensors, arrays or numbers, or give data.collate_fn that makes them")
+    raise DatasetError(f"{where} holds a {type(value).__module__}.{type(value).__name__}, not a tensor: {hint}")
+
+
+def check_batch(batch: tuple[Any, Any], *, where: str) -> None:
+    """The collated ``(inputs, targets)`` hold tensors (inputs may also hold other values the model takes)."""
+    inputs, targets = batch
+    if not structures.leaves(inputs):
+        raise DatasetError(f"{where}'s inputs are {structures.describe(inputs)}: no tensor in them")
+    if not isinstance(targets, torch.Tensor) and not structures.leaves(targets):
+        raise DatasetError(f"{where}'s targets are {structures.describe(targets)}: expected a tensor")
+
+
+def _classes(dataset: Any) -> tuple[tuple[str, ...] | None, dict[str, int] | None]:
+    """``classes`` and ``class_to_idx`` of a dataset or what it wraps (``Subset.dataset``, ...)."""
+    seen = 0
+    while dataset is not None and seen < 5:
+        classes = getattr(dataset, "classes", None)
+        if isinstance(classes, Sequence) and not isinstance(classes, str) and classes:
+            mapping = getattr(dataset, "class_to_idx", None)
+            mapping = {str(k): int(v) for k, v in mapping.items()} if isinstance(mapping, Mapping) else None
+            return tuple(str(c) for c in classes), mapping
+        dataset, seen = getattr(dataset, "dataset", None), seen + 1
+    return None, None
+
+
+def start_method(loader: LoaderConfig) -> str | None:
+    """How this run's loader workers start (None: no workers): ``loader.multiprocessing_context`` or the default."""
+    if loader.num_workers == 0:
+        return None
+    if loader.multiprocessing_context != "auto":
+        return loader.multiprocessing_context
+    return multiprocessing.get_start_method(allow_none=False)
+
+
+def check_picklable(custom: Any, loader: LoaderConfig) -> None:
+    """Spawn and forkserver workers receive the datasets and the collate function pickled; refuse at start what
+    they could not receive: a lambda or a local function inside, or a class defined in ``__main__`` (a worker
+    imports ``__main__`` afresh and does not find it). ``custom`` has ``train``, ``val`` and ``collate``.
+
+    Raises:
+        DatasetError: naming what failed and the three ways out.
+    """
+    method = start_method(loader)
+    if method not in ("spawn", "forkserver"):
+        return
+    fixes = (
+        "define it at the top level of an importable module (not in __main__, no lambda), or set "
+        "loader.num_workers=0, or loader.multiprocessing_context=fork where the platform has it"
+    )
+    for name, obj in (("training set", custom.train), ("validation set", custom.val), ("collate", custom.collate)):
+        try:
+            data = pickle.dumps(obj)
+        except Exception as err:
+            raise DatasetError(
+                f"the {name} cannot be sent to {method} loader workers ({type(err).__name__}: {err}): {fixes}"
+            ) from err
+        main = next((arg for arg in _globals(data) if arg.startswith("__main__ ")), None)
+        if main is not None:
+            raise DatasetError(
+                f"the {name} uses {main.replace(' ', '.')}, defined in __main__, which {method} loader workers "
+                f"cannot import: {fixes}"
+            )
+
+
+def _globals(data: bytes) -> list[str]:
+    """The ``module name`` globals a pickle refers to."""
+    found, strings = [], []
+    for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+        if op.name in ("GLOBAL", "INST"):
+            found.append(str(arg))
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            found.append(f"{strings[-2]} {strings[-1]}")
+        if isinstance(arg, str):
+            strings.append(arg)
+    return found

@@ -1,0 +1,301 @@
+"""A user's own project outside the package: its model, data and task train through every capability, and the
+trained model comes back out of MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from tests.project import KEYED, REGRESSION, use_project, write_project
+
+import pipeline.engine.build as build_module
+from pipeline.config import RunConfig
+from pipeline.engine import checkpoint, loop
+from pipeline.engine.stopping import Stopped
+from pipeline.train import train
+
+MakeCfg = Callable[..., RunConfig]
+EPOCHS = ["trainer.epochs=3", "trainer.max_steps=-1", "loader.batch_size=32"]  # 13 steps an epoch (410 samples)
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return use_project(tmp_path, monkeypatch)
+
+
+def weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.state_dict().values()])
+
+
+def test_the_users_model_data_and_task_train_with_the_summary_and_the_record(
+    project: Path, make_cfg: MakeCfg, store_uri: str
+) -> None:
+    result = train(make_cfg(*REGRESSION, *EPOCHS, "+model.width=16"), echo=False)
+    first, last = result.epochs[0].val_metrics, result.epochs[-1].val_metrics
+    assert set(last) == {"val/loss", "val/mae", "val/rmse"} and last["val/mae"] < first["val/mae"]
+    assert result.primary == "val/mae" and result.steps == 3 * 13
+    run = MlflowClient(store_uri).get_run(result.run_id)
+    params, tags = run.data.params, run.data.tags
+    assert (params["model._target_"], params["model.width"], params["data._target_"]) == (
+        "nets.Tiny",
+        "16",
+        "sets.make",
+    )
+    assert params["task.name"] == "regression" and params["optimizer._target_"] == "torch.optim.SGD"
+    assert tags["model.class"] == "nets.Tiny" and tags["model.file"] == str(project / "nets.py")
+    assert len(tags["model.file_sha256"]) == 16 and tags["data.file"] == str(project / "sets.py")
+    assert tags["task.primary"] == "val/mae" and run.info.run_name == "Tiny-make-cpu-bs32-w0"
+    for key in ("val/mae", "val/rmse", "train/lr", "time/data_wait_pct", "time/compute_pct"):
+        assert key in run.data.metrics, key
+    (dataset,) = run.inputs.dataset_inputs
+    assert dataset.dataset.name == "make" and len(dataset.dataset.digest) == 8
+    assert json.loads(dataset.dataset.schema)["inputs"] == "float32[2, 8]"
+
+
+def test_the_summary_leads_with_the_tasks_metric(project: Path, make_cfg: MakeCfg) -> None:
+    from pipeline.report.summary import format_summary
+
+    summary = format_summary(train(make_cfg(*REGRESSION, "tracking=none"), echo=False))
+    assert "  validation  val/mae " in summary and "· val/rmse " in summary
+    assert "waiting for data" in summary and "compute" in summary
+
+
+def test_dict_batches_reach_the_model_as_keyword_inputs_and_an_out_of_memory_error_keeps_the_losses(
+    project: Path, make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = [*KEYED, *EPOCHS, "tracking=none", "trainer.log_every_n_steps=1"]
+    losses: list[float] = []
+    with monkeypatch.context() as patch:
+        record_losses(patch, losses)
+        plain = train(make_cfg(*base), echo=False)
+    with_oom: list[float] = []
+    with monkeypatch.context() as patch:
+        record_losses(patch, with_oom)
+        oom_above(patch, 8)
+        fallback = train(make_cfg(*base), echo=False)
+    assert len(losses) == plain.steps and [e.micro_batch for e in fallback.oom_events] == [32, 16]
+    assert fallback.micro_batch == 8
+    assert fallback.steps == plain.steps  # every step still saw the whole batch of 32
+    assert with_oom == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(weights(fallback.model), weights(plain.model), rtol=1e-4, atol=1e-6)
+
+
+def record_losses(monkeypatch: pytest.MonkeyPatch, into: list[float]) -> None:
+    import pipeline.train as train_module
+
+    original = train_module.train_epoch
+
+    def recording(*args, **kwargs):
+        log = kwargs["log"]
+
+        def log_step(metrics: dict[str, float], step: int) -> None:
+            if "train/loss" in metrics:
+                into.append(metrics["train/loss"])
+            log(metrics, step)
+
+        return original(*args, **{**kwargs, "log": log_step})
+
+    monkeypatch.setattr(train_module, "train_epoch", recording)
+
+
+def oom_above(monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
+    """Training forwards of more than ``limit`` samples raise CUDA's out-of-memory error (a card that fits ``limit``);
+    the dict batch's ``features`` entry says how many samples a forward has."""
+    original = loop.call_model
+
+    def call(model, inputs):
+        if model.training and inputs["features"].shape[0] > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return original(model, inputs)
+
+    monkeypatch.setattr(loop, "call_model", call)
+
+
+def test_sigterm_and_resume_end_with_the_weights_of_an_uninterrupted_run(
+    project: Path, make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    base = [*REGRESSION, *EPOCHS, "scheduler=cosine"]
+    whole = train(make_cfg(*base, "tracking.experiment=whole"), echo=False)
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 20)
+        with pytest.raises(Stopped):
+            train(make_cfg(*base), echo=False)
+    (folder,) = {p for p in (tmp_path / "checkpoints").iterdir() if p.name != whole.run_id}
+    saved = checkpoint.load(folder / "last.pt")
+    assert saved["position"].step == 20 and saved["scheduler"]["last_epoch"] == 20  # one schedule step per step
+    resumed = train(make_cfg(*base, "resume=latest"), echo=False)
+    assert resumed.steps == whole.steps
+    torch.testing.assert_close(weights(resumed.model), weights(whole.model), rtol=0, atol=0)
+
+
+def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    original = build_module.build_model
+    calls = {"n": 0}
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module, inputs):
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] == step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(build_module, "build_model", build)
+
+
+def test_a_checkpoint_holds_plain_values_only(project: Path, make_cfg: MakeCfg, tmp_path: Path) -> None:
+    result = train(make_cfg(*REGRESSION, "scheduler=warmup_cosine"), echo=False)
+    path = tmp_path / "checkpoints" / str(result.run_id) / "last.pt"
+    saved = torch.load(path, weights_only=True)  # no allowed globals: tensors and plain values alone
+    assert saved["format"] == checkpoint.FORMAT and saved["position"] == {"epoch": 1, "batch": 3, "step": 3}
+    assert saved["config"]["model"]["_target_"] == "nets.Tiny" and saved["scheduler"]["lr_lambdas"][0]["warmup"] == 0
+    assert set(saved["model"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+
+
+def test_autotune_times_the_users_own_loader_in_the_real_step(project: Path, make_cfg: MakeCfg) -> None:
+    import dataclasses
+
+    from pipeline.experiments.autotune.candidates import Candidate
+    from pipeline.experiments.autotune.trials import Trials
+
+    cfg = make_cfg(*REGRESSION, "tracking=none")
+    trials = Trials(cfg)
+    try:
+        assert trials.probe().spec.name == "make"
+        speeds = [
+            trials.measure(Candidate(loader), steps=3, warmup=1)
+            for loader in (cfg.loader, dataclasses.replace(cfg.loader, resident=True))
+        ]
+    finally:
+        trials.close()
+    assert all(speed > 0 for speed in speeds)
+
+
+# --- the same project in real processes ------------------------------------------------------------------------
+
+TINY = ["device=cpu", "trainer.epochs=2", "loader.batch_size=32", "monitor.plots=false"]
+
+
+def pipeline(folder: Path, *args: str, module: str = "pipeline", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=folder, capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_the_project_trains_from_its_own_folder_and_its_model_reproduces_the_metric_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    folder = write_project(tmp_path / "myproject")
+    proc = pipeline(folder, *REGRESSION, *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validation  val/mae" in proc.stdout and "waiting for data" in proc.stdout
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    (run,) = client.search_runs(["1"])
+    (model,) = client.search_logged_models(["1"])
+    assert {m.key for m in model.metrics} >= {"val/mae", "val/rmse", "val/loss"}
+    elsewhere = tmp_path / "elsewhere"  # no nets.py here: the model's code travels with it
+    elsewhere.mkdir()
+    probe = f"""
+import importlib.util, mlflow, torch
+mlflow.set_tracking_uri("sqlite:///{folder / "mlflow.db"}")
+model = mlflow.pytorch.load_model("runs:/{run.info.run_id}/model")
+spec = importlib.util.spec_from_file_location("user_sets", {str(folder / "sets.py")!r})
+sets = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sets)
+_, val = sets.make()
+x, y = val.tensors
+with torch.no_grad():
+    print(type(model).__module__ + "." + type(model).__name__, (model(x) - y).abs().mean().item())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, mae = out.stdout.split()
+    assert name == "nets.Tiny" and float(mae) == pytest.approx(run.data.metrics["val/mae"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_reads_with_torch_alone_where_pipeline_is_not_installed(tmp_path: Path) -> None:
+    folder = write_project(tmp_path / "myproject")
+    assert pipeline(folder, *REGRESSION, *TINY, "tracking=none").returncode == 0
+    (path,) = (folder / "checkpoints").glob("*/last.pt")
+    import torch as torch_module
+
+    site = str(Path(torch_module.__file__).parents[1])  # torch's site-packages: its .pth files (pipeline's) unread
+    probe = (
+        "import sys, torch\n"
+        "try:\n    import pipeline.engine.checkpoint\nexcept ImportError:\n    print('no pipeline')\n"
+        f"saved = torch.load({str(path)!r}, weights_only=True)\n"
+        "print(sorted(saved['model']), saved['position'], saved['config']['model']['_target_'])\n"
+    )
+    env = {"PYTHONPATH": site, "PATH": os.environ.get("PATH", "")}
+    out = subprocess.run([sys.executable, "-S", "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[0] == "no pipeline"
+    assert "'net.0.weight'" in out.stdout and "{'epoch': 3, 'batch': 0, 'step': 26}" in out.stdout
+    assert out.stdout.strip().endswith("nets.Tiny")
+
+
+@pytest.mark.slow
+def test_a_sweep_over_the_users_keywords_and_its_comparison(tmp_path: Path) -> None:
+    folder = write_project(tmp_path / "myproject")
+    proc = pipeline(folder, "-m", *REGRESSION, *TINY, "trainer.max_steps=6", "+model.width=16,32", "trainer.seed=1,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    jobs = [r for r in client.search_runs(["1"]) if r.data.tags.get("sweep.role") != "parent"]
+    assert sorted((r.data.params["model.width"], r.data.params["trainer.seed"]) for r in jobs) == [
+        ("16", "1"),
+        ("16", "2"),
+        ("32", "1"),
+        ("32", "2"),
+    ]
+    compared = pipeline(folder, module="pipeline.compare")
+    assert compared.returncode == 0, compared.stderr[-3000:]
+    table = [line for line in compared.stdout.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert "model.width" in header and "val/mae" in header
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert sorted(row[header.index("model.width")] for row in rows) == ["16", "32"]
+    assert all(row[header.index("n")] == "2" and row[header.index("model")] == "Tiny" for row in rows)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_end_with_the_weights_of_one_process_at_the_global_batch(tmp_path: Path) -> None:
+    folder = write_project(tmp_path / "myproject")
+    common = [*REGRESSION, "device=cpu", "trainer.epochs=1", "trainer.max_steps=8", "monitor.plots=false"]
+    single = pipeline(folder, *common, "loader.batch_size=32", "tracking.experiment=single")
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline"]
+    ddp = subprocess.run(
+        [*command, *common, "loader.batch_size=16", "tracking.experiment=ddp"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
+    assert "distributed 2 ranks over gloo, batch 16 per rank, 32 in all" in ddp.stdout
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    finals = {}
+    for name in ("single", "ddp"):
+        (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+        finals[name] = torch.load(folder / "checkpoints" / run.info.run_id / "last.pt", weights_only=True)["model"]
+    for key, value in finals["single"].items():
+        torch.testing.assert_close(finals["ddp"][key], value, rtol=1e-4, atol=1e-5, msg=key)
