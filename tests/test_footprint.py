@@ -150,3 +150,25 @@ def test_the_cli_reports_a_real_out_of_memory_in_one_line(
     assert run_main(monkeypatch, "device=cpu", "tracking=none", "trainer.max_steps=2", "oom.enabled=false") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: out of memory ([enforce fail") and err.count("\n") == 1, err
+
+
+class _ReadsValues(nn.Module):
+    """A user's forward that fails in its own way on the meta device: a lookup keyed by the input's device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = {"cpu": 1.0, "cuda": 1.0}[x.device.type]  # KeyError on meta, not one of torch's errors
+        return self.linear(x) * scale
+
+
+def test_a_user_forward_that_fails_on_meta_leaves_the_state_floor_and_the_model_in_training_mode(
+    make_cfg: MakeCfg,
+) -> None:
+    model = _ReadsValues().train()
+    made = estimate(make_cfg(), in_shape=(4,), num_classes=2, samples=8, model=model)
+    assert made.parameters == 10 and made.state_bytes == 10 * 4 * 3  # weights, gradients, SGD momentum
+    assert made.batch_bytes == 8 * 4 * 4  # the input alone: no activations could be measured
+    assert model.training  # the estimate's eval() is undone

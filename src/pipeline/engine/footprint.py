@@ -106,6 +106,7 @@ def estimate(
     if model is None:
         with torch.device("meta"):
             model = build_model(cfg.model, in_shape=in_shape, num_classes=num_classes)
+    training = model.training
     model.eval()  # 1 sample: BatchNorm
     parameters = sum(p.numel() for p in model.parameters())
     kept = [samples * math.prod(in_shape)] if in_shape is not None else [0]
@@ -119,11 +120,12 @@ def estimate(
     try:
         if in_shape is not None:
             _meta_forward(model, torch.empty(samples, *in_shape, device="meta"))
-    except (RuntimeError, ValueError, TypeError, NotImplementedError):  # too small an input, an op without a meta
-        kept = kept[:1]  # kernel: the real run says so in its own words
+    except Exception:  # too small an input, an op without a meta kernel, a user's forward that reads values: a
+        kept = kept[:1]  # floor needs no activations, and the real run says what went wrong in its own words
     finally:
         for handle in handles:
             handle.remove()
+        model.train(training)
     per_value = HALF if cfg.amp else FLOAT32
     return Estimate(parameters, parameters * FLOAT32 * (2 + _moments(cfg)), sum(kept) * per_value, samples)
 

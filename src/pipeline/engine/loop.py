@@ -133,6 +133,7 @@ def train_epoch(
     start = time.perf_counter()
     timer.start()
     stopped = 0
+    logged_lr = None  # train/lr is logged when it changed: a constant rate once an epoch, a schedule every interval
     for images, labels in timer.batches(batches):
         compiled_before = state.compiles.count  # a Python int: reading it costs nothing
         images = move(images, device)  # a tensor (built-in sources) or the user's structure of them
@@ -212,7 +213,9 @@ def train_epoch(
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
         if state.step % log_every == 0:
-            logged = {"train/loss": window.close(carried), "train/lr": current_lr(optimizer)}  # host sync; NaN raises
+            logged = {"train/loss": window.close(carried)}  # host sync; NaN/inf raise
+            if (lr := current_lr(optimizer)) != logged_lr:
+                logged["train/lr"] = logged_lr = lr
             log({**logged, **group.step_metrics()}, state.step)
         if checkpoint_every and state.step % checkpoint_every == 0:
             window.verify()  # host sync point; raises on NaN/inf before anything is written
