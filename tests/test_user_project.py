@@ -183,6 +183,25 @@ def test_autotune_times_the_users_own_loader_in_the_real_step(project: Path, mak
     assert all(speed > 0 for speed in speeds)
 
 
+def test_autotune_offers_resident_only_for_map_style_tensors_and_searches_an_iterable_dataset(
+    project: Path, make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.data import load_data
+    from pipeline.experiments import autotune
+    from pipeline.experiments.autotune.candidates import resident_fits
+
+    cpu = torch.device("cpu")
+    keyed = load_data(make_cfg(*KEYED).data).spec  # 512 samples of 8 + 1 float32 features and a float32 target
+    assert keyed.sample_bytes == (8 + 1 + 1) * 4 and keyed.resident_bytes == 512 * 40 and resident_fits(keyed, cpu)
+    stream = ["data._target_=sets.stream", "+data.steps_per_epoch=4"]
+    streamed = load_data(make_cfg(*REGRESSION, *stream).data).spec
+    assert streamed.iterable and streamed.resident_bytes is None and not resident_fits(streamed, cpu)
+    budget = ["--budget-s", "30", "--steps", "2", "--warmup", "1", "--rounds", "1", "--no-track"]
+    assert autotune.main([*budget, *REGRESSION, *stream, "device=cpu", "loader.batch_size=8"]) == 0
+    report = capsys.readouterr().out
+    assert "resident" not in report and "workers=0" in report, report
+
+
 # --- the same project in real processes ------------------------------------------------------------------------
 
 TINY = ["device=cpu", "trainer.epochs=2", "loader.batch_size=32", "monitor.plots=false"]

@@ -75,11 +75,22 @@ class DataSpec:
     class_to_idx: dict[str, int] | None = None  # an image folder's sub-folder -> label
     inputs: str = "uint8 images"  # what a batch's inputs are, for the record (structures.describe)
     iterable: bool = False  # an IterableDataset: no sampler, each rank and worker reads its own share
+    sample_bytes: int | None = None  # a user's sample as its batches hold it (None: built-in, or not tensors alone)
 
     @property
     def builtin(self) -> bool:
         """A built-in source: uint8 images normalised and augmented on the device."""
         return self.mean is not None
+
+    @property
+    def resident_bytes(self) -> int | None:
+        """Both splits held whole (``loader.resident=true``): uint8 pixels and int64 labels for a built-in source, the
+        first batch's bytes per sample for a user's; None where nothing can be held: an iterable dataset, or items
+        that are not tensors alone."""
+        if self.iterable or self.train_size is None or self.val_size is None:
+            return None
+        per = math.prod(self.in_shape or ()) + 8 if self.builtin else self.sample_bytes
+        return None if per is None else (self.train_size + self.val_size) * per
 
 
 @dataclass
@@ -317,8 +328,18 @@ def _custom(cfg: DataConfig) -> DataBundle:
         class_to_idx=made.class_to_idx,
         inputs=structures.describe(inputs),
         iterable=made.iterable,
+        sample_bytes=_sample_bytes(made.first),
     )
     return DataBundle(spec, made.train, made.val, made.collate, made.split_batch, made.first)
+
+
+def _sample_bytes(batch: Any) -> int | None:
+    """Bytes per sample of a first batch of tensors alone (None: it holds something else)."""
+    from pipeline.data import structures
+
+    if not structures.only_tensors(batch):
+        return None
+    return structures.nbytes(batch) // max(structures.count(batch[1]), 1)
 
 
 def _length(dataset: Any) -> int | None:

@@ -8,7 +8,6 @@ half the free memory (``resident_fits``). ``candidates`` lists what the first ro
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -112,13 +111,13 @@ def prefetch_variant(loader: LoaderConfig) -> LoaderConfig:
 
 
 def resident_fits(spec: Any, device: Any) -> bool:
-    """Whether ``loader.resident=true`` is worth a trial: the dataset (``DataSpec``) as uint8 pixels and int64 labels,
-    both splits, takes at most ``RESIDENT_SHARE`` of the memory free where it would live (the CUDA device's, else
-    the host's, which MPS shares)."""
+    """Whether ``loader.resident=true`` is worth a trial: the dataset (``DataSpec``) can be held whole (map-style, of
+    tensors alone), and both splits take at most ``RESIDENT_SHARE`` of the memory free where they would live (the
+    CUDA device's, else the host's, which MPS shares)."""
     from pipeline.engine.footprint import free_memory
 
-    needs = (spec.train_size + spec.val_size) * (math.prod(spec.in_shape) + 8)
-    return needs <= RESIDENT_SHARE * free_memory(device).bytes
+    needs = spec.resident_bytes
+    return needs is not None and needs <= RESIDENT_SHARE * free_memory(device).bytes
 
 
 def describe(candidate: Candidate, current: Candidate) -> str:

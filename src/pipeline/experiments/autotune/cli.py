@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 device_type=setup.device.type,
                 max_workers=max_workers,
                 resident_fits=resident_fits(setup.spec, setup.device),
-                max_batch_size=min(args.max_batch_size, setup.spec.train_size),
+                max_batch_size=min(args.max_batch_size, setup.spec.train_size or args.max_batch_size),
             )
             outcome = tune(
                 cfg.loader,
