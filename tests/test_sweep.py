@@ -53,7 +53,7 @@ def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
         ),
         (
             "mlp-digits-cpu-bs32-w0",
-            {"trainer.optimizer": "adamw", "loader": "workers"},
+            {"optimizer": "adamw", "loader": "workers"},
             "optimizer=adamw-loader=workers-mlp-digits-cpu-bs32-w0",
         ),
         ("mlp-digits-cpu-bs32-w0", {"device": "auto"}, "device=auto-mlp-digits-cpu-bs32-w0"),  # auto would read cpu

@@ -14,9 +14,9 @@ one starts.
 
 from pipeline.common.errors import ConfigError
 from pipeline.config.compose import compose, config_dir, flatten, from_dictconfig, load, sweep_jobs
+from pipeline.config.data import DataConfig
 from pipeline.config.schema import (
     CheckpointConfig,
-    DataConfig,
     DeviceConfig,
     LoaderConfig,
     MonitorConfig,
