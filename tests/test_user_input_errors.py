@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from tests.project import REGRESSION, use_project
 
-from pipeline.__main__ import main
+from test_cli import run_main
 
 TINY = ["device=cpu", "trainer.epochs=1", "trainer.max_steps=2", "loader.batch_size=8"]
 CUSTOM_DATA = ["data=custom", "data._target_=sets.make", "task=regression"]
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
-    monkeypatch.setattr(sys, "argv", ["pipeline", *args])
-    try:
-        main()
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 @pytest.mark.parametrize(
