@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import RunConfig, load
+from pipeline.data import DataSpec
 from pipeline.experiments import autotune
 from pipeline.experiments.autotune import Candidate, Machine, Settings, candidates, format_report, override_line, tune
 
@@ -263,7 +264,10 @@ def test_pinned_memory_is_a_candidate_on_cuda_only() -> None:
 
 
 def test_resident_is_tried_when_the_dataset_takes_at_most_half_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = types.SimpleNamespace(train_size=900, val_size=100, in_shape=(1, 10, 10))  # 1,000 x (100 + 8) bytes
+    spec = DataSpec(  # a built-in source: 1,000 x (100 uint8 pixels + an int64 label) bytes
+        "synthetic", (1, 10, 10), 10, 900, 100, mean=(0.5,), std=(0.25,), source="test", digest="0" * 8
+    )
+    assert spec.resident_bytes == 108_000
     cpu = types.SimpleNamespace(type="cpu")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=216_000))
     assert autotune.resident_fits(spec, cpu)
