@@ -192,7 +192,10 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
     assert "\n[MLflow's compare page for these 4 runs](#/compare-runs?runs=" in note and "http" not in note
     out = capsys.readouterr().out
     assert f"sweep {sweep_id[:8]}: 4 job(s), 4 finished, 0 failed" in out and markdown.splitlines()[2] in out
-    assert f"this sweep:   http://127.0.0.1:5000/#/experiments/1/runs/{parent.info.run_id}" in out
+    assert (
+        f"this sweep:   http://127.0.0.1:5000/#/experiments/1/runs/{parent.info.run_id}?workflowType=machine_learning"
+        in out
+    )
 
 
 def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_listing_it(

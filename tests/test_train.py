@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
@@ -177,6 +178,18 @@ def test_summary_is_printed(make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "run mlp-digits-cpu-bs32-w0: 1 epoch(s), 3 steps" in out
     assert "val/acc" in out and "samples/s" in out and "tracking off" in out
+
+
+def test_the_summarys_links_open_the_model_training_view(
+    make_cfg: MakeCfg, store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = train(make_cfg(), echo=True)
+    links = [line.split(": ", 1)[1].strip() for line in capsys.readouterr().out.splitlines() if "http://" in line]
+    experiment = MlflowClient(store_uri).get_run(result.run_id).info.experiment_id
+    assert links == [
+        f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{result.run_id}?workflowType=machine_learning",
+        f"http://127.0.0.1:5000/#/experiments/{experiment}/runs?workflowType=machine_learning",
+    ]
 
 
 def test_trains_on_mnist_files_and_on_a_folder_of_pngs(make_cfg: MakeCfg, tmp_path: Path) -> None:

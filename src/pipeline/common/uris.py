@@ -10,6 +10,7 @@ from pathlib import Path, PurePath
 from urllib.parse import quote, unquote, urlparse
 
 UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves
+TRAINING_VIEW = "workflowType=machine_learning"  # MLflow 3 opens in its GenAI view without it
 
 
 def ui_base(uri: str) -> str:
@@ -19,6 +20,13 @@ def ui_base(uri: str) -> str:
     if parsed.scheme not in ("http", "https"):
         return UI_URL
     return parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl().rstrip("/")
+
+
+def run_page(experiment_id: str, run_id: str | None = None) -> str:
+    """The UI page of a run (or, without ``run_id``, of an experiment's runs) in the model-training view, relative to
+    the UI's address (``ui_base(uri) + "/" + run_page(...)``)."""
+    runs = f"runs/{run_id}" if run_id else "runs"
+    return f"#/experiments/{experiment_id}/{runs}?{TRAINING_VIEW}"
 
 
 def sqlite_database(uri: str) -> str | None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from pipeline.common.errors import ConfigError
 from pipeline.common.secrets import mask_overrides, mask_text
-from pipeline.common.uris import ui_base
+from pipeline.common.uris import run_page, ui_base
 from pipeline.experiments.sweep_files import (
     JobOutcome,
     Sweep,
@@ -88,7 +88,7 @@ def parent_links(sweep: Sweep, status: str) -> list[str]:
     lines = [f"  MLflow parent run {sweep.parent_run_id} ({status}) in {mask_text(sweep.uri or '')}"]
     if not server:
         lines.append(f"    open the UI:  mlflow ui --backend-store-uri {sweep.uri}")
-    lines.append(f"    this sweep:   {base}/#/experiments/{sweep.experiment_id}/runs/{sweep.parent_run_id}")
+    lines.append(f"    this sweep:   {base}/{run_page(sweep.experiment_id, sweep.parent_run_id)}")
     return lines
 
 

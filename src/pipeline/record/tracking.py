@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from pipeline.common.secrets import mask_text, mask_value
-from pipeline.common.uris import ui_base
+from pipeline.common.uris import run_page, ui_base
 from pipeline.record import outbox
 from pipeline.record.heartbeat import Heartbeat
 from pipeline.record.logged_model import ModelCard
@@ -386,8 +386,8 @@ class MlflowTracker:
         if parsed.scheme not in ("http", "https", "databricks"):
             lines.append(f"  open the UI:  mlflow ui --backend-store-uri {self.uri}")
         lines += [
-            f"  this run:     {base}/#/experiments/{self.experiment_id}/runs/{self.run_id}",
-            f"  all runs:     {base}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning",
+            f"  this run:     {base}/{run_page(self.experiment_id, self.run_id)}",
+            f"  all runs:     {base}/{run_page(self.experiment_id)}",
         ]
         return lines
 

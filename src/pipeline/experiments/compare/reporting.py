@@ -11,7 +11,7 @@ from urllib.parse import quote, urlparse
 
 from pipeline.common.secrets import mask_text
 from pipeline.common.stats import MIN_EFFECT
-from pipeline.common.uris import ui_base
+from pipeline.common.uris import TRAINING_VIEW, run_page, ui_base
 from pipeline.experiments.compare.charts import chart
 from pipeline.experiments.compare.formats import compact_markdown, table_csv, table_markdown
 from pipeline.experiments.compare.records import RunRecord
@@ -67,13 +67,13 @@ def report(
     heading = f"## {note + ': ' if note else ''}{n} runs in {rows} rows"
     body = table_markdown(table)
     text = [heading, "", body, f"MLflow's compare page for these {n} runs: {base}/{page}"]
-    text += [f"All runs (model-training view): {base}/{_runs_page(e)}" for e in experiments]
+    text += [f"All runs (model-training view): {base}/{run_page(e)}" for e in experiments]
     if urlparse(uri).scheme not in ("http", "https", "databricks"):
         text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri} --port {_port(base)})")
     # In the UI: narrow (the page keeps its About panel), and links relative to the page, so that they open on
     # the UI's own address whatever host and port serve it.
     ui_note = [heading, "", compact_markdown(table), f"[MLflow's compare page for these {n} runs]({page})"]
-    ui_note += [f"[All runs of experiment {e} (model-training view)]({_runs_page(e)})" for e in experiments]
+    ui_note += [f"[All runs of experiment {e} (model-training view)]({run_page(e)})" for e in experiments]
     return Report(
         table,
         mask_text("\n".join(text) + "\n"),
@@ -81,10 +81,6 @@ def report(
         f"{base}/{page}",
         mask_text("\n".join(ui_note) + "\n"),
     )
-
-
-def _runs_page(experiment_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 def _port(base: str) -> int:
@@ -98,7 +94,7 @@ def compare_link(ui: str, run_ids: Sequence[str], experiment_ids: Sequence[str])
     runs = quote(json.dumps(list(run_ids), separators=(",", ":")), safe="")
     experiments = quote(json.dumps(list(experiment_ids), separators=(",", ":")), safe="")
     prefix = f"{ui}/" if ui else ""
-    return f"{prefix}#/compare-runs?runs={runs}&experiments={experiments}&workflowType=machine_learning"
+    return f"{prefix}#/compare-runs?runs={runs}&experiments={experiments}&{TRAINING_VIEW}"
 
 
 def write(result: Report, folder: Any) -> list[Any]:
