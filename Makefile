@@ -40,5 +40,5 @@ format: $(STAMP) ## apply ruff's formatter and safe fixes
 ui: $(STAMP) ## open the MLflow UI on the local store (http://127.0.0.1:5000)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
 
-clean: ## remove run outputs (MLflow store, unsent metrics, checkpoints, Hydra dirs), keep the environment
-	rm -rf mlruns mlflow.db mlflow.db.lock unsent_metrics checkpoints outputs multirun site
+clean: ## remove run outputs (MLflow store, unsent metrics, checkpoints, Hydra dirs, compare/), keep the environment
+	rm -rf mlruns mlflow.db mlflow.db.lock unsent_metrics checkpoints outputs multirun compare site

@@ -74,3 +74,17 @@ def test_the_linter_sees_every_python_file_of_the_package_and_the_tests() -> Non
     ours = {p.resolve() for folder in ("src", "tests", "scripts") for p in (ROOT / folder).rglob("*.py")}
     ours = {p for p in ours if "__pycache__" not in p.parts}
     assert ours and sorted(map(str, ours - seen)) == []
+
+
+def test_every_folder_the_tools_write_into_the_launch_folder_is_ignored_and_cleaned() -> None:
+    # a written file git sees would mark every later run of this checkout git.dirty=true (issue 26, item 5)
+    written = ["mlruns", "mlflow.db", "unsent_metrics", "checkpoints", "outputs", "multirun", "compare"]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *(f"{name}/file" for name in written)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert sorted(p.split("/")[0] for p in ignored) == sorted(written)
+    clean = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("\trm -rf"))
+    assert set(written) <= set(clean.split()[2:]), clean
