@@ -8,10 +8,10 @@ from typing import Any, Literal
 from pipeline.common.errors import ConfigError
 from pipeline.config.targets import SPREAD, TargetConfig, check_target
 
-DIGITS = ("digits", "mnist")
+DIGITS = ("digits", "mnist")  # datasets of handwritten digits: mirroring changes what a sample shows
 CUSTOM_DATA_KEYS = frozenset(
     {"name", "_target_", "target_key", "collate_fn", "split_batch", "steps_per_epoch", "num_classes"}
-)  # datasets of handwritten digits: mirroring changes what a sample shows
+)  # data=custom: the keys that stay the pipeline's, never the factory's keywords
 
 
 @dataclass(frozen=True)

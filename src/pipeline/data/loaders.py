@@ -290,7 +290,7 @@ def _check_resident_room(dataset: Dataset, collate: Callable[[list[Any]], Any] |
             True,
             f"false for batches of {structures.describe(sample)}: a resident dataset is tensors alone, cut by index",
         )
-    needs = structures.nbytes(sample) * len(dataset) // max(structures.count(sample[1]), 1)
+    needs = (structures.sample_bytes(sample) or 0) * len(dataset)
     fix = "loader.resident=false (the DataLoader reads it as it goes), or a smaller dataset"
     check_data(f"loader.resident=true with {len(dataset):,} samples", needs, fix)
     if device is not None and device.type == "cuda":

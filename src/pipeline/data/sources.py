@@ -328,18 +328,9 @@ def _custom(cfg: DataConfig) -> DataBundle:
         class_to_idx=made.class_to_idx,
         inputs=structures.describe(inputs),
         iterable=made.iterable,
-        sample_bytes=_sample_bytes(made.first),
+        sample_bytes=structures.sample_bytes(made.first),
     )
     return DataBundle(spec, made.train, made.val, made.collate, made.split_batch, made.first)
-
-
-def _sample_bytes(batch: Any) -> int | None:
-    """Bytes per sample of a first batch of tensors alone (None: it holds something else)."""
-    from pipeline.data import structures
-
-    if not structures.only_tensors(batch):
-        return None
-    return structures.nbytes(batch) // max(structures.count(batch[1]), 1)
 
 
 def _length(dataset: Any) -> int | None:

@@ -123,6 +123,13 @@ def nbytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves(batch))
 
 
+def sample_bytes(batch: Any) -> int | None:
+    """Bytes one sample of an ``(inputs, targets)`` batch holds (None: it holds something besides tensors)."""
+    if not only_tensors(batch):
+        return None
+    return nbytes(batch) // max(count(batch[1]), 1)
+
+
 def digest(batches: list[Any]) -> str:
     """8 hex digits that change when the samples change: the shapes, dtypes and bytes of every tensor."""
     h = hashlib.sha256()
