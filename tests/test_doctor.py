@@ -1,4 +1,4 @@
-"""The doctor: each failure mode of the guides, in a fake environment; the report attached to runs."""
+"""The doctor: each failure mode of the CPU-vs-GPU set-up recipe, in a fake environment; the report attached to runs."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from statistics import median
 from typing import Any
 
 RANKS = 2
-BATCH = 64  # per rank: the guides' MNIST batch
+BATCH = 64  # per rank: the set-up recipe's MNIST batch
 CHUNK = 50  # steps per side of a round in the loop-level comparison
 CHUNK_ROUNDS = 120  # its rounds (about 0.4 s a side on 2 CPUs): many short pairs, so a 1% difference is resolved
 

@@ -136,7 +136,7 @@ def timed_evaluations(seconds: list[float]) -> Iterator[None]:
 
 
 def step_mlp(ctx: Context) -> list[Row]:
-    """The guides' MLP on MNIST-shaped data kept on the device: the second epoch's training plus its evaluation."""
+    """The set-up recipe's MLP on MNIST-shaped data kept on the device: the second epoch's training and evaluation."""
     plan = ctx.plan
     name = f"MLP epoch, {plan.mlp_samples:,} MNIST-shaped samples, resident, batch 64, with evaluation"
 

@@ -4,7 +4,7 @@
     python -m pipeline model=torchvision model.arch=efficientnet_b0 model.weights=DEFAULT
     python -m pipeline model=custom model._target_=nets.Tiny +model.width=64
 
-The built-in options are factories here (the guides' MLP, torchvision ResNets with stems adapted to small images,
+The built-in options are factories here (the recipe's MLP, torchvision ResNets with stems adapted to small images,
 any torchvision or timm architecture), called the same way as the user's: the group's other keys as keywords, plus
 ``in_shape`` and ``num_classes`` from the data where the signature names them and the group does not set them.
 """
