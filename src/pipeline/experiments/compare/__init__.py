@@ -66,6 +66,7 @@ from pipeline.experiments.compare.rows import (
 )
 from pipeline.experiments.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
 from pipeline.experiments.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
+from pipeline.experiments.compare.terminal import MAX_WIDTH, table_terminal
 
 __all__ = [
     "ARTIFACTS",
@@ -78,6 +79,7 @@ __all__ = [
     "GLOBAL_THROUGHPUT",
     "GPU_UTIL",
     "MAX_RUNS",
+    "MAX_WIDTH",
     "OOM_EVENTS",
     "PARENT",
     "PEAK_MB",
@@ -114,6 +116,7 @@ __all__ = [
     "sweep_drift",
     "table_csv",
     "table_markdown",
+    "table_terminal",
     "ui_base",
     "write",
 ]
