@@ -95,6 +95,7 @@ def _notes(table: Table) -> list[str]:
         "too few runs for any test to show one (rerun with more trainer.seed values).",
         "step ms: a steady step = waiting for data + copying to the device + computing + the pipeline's own work.",
         "compare.md and compare.csv hold every column: the keys that differ, ranges, p-values, epoch time, GPU use, "
-        "memory, the bottleneck.",
+        "memory, the bottleneck (python -m pipeline.compare writes them to its --out; a sweep attaches them to its "
+        "parent run, under compare/).",
     ]
     return [wrapped for note in notes for wrapped in wrap(note)]
