@@ -276,6 +276,7 @@ def test_a_ladder_gives_the_total_and_the_mean_step_not_a_mean_of_cumulative_gai
     assert table.total == pytest.approx(8.0) and table.per_step == pytest.approx(math.sqrt(8.0))
     text = table_markdown(table)
     assert "Ladder: 8.00× in all (the last row over the baseline), 2.83× per step over 2 step(s)" in text
+    assert "no step was shown" in " ".join(text.split())  # one run a row: nothing here is shown
     rows = list(csv.DictReader(io.StringIO(table_csv(table))))
     assert [r["run"] for r in rows[-2:]] == ["ladder total", "ladder per step"]
     assert float(rows[-2]["speedup"]) == pytest.approx(8.0) and float(rows[-1]["speedup"]) == pytest.approx(2.828, 1e-3)
@@ -432,7 +433,10 @@ def test_main_compares_the_latest_sweep_writes_the_files_and_attaches_them_to_it
     printed = capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["compare.csv", "compare.md", "compare.png"]
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "compare.md").read_text() in printed
+    view = [line for line in printed.splitlines() if not line.startswith("wrote ")]  # it names tmp_path
+    assert max(len(line) for line in view) <= 160, max(view, key=len)
+    assert "Same in every run: 2 config keys (listed in compare.md)." in printed
+    markdown = (out / "compare.md").read_text()
 
     rows = list(csv.DictReader(io.StringIO((out / "compare.csv").read_text())))
     # sweep.job order, repeats grouped, the parent and the older runs left out
@@ -442,12 +446,15 @@ def test_main_compares_the_latest_sweep_writes_the_files_and_attaches_them_to_it
     assert rows[0]["samples_per_s_min"] == "990" and rows[0]["samples_per_s_max"] == "1010"
     assert rows[2]["samples_per_s_median"] == "" and rows[2]["oom_events"] == "1"
 
-    assert "## sweep S1: 11 runs in 3 rows" in printed
-    table = [line for line in printed.splitlines() if line.startswith("| mlp-digits")]
+    assert "## sweep S1: 11 runs in 3 rows" in printed and "## sweep S1: 11 runs in 3 rows" in markdown
+    table = [line for line in markdown.splitlines() if line.startswith("| mlp-digits")]
     assert "| 1,000 (990–1,010)" in table[0] and "| 1.50× [" in table[1] and "real: p=0.0079" in table[1]
+    view = [line for line in view if line.startswith("mlp-digits")]
+    assert "1,000" in view[0] and "1.50× [" in view[1] and "faster: shown" in view[1]
     assert "- run mlp-digits-cuda-fp32-bs4096-w0" in printed and "error: OutOfMemoryError" in printed
 
-    link = next(w for w in printed.split() if "compare-runs" in w)
+    assert "MLflow's compare page for these 11 runs: the link is in compare.md (" in printed  # 11 ids: too long
+    link = next(w for w in markdown.split() if "compare-runs" in w)
     fields = dict(part.split("=", 1) for part in unquote(link).split("?", 1)[1].split("&"))
     assert sorted(json.loads(fields["runs"])) == sorted(sweep_store["children"])
     assert json.loads(fields["experiments"]) == [sweep_store["experiment"]]
@@ -465,8 +472,8 @@ def test_main_with_run_ids_keeps_their_order_and_refuses_to_log_without_a_sweep(
     assert compare.main(argv) == 2
     captured = capsys.readouterr()
     assert "runs given by id (not found: nope): 2 runs in 2 rows" in captured.out
-    batches = [line.split("|")[6].strip() for line in captured.out.splitlines() if line.startswith("| mlp")]
-    assert batches == ["128", "64"]
+    names = [line.split()[0] for line in captured.out.splitlines() if line.startswith("mlp")]
+    assert names == ["mlp-digits-cuda-fp32-bs128-w0", "mlp-digits-cuda-fp32-bs64-w0"]
     assert captured.err.strip() == "error: --log: these runs are not one sweep (no parent run tagged sweep.role=parent)"
 
 
@@ -480,7 +487,8 @@ def test_main_without_a_sweep_compares_the_experiments_runs_with_a_note(
     assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o")]) == 0
     printed = capsys.readouterr().out
     assert "no sweep in experiment 'pipeline' (no run tagged sweep.role=parent): all its runs: 2 runs" in printed
-    assert "~3.00× [3.00–3.00]*" in printed and "rank, 1v1 cannot show a difference (p ≥ 1): add repeats" in printed
+    row = next(line for line in printed.splitlines() if line.startswith("run1"))
+    assert "3.00×" in row and "[" not in row and "cannot tell: add repeats" in row
 
 
 @pytest.mark.parametrize(
@@ -560,3 +568,152 @@ def test_a_row_of_another_batch_size_is_compared_per_sample_not_per_step() -> No
     runs += [record(f"b{i}", 51_200, seed=i, params={"loader.batch_size": "256"}, **bigger) for i in range(2)]
     change = build(runs).lines[1].step_change
     assert change == "per sample: compute −9.4 µs, data wait −2.3 µs"  # 28.1 -> 18.75 µs and 3.1 -> 0.8 µs
+
+
+# ---- the view a terminal prints ----
+
+# What a real run logs besides the swept keys: 40 keys with the dotted names and values the config tree gives them
+LONG_KEYS = {
+    **{f"model.kwargs.hidden_layer_{i}_features": str(64 * (i + 1)) for i in range(8)},
+    **{f"optimizer.schedule.warmup_{name}": "0.1" for name in ("steps", "ratio", "start_factor", "end_factor")},
+    **{f"data.transforms.train.{name}": "torchvision.transforms.v2.RandomResizedCrop" for name in "abcdefgh"},
+    **{f"trainer.{name}": "false" for name in ("compile", "channels_last", "deterministic", "detect_anomaly")},
+    **{f"precision.{name}": "bfloat16" for name in ("dtype", "reduce_dtype", "param_dtype", "buffer_dtype")},
+    **{f"loader.{name}": "auto" for name in ("pin_memory", "prefetch_factor", "persistent_workers", "drop_last")},
+    **{f"checkpoint.keep_{name}": "3" for name in ("last", "best", "every", "epochs")},
+    **{f"task.metrics.{name}": "torchmetrics.classification.MulticlassAccuracy" for name in "abcd"},
+}
+
+
+def readme_sweep(seeds: int = 1) -> list[RunRecord]:
+    """The README's 9-run sweep (batch 32, 64, 128 × workers 0, 2, 4), ``seeds`` runs a configuration, every run
+    with the 40 long keys and a step split; the names as a sweep gives them, long."""
+    split = {"step_ms": 12.5, "wait": 40.0, "h2d": 2.0, "compute": 55.0, "own": 3.0}
+    runs = []
+    for i, (batch, workers) in enumerate((b, w) for b in (32, 64, 128) for w in (0, 2, 4)):
+        params = {**LONG_KEYS, "loader.batch_size": str(batch), "loader.num_workers": str(workers)}
+        name = f"bs{batch}-w{workers}-resnet18-imagenet-subset-cuda-amp-bf16-channels-last-compiled-seed"
+        for seed in range(seeds):
+            speed = 10_000.0 * (1 + 0.3 * i) * (1 + 0.004 * seed)
+            runs.append(record(f"r{i}s{seed}", speed, seed=seed, name=name, params=params, **split))
+    return runs
+
+
+def terminal_lines(table: compare.Table) -> list[str]:
+    return compare.table_terminal(table).splitlines()
+
+
+def columns_of(lines: list[str]) -> list[str]:
+    header = next(line for line in lines if line.startswith("row "))
+    return [c for c in header.split("  ") if c.strip()]
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_the_terminal_view_of_the_readme_sweep_fits_160_columns_with_the_columns_that_matter(seeds: int) -> None:
+    table = build(readme_sweep(seeds))
+    assert len(table.lines) == 9 and len(table.same) == 41  # the 40 long keys but precision.dtype, and BASE's two
+    assert max(len(line) for line in table_markdown(table).splitlines()) > 300  # the whole table stays whole
+    lines = terminal_lines(table)
+    assert max(len(line) for line in lines) <= 160
+    assert [c.strip() for c in columns_of(lines)] == [
+        "row",
+        "n",
+        "samples/s",
+        "speed-up [95% CI]",
+        "verdict",
+        "val/acc",
+        "step ms",
+    ]
+    rows = [line for line in lines if line.startswith("bs")]
+    assert len(rows) == 9 and all(f"  {seeds}  " in line for line in rows)
+    assert "1.00× (baseline)" in rows[0] and "baseline" in rows[0]
+    assert "12.5 = 5.0+0.2+6.9+0.4" in rows[1]  # the step's parts, in the total's precision
+    same = [line for line in lines if "every run" in line]
+    assert same == ["Same in every run: 41 config keys (listed in compare.md)."]
+    assert not any("Hodges" in line or "Holm" in line or "rank, " in line for line in lines)  # words, not jargon
+
+
+def test_a_single_run_has_no_interval_and_cannot_tell() -> None:
+    table = build(readme_sweep(1))
+    speedup = table.lines[4].vs_baseline
+    assert speedup.cell() == "~2.20×" and speedup.verdict() == "cannot tell: add repeats"
+    rows = [line for line in terminal_lines(table) if line.startswith("bs")]
+    assert all("[" not in line for line in rows)
+    assert all(line.rstrip().count("cannot tell: add repeats") == 1 for line in rows[1:])
+
+
+def test_the_verdict_says_in_words_what_the_test_showed() -> None:
+    steady = [100.0, 101.0, 99.0, 100.5, 100.2]
+
+    def versus(values: list[float]) -> compare.Speedup:
+        return build([*repeats("a", steady), *repeats("b", values, params={"amp": "1"})]).lines[1].vs_baseline
+
+    assert versus([130.0, 131.0, 129.0, 130.5, 130.2]).verdict() == "faster: shown"
+    assert versus([77.0, 78.0, 76.5, 77.5, 77.2]).verdict() == "slower: shown"
+    assert versus([99.5, 101.5, 98.0, 100.0, 101.0]).verdict() == "no difference shown"
+    assert versus([101.5, 101.6, 101.7, 101.8, 101.9]).verdict() == "no difference shown"  # p=0.0079, but a 1.6% change
+    short = build([*repeats("a", [100, 101, 99]), *repeats("b", [150, 151, 149], params={"amp": "1"})])
+    assert short.lines[1].vs_baseline.verdict() == "cannot tell: add repeats"  # 3 v 3 never reaches p < 0.05
+    assert compare.BASELINE.verdict() == "baseline"
+
+
+def test_a_row_name_too_long_for_the_terminal_is_cut_in_the_middle() -> None:
+    long = "x" * 150
+    runs = [record("a", 100, name=f"{long}-bs64-w0"), record("b", 200, name=f"{long}-bs64-w2", params={"amp": "1"})]
+    lines = terminal_lines(build(runs))
+    assert max(len(line) for line in lines) <= 160
+    rows = [line for line in lines if line.startswith("xxx")]
+    assert all("…" in row.split()[0] for row in rows)
+    assert rows[0].split()[0].endswith("-bs64-w0") and rows[1].split()[0].endswith("-bs64-w2")
+
+
+def test_the_chart_has_a_title_a_legend_and_step_colours_of_step_time_png_and_marks_slowdowns() -> None:
+    from matplotlib.colors import to_hex
+
+    from pipeline.engine.timing import Breakdown
+    from pipeline.report.plots import STEP_COLOURS, step_breakdown
+
+    split = {"step_ms": 10.0, "wait": 60.0, "h2d": 10.0, "compute": 25.0, "own": 5.0}
+    steady = [100.0, 101.0, 99.0, 100.5, 100.2]
+    runs = [*repeats("a", steady, **split)]
+    runs += repeats("b", [130.0, 131.0, 129.0, 130.5, 130.2], params={"amp": "1"}, **split)  # faster: shown
+    runs += repeats("c", [77.0, 78.0, 76.5, 77.5, 77.2], params={"amp": "2"}, **split)  # slower: shown
+    runs += repeats("d", [99.5, 101.5, 98.0, 100.0, 101.0], params={"amp": "3"}, **split)  # no difference
+    table = build(runs)
+    figure = compare.chart(table)
+    assert "samples/s" in figure.get_suptitle() and table.baseline.name in figure.get_suptitle()
+    speed, step = figure.axes[:2]
+    bars = {round(bar.get_width(), 1): bar for bar in speed.patches}  # the medians: 100.2, 130.2, 77.2, 100.0
+    faster, slower, same = bars[130.2], bars[77.2], bars[100.0]
+    assert to_hex(faster.get_facecolor()) != to_hex(slower.get_facecolor())
+    assert slower.get_hatch() and not faster.get_hatch()  # a slowdown is hatched, a speed-up is not
+    assert to_hex(same.get_facecolor()) not in (to_hex(faster.get_facecolor()), to_hex(slower.get_facecolor()))
+    legend = [t.get_text() for t in speed.get_legend().get_texts()]
+    assert legend[:4] == ["baseline", "faster: shown", "slower: shown", "no difference shown, or cannot tell"]
+    assert any("*" in text for text in legend) and any("hatched" in text for text in legend)
+    labels = [t.get_text() for t in speed.texts]
+    assert any("faster: shown" in t for t in labels) and not any("~" in t for t in labels)
+    parts = {t.get_text(): t for t in step.get_legend().get_texts()}
+    assert list(parts) == ["data wait", "copy", "compute", "own work"]
+    drawn = {label: to_hex(bar.get_facecolor()) for label, bar in zip(parts, step.patches[::4], strict=True)}
+    assert drawn == {part: to_hex(colour) for part, colour in STEP_COLOURS.items()}
+    run_chart = step_breakdown([Breakdown(1.0, 0.1, 2.0, 3, 30, 0.5, 4, 40, overhead_s=0.2)], title="run")
+    ax = run_chart.axes[0]
+    texts = ax.get_legend().get_texts()
+    by_label = {t.get_text(): to_hex(p.get_facecolor()) for t, p in zip(texts, ax.patches, strict=True)}
+    assert list(by_label.values()) == [to_hex(c) for c in STEP_COLOURS.values()]  # the same colour per part
+
+
+def test_the_terminal_view_shows_the_keys_that_differ_as_far_as_they_fit() -> None:
+    runs = [record(f"r{w}", 100 + w, name="tiny-regression", params={"model.width": str(w)}) for w in (16, 32)]
+    lines = terminal_lines(build(runs))
+    assert [c.strip() for c in columns_of(lines)][:3] == ["row", "n", "model.width"]
+    widths = [line.split()[2] for line in lines if line.startswith("tiny-regression")]
+    assert widths == ["16", "32"]
+    many = {f"model.layers.block_{i}.expansion_ratio_of_the_hidden_features": "x" * 20 for i in range(8)}
+    runs = [record(f"s{w}", 100, name="tiny", params={k: f"{v}{w}" for k, v in many.items()}) for w in range(2)]
+    lines = terminal_lines(build(runs))
+    assert max(len(line) for line in lines) <= 160
+    shown = [c.strip() for c in columns_of(lines)]
+    left = [k for k in many if k not in shown]
+    assert left and any(line.startswith(f"{len(left)} more config key(s) differ between rows") for line in lines)

@@ -61,3 +61,26 @@ def test_every_ladder_file_opens_with_the_command_that_runs_it(experiment: str) 
     files = [config_dir() / "experiment" / f"{experiment}.yaml", *sorted((config_dir() / "ladder").glob("*.yaml"))]
     for path in files:
         assert "python -m pipeline -m experiment=ladder_" in path.read_text().split("\n\n")[0], path
+
+
+def test_the_ladder_headline_says_when_no_step_was_shown() -> None:
+    from pipeline.experiments.compare import RunRecord, build, table_markdown, table_terminal
+
+    def run(i: int, step: str, speed: float) -> RunRecord:
+        metrics = {"throughput/samples_per_s": speed, "time/epoch_s": 1.0, "val/acc": 0.9}
+        params = {"+ladder": step, "trainer.seed": str(i)}
+        return RunRecord(f"{step}{i}", f"ladder={step}", "FINISHED", params, metrics, {})
+
+    noisy = [100.0, 140.0, 80.0, 120.0, 95.0]  # each step within the one before's noise
+    runs = [run(i, step, v * (1 + 0.02 * k)) for k, step in enumerate(("a", "b", "c")) for i, v in enumerate(noisy)]
+    table = build(runs, ladder=True)
+    assert all(not line.vs_previous.real for line in table.lines[1:])
+    for text in (table_markdown(table), table_terminal(table)):
+        said = " ".join(text.split())
+        assert "Ladder: 1.04× in all" in said
+        assert "no step was shown to change the speed on its own: the totals may be noise" in said
+
+    steady = [100.0, 101.0, 99.0, 100.5, 100.2]
+    shown = build([run(i, s, v * 2**k) for k, s in enumerate(("a", "b")) for i, v in enumerate(steady)], ladder=True)
+    said = " ".join(table_markdown(shown).split())
+    assert "Ladder: 2.00× in all" in said and "1 of 1 step(s) shown" in said and "no step was shown" not in said

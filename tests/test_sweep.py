@@ -191,7 +191,10 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
     assert all(f"| {r.info.run_name} " in note for r in children) and "compare/compare.md" in note
     assert "\n[MLflow's compare page for these 4 runs](#/compare-runs?runs=" in note and "http" not in note
     out = capsys.readouterr().out
-    assert f"sweep {sweep_id[:8]}: 4 job(s), 4 finished, 0 failed" in out and markdown.splitlines()[2] in out
+    assert f"sweep {sweep_id[:8]}: 4 job(s), 4 finished, 0 failed" in out and markdown.splitlines()[0] in out
+    view = out[out.index(markdown.splitlines()[0]) : out.index("MLflow's compare page")].splitlines()  # the table
+    assert all(any(line.startswith(f"{r.info.run_name}  ") for line in view) for r in children)
+    assert max(len(line) for line in view) <= 160
     assert (
         f"this sweep:   http://127.0.0.1:5000/#/experiments/1/runs/{parent.info.run_id}?workflowType=machine_learning"
         in out

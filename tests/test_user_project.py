@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -282,14 +283,19 @@ def test_a_sweep_over_the_users_keywords_and_its_comparison(tmp_path: Path) -> N
         ("32", "1"),
         ("32", "2"),
     ]
-    compared = pipeline(folder, module="pipeline.compare")
+    compared = pipeline(folder, "--out", "report", module="pipeline.compare")
     assert compared.returncode == 0, compared.stderr[-3000:]
-    table = [line for line in compared.stdout.splitlines() if line.startswith("|")]
-    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    view = compared.stdout.splitlines()  # what a terminal shows: the swept key and the task's metric among them
+    start = next(i for i, line in enumerate(view) if line.startswith("row "))
+    header = re.split(r"\s{2,}", view[start].strip())
     assert "model.width" in header and "val/mae" in header
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in view[start + 1 : start + 3]]
     assert sorted(row[header.index("model.width")] for row in rows) == ["16", "32"]
-    assert all(row[header.index("n")] == "2" and row[header.index("model")] == "Tiny" for row in rows)
+    assert all(row[header.index("n")] == "2" for row in rows)
+    table = [line for line in (folder / "report" / "compare.md").read_text().splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert all(row[header.index("model")] == "Tiny" for row in rows)
 
 
 @pytest.mark.slow

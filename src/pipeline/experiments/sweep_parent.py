@@ -101,7 +101,7 @@ def close_parent(
     not_run: Sequence[JobOutcome] = (),
 ) -> str:
     """Log the summary on the parent and end it with ``status``, the failures listed in a tag; returns the
-    summary's Markdown ("" when it could not be made: the parent still ends)."""
+    summary as a terminal shows it ("" when it could not be made: the parent still ends)."""
     from mlflow import MlflowClient
 
     from pipeline.record.store import retrying
@@ -131,8 +131,8 @@ def close_parent(
 
 def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], *, sweep: Sweep | None = None) -> str:
     """Log the sweep's comparison (``pipeline.experiments.compare``: Markdown, CSV, a chart) on its parent run, and the
-    table as the run's description (with links relative to the UI's page). Returns the Markdown (printed at the
-    end of the sweep). A search's rows are ranked by what it searched for."""
+    table as the run's description (with links relative to the UI's page). Returns the terminal's view (printed
+    at the end of the sweep). A search's rows are ranked by what it searched for."""
     from pipeline.experiments import compare
 
     parent = client.get_run(parent_run_id)
@@ -141,7 +141,7 @@ def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], 
     result = compare.report(client, list(child_runs), note=note, rank_by=rank_by)
     compare.attach(client, parent_run_id, result)
     client.set_tag(parent_run_id, "mlflow.note.content", result.note.rstrip("\n"))
-    return result.markdown
+    return result.terminal
 
 
 def _end_parent(sweep: Sweep, status: str, tags: dict[str, str]) -> None:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.engine.timing import Breakdown
-from pipeline.monitor import Sample
+if TYPE_CHECKING:  # annotations only: the compare chart imports this module, and must not pay for torch
+    from pipeline.engine.timing import Breakdown
+    from pipeline.monitor import Sample
+
+# One colour per part of a step in every chart that splits one (step_time.png, compare.png), under the compare
+# table's names for the parts
+STEP_COLOURS = {"data wait": "#d62728", "copy": "#ff7f0e", "compute": "#2ca02c", "own work": "#7f7f7f"}
 
 
 def _figure(rows: int, height: float) -> tuple[Any, Any]:
@@ -73,15 +78,17 @@ def utilisation_timeline(
 
 
 def step_breakdown(breakdowns: Sequence[Breakdown], *, title: str) -> Any:
-    """Stacked bars per epoch: % of steady-state step time waiting for data, copying, computing."""
+    """Stacked bars per epoch: % of steady-state step time waiting for data, copying, computing and in the
+    pipeline's own work (``STEP_COLOURS``)."""
     fig, axes = _figure(1, 3.2)
     ax = axes[0][0]
     epochs = list(range(1, len(breakdowns) + 1))
     bottom = [0.0] * len(breakdowns)
     for label, values, color in (
-        ("waiting for data", [b.data_wait_pct for b in breakdowns], "#d62728"),
-        ("host-to-device copy", [b.h2d_pct for b in breakdowns], "#ff7f0e"),
-        ("compute", [b.compute_pct for b in breakdowns], "#2ca02c"),
+        ("waiting for data", [b.data_wait_pct for b in breakdowns], STEP_COLOURS["data wait"]),
+        ("host-to-device copy", [b.h2d_pct for b in breakdowns], STEP_COLOURS["copy"]),
+        ("compute", [b.compute_pct for b in breakdowns], STEP_COLOURS["compute"]),
+        ("the pipeline's own work", [b.overhead_pct for b in breakdowns], STEP_COLOURS["own work"]),
     ):
         ax.bar(epochs, values, bottom=bottom, label=label, color=color)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
@@ -89,7 +96,7 @@ def step_breakdown(breakdowns: Sequence[Breakdown], *, title: str) -> Any:
     ax.set_xlabel("epoch")
     ax.set_ylabel("% of step time")
     ax.set_ylim(0, 100)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
     return fig

@@ -19,7 +19,8 @@ machine drifted over the runs (``pipeline.common.stats.drift``).
 Everything comes from one ``MlflowClient.search_runs`` call (``--sweep latest`` costs one more, with
 ``max_results=1``, to find the sweep); no per-run history is read, so 1,000 runs take one query. Sweep parents
 (tag ``sweep.role=parent``) are never rows. It writes ``compare.md``, ``compare.csv`` and ``compare.png``
-(samples/s, and the step time stacked by part) to ``--out`` and prints the table with the link to MLflow's own
+(samples/s, and the step time stacked by part) to ``--out`` and prints the columns that matter, in lines a
+terminal shows whole (``terminal``: the speed-up and a verdict in words), with the link to MLflow's own
 compare page for exactly these runs; ``--log`` attaches the three files to the sweep's parent run under
 ``compare/``. Exit status: 0 written, 2 nothing to compare (no store, experiment or runs) or the store cannot be
 read.
@@ -29,7 +30,8 @@ selection.runs, note=selection.note)`` and ``attach(client, selection.parent.id,
 
 The modules, in the order the data flows: ``selection`` (reading MLflow into ``RunRecord``s, ``records``),
 ``rows`` (repeats into rows), ``table`` (the comparisons, from ``pipeline.common.stats``), ``formats`` (Markdown, CSV),
-``charts`` (the chart), ``reporting`` (all of it with the links, written or attached) and ``cli`` (``main``).
+``terminal`` (what is printed), ``charts`` (the chart), ``reporting`` (all of it with the links, written or
+attached) and ``cli`` (``main``).
 """
 
 from pipeline.common.markdown import markdown_table
@@ -66,6 +68,7 @@ from pipeline.experiments.compare.rows import (
 )
 from pipeline.experiments.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
 from pipeline.experiments.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
+from pipeline.experiments.compare.terminal import MAX_WIDTH, table_terminal
 
 __all__ = [
     "ARTIFACTS",
@@ -78,6 +81,7 @@ __all__ = [
     "GLOBAL_THROUGHPUT",
     "GPU_UTIL",
     "MAX_RUNS",
+    "MAX_WIDTH",
     "OOM_EVENTS",
     "PARENT",
     "PEAK_MB",
@@ -114,6 +118,7 @@ __all__ = [
     "sweep_drift",
     "table_csv",
     "table_markdown",
+    "table_terminal",
     "ui_base",
     "write",
 ]

@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         print(f"error: --out {args.out}: cannot write the files there ({err.strerror or err})", file=sys.stderr)
         return 2
-    print(result.markdown)
+    print(result.terminal)
     print("wrote " + ", ".join(str(p) for p in paths))
     if args.log:
         if selection.parent is None:

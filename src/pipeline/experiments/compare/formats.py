@@ -20,7 +20,7 @@ from pipeline.experiments.compare.table import Line, Speedup, Table
 WIDTH = 100  # prose lines are wrapped to this many characters
 
 
-def _num(x: float | None) -> str:
+def number(x: float | None) -> str:
     """Three significant digits, trailing zeros kept (0.800, 9.60, 123), thousands grouped (2,099)."""
     if x is None:
         return "–"
@@ -33,7 +33,7 @@ def _num(x: float | None) -> str:
 def _range(s: Summary | None, mark: str = "") -> str:
     if s is None:
         return "–"
-    return f"{_num(s.median)}{mark}" + (f" ({_num(s.low)}–{_num(s.high)})" if s.n > 1 else "")
+    return f"{number(s.median)}{mark}" + (f" ({number(s.low)}–{number(s.high)})" if s.n > 1 else "")
 
 
 def _spread(s: Summary | None) -> str:
@@ -42,7 +42,7 @@ def _spread(s: Summary | None) -> str:
     return f"{s.spread:.0%}" + (" noisy" if s.noisy else "")
 
 
-def _step(row: Row) -> str:
+def step_cell(row: Row) -> str:
     """``61.0 = 50.0+0.0+10.0+1.0``: the parts in the total's precision, so that they add up to the eye."""
     parts = row.step_parts_ms()
     if parts is None:
@@ -107,11 +107,11 @@ def _cells(table: Table, line: Line) -> list[str]:
         "1.00× (baseline)" if is_base else line.vs_baseline.cell(),
         "baseline" if is_base else line.vs_baseline.reason,
         *([line.vs_previous.cell() if line.vs_previous else "–"] if table.ladder else []),
-        _step(row),
+        step_cell(row),
         "baseline" if is_base else line.step_change or "–",
         _range(row.stat(table.quality)),
-        _num(s.median) if (s := row.stat(GPU_UTIL)) else "–",
-        (_num(peak.median) + ("²" if device_peak else "")) if peak else "–",
+        number(s.median) if (s := row.stat(GPU_UTIL)) else "–",
+        (number(peak.median) + ("²" if device_peak else "")) if peak else "–",
         row.tag("bottleneck"),
         str(row.oom_events),
         *([row.status] if _any_unfinished(table) else []),
@@ -127,22 +127,40 @@ def table_markdown(table: Table) -> str:
     below."""
     lines = markdown_table(_headers(table), [_cells(table, line) for line in table.lines])
     same = ", ".join(f"`{k}={v}`" for k, v in table.same.items())
-    head = _wrap(f"Same in every run: {same}" if same else "No config key is the same in every run.")
-    return "\n".join([*head, *_above(table), "", *lines, "", *_footnotes(table)]) + "\n"
+    head = wrap(f"Same in every run: {same}" if same else "No config key is the same in every run.")
+    return "\n".join([*head, *above(table), "", *lines, "", *_footnotes(table)]) + "\n"
 
 
-def _above(table: Table) -> list[str]:
+def above(table: Table) -> list[str]:
     """What both tables say above their rows: the drift, a search's ranking, a ladder's total and mean step."""
-    lines = _wrap(_drift(table))
+    lines = wrap(_drift(table))
     if table.ranked_by:
-        lines += _wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
+        lines += wrap(f"Rows ranked by {table.ranked_by} (the search's objective), best first.")
     if table.ladder and table.total is not None:
-        steps = len(table.lines) - 1
-        lines += _wrap(
-            f"Ladder: {_num(table.total)}× in all (the last row over the baseline), {_num(table.per_step)}× per "
-            f"step over {steps} step(s) (the geometric mean: the total's {steps}th root)."
-        )
+        lines += wrap(_ladder(table))
     return lines
+
+
+def _ladder(table: Table) -> str:
+    """The ladder's total and mean step, with how many steps were shown on their own: a total of steps each
+    within the noise is no finding, however large it reads."""
+    steps = len(table.lines) - 1
+    shown = sum(1 for line in table.lines[1:] if line.vs_previous is not None and line.vs_previous.real)
+    said = (
+        f"Ladder: {number(table.total)}× in all (the last row over the baseline), {number(table.per_step)}× per "
+        f"step over {steps} step(s) (the geometric mean: the total's {steps}th root); {shown} of {steps} step(s) "
+        "shown on its own."
+    )
+    if shown:
+        return said
+    if table.lines[-1].vs_baseline.real:
+        return said + (
+            " Caveat: no step was shown to change the speed on its own: the total is real, but not which steps gave it."
+        )
+    return said + (
+        " Caveat: no step was shown to change the speed on its own: the totals may be noise; add repeats "
+        "(trainer.seed) or rerun on a quieter machine."
+    )
 
 
 def compact_markdown(table: Table) -> str:
@@ -159,7 +177,7 @@ def compact_markdown(table: Table) -> str:
             [
                 line.row.name,
                 str(line.row.n),
-                _num(speed.median) if speed else "–",
+                number(speed.median) if speed else "–",
                 "1.00× (baseline)" if base else line.vs_baseline.cell(),
                 "baseline" if base else line.vs_baseline.reason,
                 "baseline" if base else line.step_change or "–",
@@ -170,7 +188,7 @@ def compact_markdown(table: Table) -> str:
         "The whole table (every key that differs, epoch time, accuracy, GPU use, memory, the footnotes) is in "
         "this run's artifacts: compare/compare.md, compare.csv and compare.png."
     )
-    return "\n".join([*_above(table), "", *markdown_table(headers, body), "", *_wrap(whole)]) + "\n"
+    return "\n".join([*above(table), "", *markdown_table(headers, body), "", *wrap(whole)]) + "\n"
 
 
 def _drift(table: Table) -> str:
@@ -207,15 +225,20 @@ def _footnotes(table: Table) -> list[str]:
         )
     if any(line.row.peak_mb()[1] for line in table.lines):
         notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
-    for a, b, what in table.twins:
-        notes.append(f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(what)}.")
+    return [wrapped for note in notes for wrapped in wrap(note)] + gaps(table)
+
+
+def gaps(table: Table) -> list[str]:
+    """What the rows leave out, wrapped: rows that differ only in code or software, runs lacking metrics."""
+    twins = table.twins
+    notes = [f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(w)}." for a, b, w in twins]
     for record, missing in table.lacking:
         error = f"; error: {record.tags['error'][:120]}" if "error" in record.tags else ""
         notes.append(f"- run {record.name} ({record.id[:8]}, {record.status}) has no {', '.join(missing)}{error}")
-    return [wrapped for note in notes for wrapped in _wrap(note)]
+    return [wrapped for note in notes for wrapped in wrap(note)]
 
 
-def _wrap(text: str) -> list[str]:
+def wrap(text: str) -> list[str]:
     """Prose in lines of at most ``WIDTH`` characters (Markdown joins them back into one paragraph)."""
     return textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False) or [""]
 

@@ -16,6 +16,7 @@ from pipeline.experiments.compare.charts import chart
 from pipeline.experiments.compare.formats import compact_markdown, table_csv, table_markdown
 from pipeline.experiments.compare.records import RunRecord
 from pipeline.experiments.compare.table import Table, build
+from pipeline.experiments.compare.terminal import MAX_WIDTH, table_terminal
 
 ARTIFACTS = "compare"  # the folder under the parent run that --log writes to
 FILES = ("compare.md", "compare.csv", "compare.png")
@@ -28,6 +29,7 @@ class Report:
     csv: str
     link: str  # MLflow's compare page for exactly these runs
     note: str  # the same for MLflow's UI (a sweep parent's description): links relative to the page it is on
+    terminal: str  # what the command prints: the columns that matter, lines of at most MAX_WIDTH characters
 
     def figure(self) -> Any:
         """A new chart (``matplotlib.figure.Figure``) of the table."""
@@ -66,10 +68,12 @@ def report(
     rows, n = len(table.lines), len(shown)
     heading = f"## {note + ': ' if note else ''}{n} runs in {rows} rows"
     body = table_markdown(table)
-    text = [heading, "", body, f"MLflow's compare page for these {n} runs: {base}/{page}"]
-    text += [f"All runs (model-training view): {base}/{run_page(e)}" for e in experiments]
+    links = [f"All runs (model-training view): {base}/{run_page(e)}" for e in experiments]
     if urlparse(uri).scheme not in ("http", "https", "databricks"):
-        text.append(f"(start the UI first: mlflow ui --backend-store-uri {uri} --port {_port(base)})")
+        links.append(f"(start the UI first: mlflow ui --backend-store-uri {uri} --port {_port(base)})")
+    text = [heading, "", body, f"MLflow's compare page for these {n} runs: {base}/{page}", *links]
+    compare_page = _terminal_link(f"MLflow's compare page for these {n} runs", base, page)
+    view = [heading, "", table_terminal(table), *compare_page, *links]
     # In the UI: narrow (the page keeps its About panel), and links relative to the page, so that they open on
     # the UI's own address whatever host and port serve it.
     ui_note = [heading, "", compact_markdown(table), f"[MLflow's compare page for these {n} runs]({page})"]
@@ -80,7 +84,15 @@ def report(
         mask_text(table_csv(table)),
         f"{base}/{page}",
         mask_text("\n".join(ui_note) + "\n"),
+        mask_text("\n".join(view) + "\n"),
     )
+
+
+def _terminal_link(what: str, base: str, page: str) -> list[str]:
+    """The link on one line where it fits the terminal's width; else where to find it (a link cut in two opens
+    nothing, and the compare page's names every run: some 40 characters a run)."""
+    line = f"{what}: {base}/{page}"
+    return [line] if len(line) <= MAX_WIDTH else [f"{what}: the link is in compare.md ({len(line)} characters)."]
 
 
 def _port(base: str) -> int:

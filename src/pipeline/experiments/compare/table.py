@@ -46,15 +46,48 @@ class Speedup:
     def ratio(self) -> float | None:
         return self.comparison.ratio if self.comparison else None
 
-    def cell(self) -> str:
-        """``1.18× [1.12–1.24]``, ``~1.02× [0.97–1.08]``, ``0.77× slower [0.75–0.79]``; a ``*`` on an interval
+    @property
+    def single(self) -> bool:
+        """A single run on either side: its samples/s carries no measure of its own noise, so no interval."""
+        c = self.comparison
+        return c is not None and min(c.n_base, c.n_new) < 2
+
+    @property
+    def cannot_tell(self) -> bool:
+        """No test these runs allow can show a difference: the design's smallest p is above the level (``real``
+        None), or a side has a single run. The one place a power verdict (too few repeats) joins in."""
+        return self.comparison is not None and (self.real is None or self.single)
+
+    def verdict(self) -> str:
+        """The comparison in words: ``faster: shown``, ``slower: shown``, ``no difference shown`` (may be noise,
+        or under ``min_effect``), ``cannot tell: add repeats``; ``baseline``, or ``no samples/s``."""
+        c = self.comparison
+        if c is None:
+            return "baseline" if self.reason == "baseline" else "no samples/s"
+        if self.cannot_tell:
+            return "cannot tell: add repeats"
+        if self.real:
+            return "faster: shown" if c.ratio > 1 else "slower: shown"
+        return "no difference shown"
+
+    def estimate(self) -> str:
+        """``1.18× [1.12–1.24]``: the ratio with its interval (none for a single run); a ``*`` on an interval
         below the nominal coverage."""
         c = self.comparison
         if c is None:
             return "–"
-        slower = " slower" if self.real and c.ratio < 1 else ""  # a step that cost speed is said in words
         star = "*" if c.confidence < 0.95 - 1e-9 else ""
-        return f"{'' if self.real else '~'}{c.ratio:.2f}×{slower} [{c.low:.2f}–{c.high:.2f}]{star}"
+        return f"{c.ratio:.2f}×" + ("" if self.single else f" [{c.low:.2f}–{c.high:.2f}]{star}")
+
+    def cell(self) -> str:
+        """``1.18× [1.12–1.24]``, ``~1.02× [0.97–1.08]``, ``0.77× slower [0.75–0.79]``, ``~0.55×`` (a single
+        run: no interval); a ``*`` on an interval below the nominal coverage."""
+        c = self.comparison
+        if c is None:
+            return "–"
+        slower = " slower" if self.real and c.ratio < 1 else ""  # a step that cost speed is said in words
+        ratio, _, interval = self.estimate().partition(" ")
+        return f"{'' if self.real else '~'}{ratio}{slower}{' ' if interval else ''}{interval}"
 
 
 BASELINE = Speedup(None, None, 0, None, "baseline")
