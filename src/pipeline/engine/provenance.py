@@ -35,7 +35,6 @@ def run_tags(
     """The tags every run carries."""
     tags = {
         **source_tags(),
-        "pipeline.version": __version__,
         "overrides": shlex.join(overrides) if overrides else "(none)",
         "device.type": choice.type,
         "device.name": choice.name,
@@ -53,14 +52,42 @@ def run_tags(
 
 
 def source_tags() -> dict[str, str]:
-    """Who started a run, from where, in which process and checkout: the tags a sweep's parent run shares."""
+    """Who started a run, from where, in which process, with which code: the tags a sweep's parent run shares. The
+    pipeline's own code (``pipeline_tags``) and the launch folder's checkout (``git_tags``) are read apart: either
+    may be outside git, and neither tells the other's state."""
+    import pipeline
+
     return {
         "mlflow.source.name": "python -m pipeline",
         "mlflow.source.type": "LOCAL",
         "mlflow.user": _user(),
         **process_tags(),
+        **pipeline_tags(Path(pipeline.__file__).parent),
         **git_tags(),
     }
+
+
+def pipeline_tags(package: Path) -> dict[str, str]:
+    """The code of the pipeline that runs, wherever it is installed from: its version, a hash of its source files
+    (``pipeline.source_sha256``) and, when ``package`` is tracked in a git checkout (an editable install of a clone),
+    that checkout's commit and local changes (``pipeline.git.*``, as ``git_tags`` reads them)."""
+    tags = {"pipeline.version": __version__, "pipeline.source_sha256": source_hash(package)}
+    if _git(["ls-files", "--", "."], str(package)):  # a wheel in a venv inside a checkout is no file of that checkout
+        checkout = git_tags(str(package), outputs=False)
+        tags |= {f"pipeline.git.{k.rsplit('.', 1)[-1]}": v for k, v in checkout.items() if "branch" not in k}
+    return tags
+
+
+def source_hash(package: Path) -> str:
+    """A hash of every ``.py`` file under ``package``, its path and bytes, in a stable order: the same code hashes
+    alike in any folder, and an edit anywhere (a clone's local change, a patched install) hashes otherwise.
+    About 150 files: a few ms."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py"), key=lambda p: p.relative_to(package).as_posix()):
+        if "__pycache__" not in path.parts:
+            digest.update(f"{path.relative_to(package).as_posix()}\0".encode())
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def process_tags() -> dict[str, str]:
@@ -204,14 +231,26 @@ def _cudnn() -> str:
     return str(version) if version is not None else "none"
 
 
-def git_tags(cwd: str | None = None) -> dict[str, str]:
+# What the tools write into the launch folder (.gitignore and make clean list them too): a user's checkout that does
+# not ignore them would otherwise mark every later run as having local changes.
+OUTPUTS = ("mlruns", "mlflow.db", "mlflow.db.lock", "unsent_metrics", "checkpoints", "outputs", "multirun", "compare")
+
+
+def git_tags(cwd: str | None = None, *, outputs: bool = True) -> dict[str, str]:
     """The commit of the checkout the run was launched from, whether it had local changes, and which: ``git.diff``
     is a hash of them (the diff against the commit and the untracked files' names), so that runs of one commit
-    with different edits are never taken for repeats of each other (``pipeline.experiments.compare``)."""
+    with different edits are never taken for repeats of each other (``pipeline.experiments.compare``).
+
+    Ignored files are no changes (``git status``), nor are the tools' own untracked outputs in the launch folder
+    (``OUTPUTS``; ``outputs=False`` counts them, for a checkout that is not the launch folder)."""
     commit = _git(["rev-parse", "HEAD"], cwd)
     if commit is None:
         return {}
-    status = _git(["status", "--porcelain"], cwd)
+    status = _git(["status", "--porcelain"], cwd) or ""
+    if outputs:
+        prefix = _git(["rev-parse", "--show-prefix"], cwd) or ""
+        ours = {f"?? {prefix}{name}" for name in OUTPUTS} | {f"?? {prefix}{name}/" for name in OUTPUTS}
+        status = "\n".join(line for line in status.splitlines() if line not in ours)
     tags = {"mlflow.source.git.commit": commit, "git.dirty": str(bool(status)).lower()}
     if status:
         diff = _git(["diff", "HEAD", "--binary"], cwd) or ""

@@ -13,13 +13,37 @@ from pipeline.common.cli import Parser, command
 from pipeline.common.errors import PipelineError
 from pipeline.common.secrets import mask_text
 from pipeline.common.stats import MIN_EFFECT
-from pipeline.common.uris import UI_URL, absolute
+from pipeline.common.uris import UI_URL, absolute, sqlite_path
 from pipeline.experiments.compare.records import PARENT, ROLE
-from pipeline.experiments.compare.reporting import ARTIFACTS, attach, report, write
+from pipeline.experiments.compare.reporting import ARTIFACTS, Report, attach, report, write
 from pipeline.experiments.compare.selection import open_store, select
 from pipeline.record.reachability import parse
 
 MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
+OUT = "compare"  # the default --out, beside the store; its .gitignore keeps it out of any checkout's changes
+
+
+def default_out(uri: str) -> Path:
+    """Where the files go without ``--out``: ``compare/`` beside a local store (the folder of ``mlflow.db`` or of
+    ``mlruns/``), else in the launch folder (a server's store)."""
+    database = sqlite_path(uri)
+    if database is not None:
+        return database.parent / OUT
+    scheme, sep, rest = uri.partition("://")
+    if not sep:  # a plain path: a file store
+        return Path(uri).parent / OUT
+    return Path(rest).parent / OUT if scheme == "file" else Path(OUT)
+
+
+def _write(result: Report, out: Path | None, uri: str) -> list[Path]:
+    """The files in ``out``, or beside the store in a folder that ignores itself (as a venv or pytest's cache does),
+    so that no checkout it lies in counts them as local changes (``git.dirty``)."""
+    if out is not None:
+        return write(result, out)
+    folder = default_out(uri)
+    paths = write(result, folder)
+    (folder / ".gitignore").write_text("# written by python -m pipeline.compare\n*\n", encoding="utf-8")
+    return paths
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--ladder", action="store_true", help="also compare each row with the previous one")
     parser.add_argument("--min-effect", type=float, default=MIN_EFFECT, help="smallest real speed-up (default 0.03)")
-    parser.add_argument("--out", type=Path, default=Path("compare"), help="folder for the files (default: compare/)")
+    parser.add_argument("--out", type=Path, help="folder for the files (default: compare/ beside the store)")
     parser.add_argument("--log", action="store_true", help="attach the files to the sweep's parent run")
     parser.add_argument("--ui", help=f"the MLflow UI's address for the links (default: the server's, or {UI_URL})")
     return parser
@@ -65,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--runs {args.runs}: no run id given (ids, comma-separated)")
     if args.ui is not None and (not args.ui.startswith(("http://", "https://")) or not _valid(args.ui)):
         parser.error(f"--ui {args.ui}: expected the UI's address, e.g. {UI_URL}")
-    if args.out.exists() and not args.out.is_dir():
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: a file is in the way; name a folder (it is made if missing)")
     uri = absolute(args.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     from mlflow.exceptions import MlflowException
@@ -92,9 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {mask_text(uri)} could not be read: {first}", file=sys.stderr)
         return 2
     try:
-        paths = write(result, args.out)
+        paths = _write(result, args.out, uri)
     except OSError as err:
-        print(f"error: --out {args.out}: cannot write the files there ({err.strerror or err})", file=sys.stderr)
+        where = args.out or default_out(uri)
+        print(f"error: --out {where}: cannot write the files there ({err.strerror or err})", file=sys.stderr)
         return 2
     print(result.terminal)
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -1,8 +1,9 @@
 """Runs into rows: a row is one configuration *on the same code and software*, its runs the repeats.
 
 ``config_key`` is what makes runs repeats of each other: every param but the seed (``REPEAT_KEYS``) and the
-bookkeeping keys that change nothing measured (``BOOKKEEPING``), plus the provenance tags (``PROVENANCE``: git
-commit and local changes, pipeline, torch and CUDA versions, the device). So ``--last N`` across a code
+bookkeeping keys that change nothing measured (``BOOKKEEPING``), plus the provenance tags (``PROVENANCE``: the
+launch folder's git commit and local changes, the pipeline's own code (its version, a hash of its source files, its
+clone's commit and changes), torch and CUDA versions, the device). So ``--last N`` across a code
 change compares two rows, not a mixture; the provenance that differs is shown (``provenance_columns``) and rows
 that differ only there say so (``only_provenance``).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,10 @@ PROVENANCE = {
     "git.dirty": "local changes",
     "git.diff": "changes",
     "pipeline.version": "pipeline",
+    "pipeline.source_sha256": "pipeline code",  # the pipeline's own code, wherever it ran from
+    "pipeline.git.commit": "pipeline commit",  # its clone's, when it runs from one
+    "pipeline.git.dirty": "pipeline local changes",
+    "pipeline.git.diff": "pipeline changes",
     "torch.version": "torch",
     "torch.cuda": "CUDA",
     "device.type": "device type",
@@ -180,13 +185,24 @@ def _label(row: Row, others: Sequence[Row]) -> str:
         if tag == "mlflow.source.git.commit":
             parts.append((value or "no git")[:8])
         elif tag in ("git.dirty", "git.diff"):  # one word for both: clean, or the local changes' hash
-            diff = mine.get("git.diff")
-            parts.append(
-                ("+changes" + (f" {diff[:6]}" if diff else "")) if mine.get("git.dirty") == "true" else "clean"
-            )
+            parts.append(_changes(mine, "git"))
+        elif tag == "pipeline.source_sha256":
+            parts.append(f"code {(value or '?')[:8]}")
+        elif tag.startswith("pipeline.git."):  # its clone: said once, where it is not the launch folder's
+            launch = mine.get("mlflow.source.git.commit")
+            same = launch == mine.get("pipeline.git.commit") and _changes(mine, "git") == _changes(mine, "pipeline.git")
+            if not same:
+                commit = (mine.get("pipeline.git.commit") or "no git")[:8]
+                parts.append(f"pipeline {commit} {_changes(mine, 'pipeline.git')}")
         else:
             parts.append(f"{name} {value or '?'}")
     return " ".join(dict.fromkeys(parts))
+
+
+def _changes(tags: Mapping[str, str], prefix: str) -> str:
+    """A checkout's local changes in one word: ``clean``, or ``+changes`` and their hash (``<prefix>.dirty/diff``)."""
+    diff = tags.get(f"{prefix}.diff")
+    return ("+changes" + (f" {diff[:6]}" if diff else "")) if tags.get(f"{prefix}.dirty") == "true" else "clean"
 
 
 def differences(records: Sequence[RunRecord]) -> tuple[list[str], dict[str, str]]:
