@@ -116,6 +116,21 @@ def test_bookkeeping_keys_never_split_a_row() -> None:
     assert table.diff_keys == [] and "checkpoint.dir" not in table_markdown(table)
 
 
+def test_a_key_the_sweep_varies_defines_rows_even_a_tag() -> None:
+    """An A/A sweep ``-m +tracking.tags.arm=a,b trainer.seed=1,2``: two rows, told apart by the swept tag."""
+    swept = {"sweep.keys": "tracking.tags.arm,trainer.seed", "sweep.id": "s1"}
+    runs = [
+        record(f"{arm}{seed}", 100 + seed, seed=seed, params={"tracking.tags.arm": arm}, tags=swept)
+        for seed in (1, 2)
+        for arm in ("a", "b")
+    ]
+    table = build(runs)
+    assert [[r.id for r in line.row.runs] for line in table.lines] == [["a1", "a2"], ["b1", "b2"]]
+    assert table.diff_keys == ["tracking.tags.arm"]
+    unswept = [record(f"r{arm}", 100, params={"tracking.tags.arm": arm}) for arm in ("a", "b")]
+    assert len(build(unswept).lines) == 1  # a tag no sweep varied stays bookkeeping
+
+
 def test_a_row_is_named_after_what_its_repeats_names_share() -> None:
     named = [record(f"r{i}", 100, seed=i, name=f"seed{i}-mlp-digits-cpu-bs32-w0-lr0.1") for i in range(3)]
     assert group(named)[0].name == "mlp-digits-cpu-bs32-w0-lr0.1"

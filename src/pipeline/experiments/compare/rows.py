@@ -147,9 +147,18 @@ class Row:
         return any(r.single_epoch for r in self.runs)
 
 
+def swept(record: RunRecord) -> frozenset[str]:
+    """The keys the run's sweep varied (its ``sweep.keys`` tag) other than the seed: they always define rows, a
+    bookkeeping key included (an A/A sweep over ``+tracking.tags.arm=a,b`` is two rows, not one)."""
+    return frozenset(k for k in record.tags.get("sweep.keys", "").split(",") if k) - REPEAT_KEYS
+
+
 def config_params(record: RunRecord) -> tuple[tuple[str, str], ...]:
-    """The params that define what a run measured (no seed, no bookkeeping), sorted."""
-    return tuple(sorted((k, v) for k, v in record.params.items() if k not in REPEAT_KEYS and not bookkeeping(k)))
+    """The params that define what a run measured (no seed, no bookkeeping unless swept), sorted."""
+    varied = swept(record)
+    return tuple(
+        sorted((k, v) for k, v in record.params.items() if k not in REPEAT_KEYS and (k in varied or not bookkeeping(k)))
+    )
 
 
 def config_key(record: RunRecord) -> tuple[Any, ...]:
@@ -207,11 +216,13 @@ def _changes(tags: Mapping[str, str], prefix: str) -> str:
 
 def differences(records: Sequence[RunRecord]) -> tuple[list[str], dict[str, str]]:
     """The config keys whose values differ between ``records`` (a missing key counts as a value), and the keys
-    equal in all of them with their value; seed, bookkeeping and keys with a column of their own are in neither."""
+    equal in all of them with their value; seed, bookkeeping (unless a sweep varied it) and keys with a column of their
+    own are in neither."""
     keys = sorted({k for r in records for k in r.params} - REPEAT_KEYS - set(SHOWN) - COVERED)
+    varied = frozenset().union(*(swept(r) for r in records))
     diff, same = [], {}
     for key in keys:
-        if bookkeeping(key):
+        if bookkeeping(key) and key not in varied:
             continue
         values = {r.params.get(key) for r in records}
         if len(values) > 1:
