@@ -100,16 +100,28 @@ def test_a_live_run_on_a_twin_host_with_a_fresh_heartbeat_is_never_closed(
     assert client.get_run(run_id).info.status == "RUNNING"
 
 
-def test_a_fresh_heartbeat_from_a_pid_gone_from_this_machine_is_not_closed_yet(
+def test_a_fresh_heartbeat_from_a_pid_gone_from_this_machine_is_closed_at_once(
     store_uri: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """SIGKILLed before its first checkpoint: same host, boot and pid namespace, its pid gone: no need to wait
+    10 minutes for its heartbeat to age."""
     client = MlflowClient(store_uri)
     pid = dead_pid()
     run_id = left_running(client, "killed", here(pid, **{TAG: beat_ago(5)}))
     assert main(["--uri", store_uri, "--close"]) == 0
     out = capsys.readouterr().out
-    assert f"recent  {run_id}" in out and f"pid {pid} on {socket.gethostname()}: no such process" in out
-    assert "closed once its heartbeat is over 10 min old" in out
+    assert f"gone    {run_id}" in out and f"pid {pid} on {socket.gethostname()}: no such process" in out
+    assert "heartbeat 5 s ago" in out and "marked 1 run(s) KILLED" in out
+    assert client.get_run(run_id).info.status == "KILLED"
+
+
+def test_a_fresh_heartbeat_from_a_pid_gone_in_another_pid_namespace_is_not_closed(
+    store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = MlflowClient(store_uri)
+    run_id = left_running(client, "boxed", here(dead_pid(), **{"process.pid_ns": "pid:[1]", TAG: beat_ago(5)}))
+    assert main(["--uri", store_uri, "--close"]) == 0
+    assert f"alive   {run_id}" in capsys.readouterr().out
     assert client.get_run(run_id).info.status == "RUNNING"
 
 
@@ -134,6 +146,22 @@ def test_the_threshold_is_an_option_and_must_span_missed_beats(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--after 0.5" in err and "a run beats every 60 s" in err
+
+
+@pytest.mark.parametrize("after", ["nan", "inf", "-5", "0"])
+def test_a_threshold_that_is_not_a_positive_number_of_minutes_is_refused_in_one_line(
+    after: str, store_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--after nan`` compared false with everything: it closed a twin host's run whose heartbeat was 17 s old."""
+    client = MlflowClient(store_uri)
+    run_id = left_running(client, "twin", {"process.boot_id": OTHER_BOOT, TAG: beat_ago(17)})
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["--uri", store_uri, "--close", "--after", after])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--after {after}" in err and "error:" in err
+    assert client.get_run(run_id).info.status == "RUNNING"
 
 
 def test_the_heartbeat_beats_while_a_run_trains_and_stops_before_its_end(
@@ -212,10 +240,7 @@ def test_a_sigkilled_training_process_leaves_a_run_that_stale_closes(tmp_path: P
     client = MlflowClient(uri)
     (run,) = client.search_runs(experiment_ids=["1"])
     assert run.info.status == "RUNNING"  # what SIGKILL leaves behind
-    assert main(["--uri", uri, "--close"]) == 0  # its heartbeat is fresh: not yet
-    assert client.get_run(run.info.run_id).info.status == "RUNNING"
-    client.set_tag(run.info.run_id, TAG, beat_ago(11 * 60))  # 11 minutes later, with no beat since
-    assert main(["--uri", uri, "--close"]) == 0
+    assert main(["--uri", uri, "--close"]) == 0  # its heartbeat is fresh, but its pid is gone from this machine
     assert client.get_run(run.info.run_id).info.status == "KILLED"
 
 

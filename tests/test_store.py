@@ -332,3 +332,68 @@ def test_four_processes_starting_together_on_a_fresh_store_all_land_their_runs(t
     assert sorted(r.info.run_name for r in runs) == ["job0", "job1", "job2", "job3"]
     assert {r.info.status for r in runs} == {"FINISHED"}
     assert len(client.search_experiments()) == 2  # Default and "together": no duplicate experiments
+
+
+PLAIN_CLIENT = "import sys; from mlflow import MlflowClient; print(len(MlflowClient(sys.argv[1]).search_experiments()))"
+
+
+def test_a_plain_mlflow_client_opening_a_fresh_store_while_the_run_creates_it_breaks_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race, injected: at the run's first migration step (an ALTER TABLE) a second process, a plain MLflow
+    client that takes no lock of ours, opens the same fresh ``mlflow.db`` and runs to its end; the run's migration
+    then goes on. It used to die with an alembic error (``duplicate column name``)."""
+    import sqlalchemy
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plain: list[subprocess.CompletedProcess[str]] = []
+
+    def second_client(conn, cursor, statement, *args) -> None:
+        if not plain and statement.lstrip().upper().startswith("ALTER TABLE"):
+            plain.append(subprocess.run([sys.executable, "-c", PLAIN_CLIENT, uri], capture_output=True, text=True))
+
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", second_client)
+    try:
+        client, experiment = connect(uri, "raced")
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", second_client)
+    assert len(plain) == 1 and plain[0].returncode == 0, plain[0].stderr[-2000:]
+    assert plain[0].stdout.strip() == "1"  # it found (or made) a whole store: the Default experiment
+    run = client.create_run(experiment)
+    client.log_metric(run.info.run_id, "loss", 1.0)
+    assert [e.name for e in MlflowClient(uri).search_experiments()] == ["raced", "Default"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name not in {"mlflow.db", "mlflow.db.lock", "mlruns"}]
+    default = MlflowClient(uri).get_experiment("0")  # made under another name, its artifacts still go to ./mlruns
+    assert default.artifact_location == str(tmp_path / "mlruns" / "0")  # what a plain MlflowClient writes
+
+
+def test_a_run_opening_a_store_that_a_plain_mlflow_client_is_still_migrating_retries_and_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other order: a plain client made ``mlflow.db`` and has its first tables; the run, opening it, migrates
+    too, and at the run's first ALTER TABLE the plain client finishes first. The run's step then fails (``duplicate
+    column name``) and the open is repeated: it finds the whole store."""
+    import sqlalchemy
+    from mlflow.store.db.base_sql_model import Base
+    from mlflow.store.tracking.dbmodels.initial_models import Base as InitialBase
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    engine = sqlalchemy.create_engine(uri)
+    InitialBase.metadata.create_all(engine)  # where a plain client is, an instant into making the store
+    engine.dispose()
+    plain: list[subprocess.CompletedProcess[str]] = []
+
+    def plain_client_finishes(conn, cursor, statement, *args) -> None:
+        if not plain and statement.lstrip().upper().startswith("ALTER TABLE"):
+            plain.append(subprocess.run([sys.executable, "-c", PLAIN_CLIENT, uri], capture_output=True, text=True))
+
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", plain_client_finishes)
+    try:
+        client, experiment = connect(uri, "raced")
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", plain_client_finishes)
+    assert len(plain) == 1 and plain[0].returncode == 0, plain[0].stderr[-2000:]
+    assert set(Base.metadata.tables) <= set(sqlalchemy.inspect(sqlalchemy.create_engine(uri)).get_table_names())
+    assert client.get_experiment(experiment).name == "raced"

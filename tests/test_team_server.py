@@ -7,12 +7,14 @@ restores it). One real ``mlflow server`` per module (``tests/servers.py``); runs
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import http.server
 import importlib.util
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -62,14 +64,16 @@ def test_a_down_server_costs_seconds_per_write_not_mlflows_minutes_unless_you_ch
 ) -> None:
     from pipeline.config import TrackingConfig
     from pipeline.record.lifecycle import open_tracker
-    from pipeline.record.tracking import HTTP_RETRIES
+    from pipeline.record.outage import HTTP_RETRIES
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
     cfg = TrackingConfig(enabled=True, uri=f"sqlite:///{tmp_path / 'mlflow.db'}", experiment="unit")
     with open_tracker(cfg, run_name="r"):
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == str(HTTP_RETRIES) == "2"
         assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "1"  # pauses of 1 s and 2 s
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10"  # a hung server: 10 s a try, not MLflow's 120
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "9")
     with open_tracker(cfg, run_name="r"):
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "9"  # a user's own setting is kept
@@ -344,3 +348,105 @@ def test_a_basic_auth_server_takes_the_runs_credentials_from_the_environment_and
     out, err = capsys.readouterr()
     assert PASSWORD not in out + err
     assert auth_server.files_containing(PASSWORD) == []  # basic_auth.db holds a salted hash, not the password
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HungServer:
+    """A server that stopped answering: every call costs ``CALL_BOUND_S`` on the fake clock (MLflow's tries, each to
+    its timeout) and fails as a down server does."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.calls = clock, 0
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        from pipeline.record.outage import CALL_BOUND_S
+
+        def hung(*args: Any, **kwargs: Any) -> None:
+            self.clock.now += CALL_BOUND_S
+            self.calls += 1
+            error = requests.exceptions.ReadTimeout("Read timed out. (read timeout=10)")
+            raise MlflowException(f"API request failed with exception {error}") from error
+
+        return hung
+
+
+def test_a_server_that_stops_answering_costs_the_run_at_most_the_deadline_and_the_outbox_keeps_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Twenty epochs after the server hung, each with its flush, tags and a plot, then the run's end: the training
+    thread's waiting is bounded by the clock (at most 60 s), not by MLflow's retries of every write (the run used
+    to pay each write's retries: 45 s on a quiet machine, 379 s on a busy one)."""
+    from pipeline.record.outage import CALL_BOUND_S, DEADLINE_S, Outage
+
+    monkeypatch.chdir(tmp_path)
+    clock = FakeClock()
+    server = HungServer(clock)
+    tracker = MlflowTracker(server, uri="http://127.0.0.1:1", experiment_id="1", experiment="e", run_id="r1")
+    tracker._outage = Outage(clock=clock)
+    started = clock.now
+    with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
+        for epoch in range(1, 21):
+            tracker.log_metrics({"train/loss": 1.0 / epoch}, step=epoch)
+            tracker.flush()
+            tracker.set_tags({"epoch": str(epoch)})
+            tracker.log_text("a: 1\n", f"epoch{epoch}.txt")
+        path = tracker.end("FINISHED", tags={"mlflow.note.content": "the summary"})
+    assert DEADLINE_S + CALL_BOUND_S <= 60
+    assert clock.now - started <= DEADLINE_S + CALL_BOUND_S, f"{server.calls} calls"
+    assert path is not None
+    kept = outbox.load(path)
+    assert [p.step for p in kept.points] == list(range(1, 21)) and kept.status == "FINISHED"
+    assert kept.tags == {"epoch": "20", "mlflow.note.content": "the summary"}
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[tuple[str, list[socket.socket]]]:
+    """A local socket that accepts every connection and never answers: a hung server. Yields its URI and the
+    connections it took (one per request MLflow made)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed at the end
+            while True:
+                taken.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", taken
+    finally:
+        listener.close()
+        for conn in taken:
+            conn.close()
+
+
+@pytest.mark.slow
+def test_a_hung_real_server_is_asked_no_more_once_the_deadline_has_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real MlflowClient against a socket that never answers (1 s a request, no retries, a 2.5 s deadline): ten
+    flushes make a few requests, not ten, and the outbox holds every point."""
+    from mlflow import MlflowClient
+
+    from pipeline.record.outage import Outage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with silent_server() as (uri, taken):
+        tracker = MlflowTracker(MlflowClient(uri), uri=uri, experiment_id="1", experiment="e", run_id="r1")
+        tracker._outage = Outage(deadline_s=2.5)
+        for step in range(1, 11):
+            tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+            tracker.flush()
+        path = tracker.end("FINISHED", tags={"mlflow.note.content": "the summary"})
+        asked = len(taken)
+    assert 1 <= asked < 10
+    assert path is not None and [p.step for p in outbox.load(path).points] == list(range(1, 11))

@@ -352,12 +352,13 @@ BENCHES = {
     "compile": lambda sizes, work: _module("bench_claims").bench_compile(sizes),
     "autotune": lambda sizes, work: _module("bench_claims").bench_autotune(sizes, work),
     "ddp": lambda sizes, work: _module("bench_ddp").bench_ddp(sizes, work),
+    "compare": lambda sizes, work: _module("bench_compare").bench_compare(sizes, work),
 }
 
 
 def _module(name: str) -> Any:
-    """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``), imported when
-    its rows are asked for."""
+    """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``,
+    ``bench_compare``), imported when its rows are asked for."""
     import importlib
 
     return importlib.import_module(f"pipeline.diagnostics.{name}")

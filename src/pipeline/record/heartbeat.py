@@ -93,12 +93,13 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """No beat starts after this returns; one in flight is waited for, up to ``STOP_WITHIN_S``."""
+    def stop(self, *, within_s: float = STOP_WITHIN_S) -> None:
+        """No beat starts after this returns; one in flight is waited for, up to ``within_s`` (a server past its
+        deadline: not at all, and a beat that lands late sets a tag, nothing more)."""
         self._stopping.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(timeout=STOP_WITHIN_S)
+            thread.join(timeout=within_s)
 
     def beat(self) -> str | None:
         """Write one beat; the value written, or None when the store refused it (skipped: the next one retries)."""

@@ -17,9 +17,10 @@ from pipeline.common.secrets import MASK, mask_text, mask_value
 from pipeline.common.uris import absolute
 from pipeline.config import TrackingConfig
 from pipeline.record import outbox
+from pipeline.record.outage import HTTP_RETRIES, REQUEST_TIMEOUT_S
 from pipeline.record.runs import create_run
 from pipeline.record.store import connect, retrying
-from pipeline.record.tracking import HTTP_RETRIES, MlflowTracker
+from pipeline.record.tracking import MlflowTracker
 
 if TYPE_CHECKING:  # an annotation only: the record does not import the engine
     from pipeline.data.sources import DataSpec
@@ -118,6 +119,8 @@ def open_tracker(
     # retries (the writer thread, the next flush, the run's end, the outbox file) take over. Yours win if set.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(HTTP_RETRIES))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    # a hung server holds a request for MLflow's 120 s: 10 s bounds one write (pipeline.record.outage.CALL_BOUND_S)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
     secret_values = frozenset(secret_values)
     if mask_text(cfg.experiment, secret_values) != cfg.experiment:  # the store keeps experiment names unmasked
         raise ConfigError("tracking.experiment", MASK, "a name that holds no value read from the environment")

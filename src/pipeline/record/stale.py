@@ -8,20 +8,22 @@ Every orderly end closes a run (FINISHED, FAILED, KILLED), but a process killed 
 OOM killer or a power cut cannot: its run stays RUNNING. While a run trains, its process sets the
 tag ``process.heartbeat`` every minute (``pipeline.record.heartbeat``). A RUNNING run whose heartbeat is
 older than ``--after`` minutes (default 10: several missed beats) is stale, whichever machine it
-ran on; a run whose heartbeat is fresh is never closed. The process tags (``process.host``,
+ran on; elsewhere a run whose heartbeat is fresh is never closed. The process tags (``process.host``,
 ``process.pid``, ``process.started``, ``process.boot_id``, ``process.pid_ns``) are extra evidence,
 read only when the run's process ran under this machine's current boot and in this pid namespace
 (a host name alone is not a machine: cloned VMs share one, and a container has pids of its own):
-there a live pid keeps a run with an old heartbeat open (its store may have been down), a gone pid
-is named, and a run recorded before heartbeats existed (or a sweep's parent run) is stale when its
-pid is gone. Runs without a heartbeat on another machine or namespace are listed as unknown and
-never closed. A stale run with an outbox file in ./unsent_metrics (its store was down when it ended)
-is not closed either: the file holds how it really ended, and the command that imports it is
+there a live pid keeps a run with an old heartbeat open (its store may have been down), and a gone
+pid makes the run stale at once, however fresh its heartbeat (a run SIGKILLed before its next beat,
+a run recorded before heartbeats existed, a sweep's parent run). Runs without a heartbeat on
+another machine or namespace are listed as unknown and never closed. A stale run with an outbox
+file in ./unsent_metrics (its store was down when it ended) is not closed either: the file holds
+how it really ended, and the command that imports it is
 printed instead. Clocks of the machines must agree within minutes (NTP).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -45,7 +47,7 @@ class RunningRun:
     name: str
     experiment: str
     started: float  # seconds since the epoch
-    verdict: str  # gone (closed by --close) | recent (gone, its heartbeat not yet old) | alive | unknown
+    verdict: str  # gone (closed by --close) | alive | unknown
     why: str
 
 
@@ -75,8 +77,9 @@ def pid_evidence(tags: dict[str, str]) -> tuple[str | None, str]:
 
 
 def judge(tags: dict[str, str], *, after_s: float, now: float | None = None) -> tuple[str, str]:
-    """``(verdict, why)`` for a RUNNING run with ``tags``: ``gone`` (stale: closed by ``--close``), ``recent`` (its
-    pid is gone but its heartbeat is not yet ``after_s`` old), ``alive`` or ``unknown``; only ``gone`` is closed."""
+    """``(verdict, why)`` for a RUNNING run with ``tags``: ``gone`` (stale: closed by ``--close``), ``alive`` or
+    ``unknown``; only ``gone`` is closed. A pid gone under this boot and pid namespace is gone at once, whatever its
+    heartbeat's age (SIGKILLed before its next beat); elsewhere only a heartbeat older than ``after_s`` is."""
     beat = last_beat(tags)
     pid, said = pid_evidence(tags)
     if beat is None:
@@ -84,9 +87,9 @@ def judge(tags: dict[str, str], *, after_s: float, now: float | None = None) -> 
             return "unknown", "no heartbeat and no process tags (recorded by an older pipeline)"
         return pid or "unknown", f"no heartbeat; {said}"
     age = (time.time() if now is None else now) - beat
-    if age < after_s:  # never closed, whatever the pid says
-        if pid == "gone":
-            return "recent", f"heartbeat {_ago(age)} ago, {said}: closed once its heartbeat is over {_ago(after_s)} old"
+    if pid == "gone":  # looked up under this boot and pid namespace: no need to wait for the heartbeat to age
+        return "gone", f"{'last heartbeat' if age >= after_s else 'heartbeat'} {_ago(age)} ago; {said}"
+    if age < after_s:
         return "alive", f"heartbeat {_ago(age)} ago"
     if pid == "alive":
         return "alive", f"last heartbeat {_ago(age)} ago, but {said} (same boot and pid namespace)"
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     after_s = args.after * 60
+    if not math.isfinite(after_s) or after_s <= 0:  # nan compares false with everything: it would close any run
+        parser.error(f"--after {args.after:g} is not a number of minutes: give one like {AFTER_MIN:g}")
     if after_s < MIN_BEATS * BEAT_EVERY_S:
         parser.error(
             f"--after {args.after:g} is shorter than {MIN_BEATS} heartbeats (a run beats every {BEAT_EVERY_S:.0f} s): "

@@ -3,7 +3,9 @@
 Several processes starting at once on a fresh SQLite store race through MLflow's schema
 migration (``duplicate column name: step``) and through experiment creation. ``connect`` holds
 a file lock beside the database while the store is created, migrated and the experiment looked
-up or made, so every process lands its run. ``retrying`` repeats a write that SQLite refused
+up or made, so every process lands its run; a new store is built under another name and published
+whole (``create_sqlite``), so a plain MLflow client, which takes no lock of ours, never migrates it
+at the same moment. ``retrying`` repeats a write that SQLite refused
 with "database is locked". ``disk_full`` tells a write that failed for want of space (mid-run) from
 other errors, and ``DiskFull.explain`` names where; ``server_down`` tells a server that stopped
 answering from a write it refused. Whether a URI can work at all, before a run starts, is
@@ -26,7 +28,7 @@ from typing import Any, TypeVar
 
 from pipeline.common.errors import PipelineError
 from pipeline.common.secrets import mask_text
-from pipeline.common.uris import sqlite_path
+from pipeline.common.uris import sqlite_path, sqlite_uri
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,13 +89,46 @@ def connect(uri: str, experiment: str) -> tuple[Any, str]:
 
     with store_lock(uri):
         try:
-            client = retrying(lambda: MlflowClient(tracking_uri=uri), what="opening the MLflow store")
+            create_sqlite(uri)
+            client = retrying(
+                lambda: MlflowClient(tracking_uri=uri), what="opening the MLflow store", races=RACES + MIGRATION_RACES
+            )
             return client, retrying(lambda: experiment_id(client, experiment))
         except Exception as err:
             path = sqlite_path(uri)
             if path is None or "database is locked" not in str(err):
                 raise
             raise TrackingUnavailable(locked_message(uri, path)) from err
+
+
+def create_sqlite(uri: str) -> None:
+    """Create and migrate a new SQLite store in a file of its own beside the database, then publish it whole.
+
+    A plain MLflow client takes no lock of ours: opening a store that another process is migrating, it migrates it
+    too, and one of the two dies (``duplicate column name``). Built under another name, the store is either absent
+    or whole to every other client. ``os.link`` publishes it only where no file is: a client that made its own
+    meanwhile keeps it (then ``connect``'s open retries its migration races, ``MIGRATION_RACES``). Where the file
+    system has no hard links, MLflow creates the store in place, as before, under ``store_lock``."""
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    fresh = path.with_name(f".{path.name}.{os.getpid()}.new")
+    fresh_uri = sqlite_uri(fresh.absolute())
+    try:
+        store = SqlAlchemyStore(fresh_uri, ARTIFACTS)  # as MlflowClient makes it: tables, migrations, Default
+        store.engine.dispose()  # every connection closed: the file holds all, with no journal beside it
+        SqlAlchemyStore._engine_map.pop(fresh_uri, None)
+        os.link(fresh, path)
+    except FileExistsError:
+        pass  # another client made the store meanwhile: it is its to finish
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        log.debug("no hard links where %s is (%s): MLflow creates the store in place", path, err)
+    finally:
+        fresh.unlink(missing_ok=True)
 
 
 def experiment_id(client: Any, name: str) -> str:
@@ -120,15 +155,20 @@ def experiment_id(client: Any, name: str) -> str:
 RACES = ("database is locked", "duplicate key value violates unique constraint", "UNIQUE constraint failed")
 
 
-def retrying(call: Callable[[], T], *, what: str = "MLflow write") -> T:
-    """Run ``call``, repeating it while another writer holds the store or won a race for the same row (``RACES``;
+# another client migrating the same new store (a plain MLflow client, which takes no lock of ours): the repeat
+# finds its tables, or goes on from the revision it reached
+MIGRATION_RACES = ("duplicate column name", "already exists")
+
+
+def retrying(call: Callable[[], T], *, what: str = "MLflow write", races: tuple[str, ...] = RACES) -> T:
+    """Run ``call``, repeating it while another writer holds the store or won a race for the same row (``races``;
     ``lock_wait_s`` in all): the repeat waits for the lock, or finds the row the other writer made."""
     delay = FIRST_RETRY_S
     for attempt in range(RETRIES + 1):
         try:
             return call()
         except Exception as err:
-            if not any(race in str(err) for race in RACES) or attempt == RETRIES:
+            if not any(race in str(err) for race in races) or attempt == RETRIES:
                 raise
         log.info("%s: another writer holds the store or won a race for a row, retrying in %.2f s", what, delay)
         time.sleep(delay)

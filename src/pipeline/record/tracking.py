@@ -1,38 +1,37 @@
 """Recording runs in MLflow, or nowhere.
 
 ``pipeline.record.lifecycle.open_tracker(cfg.tracking, run_name=...)`` is a context manager yielding a ``Tracker``: an
-``MlflowTracker`` bound to one run id (every call names the run explicitly, so other threads
-can log to it too), or a ``NullTracker`` when ``tracking.enabled=false``, so the training code
-has no ``if tracking:`` branches.
+``MlflowTracker`` bound to one run id (every call names the run explicitly, so other threads can log to it too), or a
+``NullTracker`` when ``tracking.enabled=false``, so the training code has no ``if tracking:`` branches.
 
-Metrics are buffered: ``log_metrics`` only appends under a lock held for the append, on every
-thread (the training loop and the utilisation sampler), and never writes; a synchronous
-``log_metric`` costs about 3.5 ms on SQLite, longer than an MLP step, and a write can take
-seconds when the store is busy or down. The training thread writes the buffer with ``flush()``
-between epochs, out of every epoch's timing (``write_s`` adds up that cost). A writer thread
-owned by the tracker also writes it every ``WRITE_EVERY_S`` seconds, or as soon as it passes
-``FLUSH_AT``, so a long epoch still shows live metrics in the UI; it costs one ``log_batch`` of a
-few hundred metrics per interval (milliseconds of CPU and GIL; ``background_write_s``).
+Metrics are buffered: ``log_metrics`` only appends under a lock held for the append, on every thread (the training loop
+and the utilisation sampler), and never writes; a synchronous ``log_metric`` costs about 3.5 ms on SQLite, longer than
+an MLP step, and a write can take seconds when the store is busy or down. The training thread writes the buffer with
+``flush()`` between epochs, out of every epoch's timing (``write_s`` adds up that cost). A writer thread owned by the
+tracker also writes it every ``WRITE_EVERY_S`` seconds, or as soon as it passes ``FLUSH_AT``, so a long epoch still
+shows live metrics in the UI; it costs one ``log_batch`` of a few hundred metrics per interval (milliseconds of CPU and
+GIL; ``background_write_s``).
 
-A failed write keeps its metrics: they go back in front of the buffer, one warning says the
-store is failing, and the next write retries them. If the store still refuses them when the run
-ends, they go to ``./unsent_metrics/<run_id>.jsonl`` with the run's final status, and the one
-command that imports them is printed (``python -m pipeline.outbox``, see ``pipeline.record.outbox``).
-A tracking server that stops answering (``pipeline.record.store.server_down``) never stops training either:
-tags it could not take are kept and written with the run's end (or its outbox file), and an artifact
-(a plot, config.yaml) it could not take is named in a warning and left out. Any other failed write
-(a full disk, a refused request) still raises.
+A failed write keeps its metrics: they go back in front of the buffer, one warning says the store is failing, and the
+next write retries them. If the store still refuses them when the run ends, they go to
+``./unsent_metrics/<run_id>.jsonl`` with the run's final status, and the one command that imports them is printed
+(``python -m pipeline.outbox``, see ``pipeline.record.outbox``). A tracking server that stops answering
+(``pipeline.record.store.server_down``) never stops training either: tags it could not take are kept and written with
+the run's end (or its outbox file), and an artifact (a plot, config.yaml) it could not take is named in a warning and
+left out; once it has not answered for ``outage.DEADLINE_S`` the training thread stops asking it
+(``pipeline.record.outage``: the run pays at most about a minute). Any other failed write (a full disk, a refused
+request) still raises.
 
-Nothing secret is sent: ``open_tracker(..., secret_values=env_values(cfg))`` hands the tracker the
-values read from environment variables, and every string it writes (params, tags, the run's name,
-the ``error`` tag and the summary note, text artifacts, the dataset input, texts drawn in figures)
-and every line it logs is masked with them and with ``pipeline.common.secrets.mask_text``'s patterns.
-Metric keys are names chosen in the code, not values, and are sent as they are.
+Nothing secret is sent: ``open_tracker(..., secret_values=env_values(cfg))`` hands the tracker the values read from
+environment variables, and every string it writes (params, tags, the run's name, the ``error`` tag and the summary note,
+text artifacts, the dataset input, texts drawn in figures) and every line it logs is masked with them and with
+``pipeline.common.secrets.mask_text``'s patterns. Metric keys are names chosen in the code, not values, and are sent as
+they are.
 
-The run ends FINISHED when the block completes, KILLED on Ctrl-C or a stop request (SIGTERM),
-and FAILED (with the error as the ``error`` tag) on any other exception; never left RUNNING
-unless the store is unreachable, and then the outbox file holds the status to set. The block's
-exception always propagates unchanged: a failing end-of-run write never replaces it.
+The run ends FINISHED when the block completes, KILLED on Ctrl-C or a stop request (SIGTERM), and FAILED (with the error
+as the ``error`` tag) on any other exception; never left RUNNING unless the store is unreachable, and then the outbox
+file holds the status to set. The block's exception always propagates unchanged: a failing end-of-run write never
+replaces it.
 """
 
 from __future__ import annotations
@@ -50,8 +49,10 @@ from urllib.parse import urlparse
 from pipeline.common.secrets import mask_text, mask_value
 from pipeline.common.uris import run_page, ui_base
 from pipeline.record import outbox
+from pipeline.record.dataset_input import dataset_inputs
 from pipeline.record.heartbeat import Heartbeat
 from pipeline.record.logged_model import ModelCard
+from pipeline.record.outage import Outage
 from pipeline.record.store import retrying, server_down
 
 if TYPE_CHECKING:  # an annotation only: the record does not import the engine
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 FLUSH_AT = 500  # buffered metrics that wake the writer thread early
 METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch call
 WRITE_EVERY_S = 10.0  # the writer thread's period: how stale the UI's live metrics may get
-HTTP_RETRIES = 2  # MLflow's retries of one request to a tracking server (its default: 7, about 4 minutes)
 STOP_WITHIN_S = 30.0  # how long a run's end waits for a write in flight ("database is locked" retries take ~13 s)
 PARAMS_PER_BATCH = 100  # MLflow's limit per log_batch call
 
@@ -96,6 +96,7 @@ class MlflowTracker:
         self._closing = threading.Event()
         self._writer: threading.Thread | None = None
         self._heartbeat = Heartbeat(client, run_id)  # process.heartbeat from start() on: pipeline.record.stale reads it
+        self._outage = Outage()  # since when the server has not answered: past its deadline, no more waiting on it
         self._failing = False  # one warning per outage, not one per failed write (read under _write_lock)
         self._unsent_tags: dict[str, str] = {}  # masked tags a down server did not take; sent with the run's end
         # a resumed run's last stored step per metric, read once by ``log_only_new_steps`` (None: not read)
@@ -135,7 +136,8 @@ class MlflowTracker:
         from mlflow.entities import RunTag
 
         if masked:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in masked.items()])
+            tags = [RunTag(k, v) for k, v in masked.items()]
+            self._outage.call(lambda: self.client.log_batch(self.run_id, tags=tags))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffer ``metrics`` at ``step``; safe from any thread, and never waits for a write."""
@@ -178,7 +180,9 @@ class MlflowTracker:
         try:
             self._send_tags(left)
             left, self._unsent_tags = {}, {}
-            retrying(lambda: self.client.set_terminated(self.run_id, status, end_time=end_time))
+            retrying(
+                lambda: self._outage.call(lambda: self.client.set_terminated(self.run_id, status, end_time=end_time))
+            )
         except Exception as err:
             log.warning(
                 "the run's end (%s) could not be written to %s (%s: %s)",
@@ -203,10 +207,11 @@ class MlflowTracker:
         """Stop the writer thread and write what is left; returns the metrics that could not be written."""
         self._closing.set()
         self._due.set()
-        self._heartbeat.stop()  # before the run's end is written: no beat lands after it
+        stop_by = time.monotonic() + self._outage.left_s(STOP_WITHIN_S)  # both threads together: a down server's
+        self._heartbeat.stop(within_s=self._outage.left_s(STOP_WITHIN_S))  # deadline is not waited for twice
         writer, self._writer = self._writer, None
         if writer is not None:
-            writer.join(timeout=STOP_WITHIN_S)
+            writer.join(timeout=max(0.0, stop_by - time.monotonic()))
             if writer.is_alive():  # it holds the write lock: take its batch too rather than wait any longer
                 with self._lock:
                     stuck, self._inflight, self._pending = self._inflight + self._pending, [], []
@@ -228,15 +233,20 @@ class MlflowTracker:
             if self._closing.is_set():
                 return  # _close() writes the rest on its caller's thread
             start = time.perf_counter()
-            written = self._write()
+            written = self._write(gate=False)  # off the training thread: it keeps asking a down server
             self.background_write_s += time.perf_counter() - start
             if not written:
                 self._closing.wait(WRITE_EVERY_S)  # a store that is down is asked again later, not in a busy loop
 
-    def _write(self) -> bool:
+    def _write(self, *, gate: bool = True) -> bool:
         """Write everything buffered; True when it all went. The buffer lock is held only to swap the buffer
-        out and to put back what failed, in front, so the history keeps its logging order."""
-        with self._write_lock:
+        out and to put back what failed, in front, so the history keeps its logging order. With ``gate`` (the
+        training thread), nothing is tried, or waited for, once a down server's deadline has passed."""
+        if gate and not self._write_lock.acquire(timeout=self._outage.left_s(-1)):  # -1: wait while none is known
+            return False
+        if not gate:
+            self._write_lock.acquire()
+        try:
             with self._lock:
                 batch, self._pending = self._pending, []
                 self._inflight = batch
@@ -244,7 +254,8 @@ class MlflowTracker:
             try:
                 for i in range(0, len(batch), METRICS_PER_BATCH):
                     chunk = batch[i : i + METRICS_PER_BATCH]
-                    retrying(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
+                    send = lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk)  # noqa: E731
+                    retrying(lambda send=send: self._outage.call(send, gate=gate))
                     written = i + len(chunk)
             except BaseException as err:  # kept and retried: the store may be back at the next write
                 with self._lock:
@@ -270,6 +281,8 @@ class MlflowTracker:
                 log.info("metrics are being written to %s again", self.mask(self.uri))
                 self._failing = False
             return True
+        finally:
+            self._write_lock.release()
 
     def mask(self, text: str) -> str:
         """``text`` as the record may hold it: secret values, URI credentials and ``token=...`` pairs masked."""
@@ -301,7 +314,7 @@ class MlflowTracker:
         """Upload an artifact; one that a server that does not answer cannot take is left out, with a warning
         (the outbox file holds metrics and tags, not files)."""
         try:
-            send()
+            self._outage.call(send)
         except Exception as err:
             if not server_down(err):
                 raise
@@ -317,20 +330,7 @@ class MlflowTracker:
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:
         """Record the dataset as a run input, so the runs table's Dataset column names it."""
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-        local = spec.source.startswith("/")
-        source = self.mask(spec.source)  # masked before JSON escapes it (a Windows path's backslashes)
-        dataset = Dataset(
-            name=self.mask(spec.name),
-            digest=self.mask(spec.digest),
-            source_type="local" if local else "code",
-            source=json.dumps({"uri": source} if local else {"tags": {"origin": source}}),
-            schema=json.dumps({"inputs": spec.inputs, "shape": spec.in_shape, "classes": spec.num_classes}),
-            profile=json.dumps({"train_samples": spec.train_size, "val_samples": spec.val_size}),
-        )
-        inputs = [DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])]
+        inputs = dataset_inputs(spec, context, mask=self.mask)
         # runs starting together record the same dataset: the store may refuse the slower one's insert of its row
         retrying(lambda: self.client.log_inputs(self.run_id, datasets=inputs), what="recording the dataset")
 
@@ -363,6 +363,9 @@ class MlflowTracker:
         from pipeline.record.logged_model import log_model
 
         self.flush()  # the final metrics are in the store before they are linked to the model
+        if self._outage.over():  # a model is many requests: none is made to a server past its deadline
+            log.warning("the trained model was not logged: %s has not answered; the checkpoint holds it", self.uri)
+            return None
         try:
             return log_model(
                 self.client,
