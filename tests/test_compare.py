@@ -361,6 +361,17 @@ def test_the_chart_draws_samples_per_s_and_the_step_stacked_by_part() -> None:
     assert [t.get_text() for t in step.get_legend().get_texts()] == ["data wait", "copy", "compute", "own work"]
 
 
+def test_a_chart_of_many_rows_draws_the_first_ones_and_the_baseline_and_says_so() -> None:
+    runs = [record(f"r{i}", 100.0 + i, params={"loader.batch_size": str(i + 1)}) for i in range(60)]
+    table = build(runs, baseline="mlp-bs60")  # the baseline ranks last: the chart keeps it
+    figure = compare.chart(table)
+    speed = figure.axes[0]
+    assert len(speed.patches) == compare.charts.CHART_ROWS == 40
+    labels = [t.get_text() for t in speed.get_yticklabels()]
+    assert labels[0] == "mlp-bs60 (n=1)" and labels[-1] == f"{table.lines[0].row.name} (n=1)"  # drawn bottom-up
+    assert "40 of 60 rows" in figure.get_suptitle()
+
+
 def test_single_epoch_runs_and_device_memory_get_footnotes() -> None:
     table = build([record("a", 100, epochs=1, device_peak=3512.0)])
     text = table_markdown(table)

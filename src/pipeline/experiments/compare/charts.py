@@ -16,6 +16,7 @@ VERDICT_COLOURS = {
     "slower: shown": "#7b3294",
     "no difference shown, or cannot tell": "#c6dbef",
 }
+CHART_ROWS = 40  # the most rows a chart draws (``shown``)
 SLOWER_HATCH = "///"  # every row slower than the baseline, shown or not: a slowdown never reads as a speed-up
 
 
@@ -31,9 +32,10 @@ def chart(table: Table) -> Any:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    lines = table.lines[::-1]  # barh draws bottom-up: the first row goes on top
+    lines = shown(table)[::-1]  # barh draws bottom-up: the first row goes on top
     fig = Figure(figsize=(13, 2.4 + 0.45 * len(lines)), layout="constrained")
-    fig.suptitle(f"steady-state samples/s of {len(lines)} row(s) against the baseline, {_short(table.baseline.name)}")
+    rows = f"{len(lines)} row(s)" if len(lines) == len(table.lines) else f"{len(lines)} of {len(table.lines)} rows"
+    fig.suptitle(f"steady-state samples/s of {rows} against the baseline, {_short(table.baseline.name)}")
     speed_ax, step_ax = fig.subplots(1, 2, sharey=True, width_ratios=[3, 2])
     stats = [line.row.speed() for line in lines]
     medians = [s.median if s else 0.0 for s in stats]
@@ -65,6 +67,17 @@ def chart(table: Table) -> Any:
     step_ax.set_xlabel("a steady step, ms (medians over the repeats)")
     step_ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1), ncol=4, frameon=False)  # above: no bar hidden
     return fig
+
+
+def shown(table: Table) -> list[Line]:
+    """The table's first ``CHART_ROWS`` lines, its baseline's among them: a bar a row stops being readable (and a
+    figure of 250 rows takes longer to draw than the runs take to load); every row is in compare.md and .csv."""
+    if len(table.lines) <= CHART_ROWS:
+        return table.lines
+    first = table.lines[:CHART_ROWS]
+    if any(line.row is table.baseline for line in first):
+        return first
+    return [*first[:-1], next(line for line in table.lines if line.row is table.baseline)]
 
 
 def _colour(table: Table, line: Line) -> str:
