@@ -62,8 +62,9 @@ def test_tuner_picks_the_measured_fastest_candidate_and_says_by_how_much() -> No
     assert outcome.rounds == 2 and outcome.stop_reason == "the leader's slowest round beat the runner-up's fastest"
     report = format_report(outcome, [], title="test")
     assert (
-        "fastest: workers=2: 300 samples/s, +200% on your current setting (100), +25% on workers=2 prefetch=4 (240); "
-        "medians of 3 confirmation round(s) run after the search chose it" in report
+        "fastest: workers=2: +200% [+200% to +200%] on your current setting (300 vs 100 samples/s), p=0.031, paired "
+        "over 6 confirmation rounds run after the search chose it; +25% [+25% to +25%] on workers=2 prefetch=4 (240 "
+        "samples/s)" in report
     )
     assert "  python -m pipeline loader.num_workers=2 loader.persistent_workers=true loader.prefetch_factor=2" in report
 
@@ -71,7 +72,8 @@ def test_tuner_picks_the_measured_fastest_candidate_and_says_by_how_much() -> No
 def test_rounds_alternate_their_order() -> None:
     rates = {(0, 0): 100, (1, 2): 100, (2, 2): 110, (4, 2): 120, (4, 4): 118}
     fake = FakeMeasure(rates, factors=(1.0, 1.1, 0.95))  # ranges overlap: no early stop
-    outcome = tune(DEFAULT, measure=fake, machine=CPU4, settings=Settings(rounds=3), release=fake.release)
+    settings = Settings(rounds=3, confirm=3)
+    outcome = tune(DEFAULT, measure=fake, machine=CPU4, settings=settings, release=fake.release)
 
     first = [(0, 0), (1, 2), (2, 2), (4, 2), (4, 4)]  # current, the ladder, then prefetch 4 for the best workers
     confirm = [(4, 2), (0, 0), (4, 4)]  # then the winner, the current setting and the runner-up, three times
@@ -367,7 +369,7 @@ def test_the_claimed_gain_comes_from_fresh_rounds_after_the_search_not_the_ones_
     assert workers(chosen.candidate) == (2, 2) and chosen.median == 165  # the search saw +65%
     assert outcome.confirmation(chosen.candidate).median == 110  # the fresh rounds see its true rate
     report = format_report(outcome, [], title="t")
-    assert "fastest: workers=2: 110 samples/s, +10% on your current setting (100)" in report
+    assert "fastest: workers=2: +10% [+10% to +10%] on your current setting (110 vs 100 samples/s)" in report
     assert "+65%" in report.split("fastest:")[0]  # the search's table keeps its own numbers
 
 
@@ -375,7 +377,7 @@ def test_a_winner_no_faster_in_the_confirmation_rounds_leaves_the_current_settin
     fake = Lucky({(0, 0): 100, (1, 2): 90, (2, 2): 98, (4, 2): 95, (2, 4): 96}, lucky=(2, 2), times=2)
     outcome = tune(DEFAULT, measure=fake, machine=CPU4, settings=Settings(rounds=2), release=fake.release)
     report = format_report(outcome, [], title="t")
-    assert "keep your current setting: the search's fastest, workers=2, was not faster in the confirmation rounds" in (
+    assert "keep your current setting: the search's fastest, workers=2, was not shown faster in the confirmation" in (
         report
     )
     assert report.rstrip().endswith("python -m pipeline loader.num_workers=0")
@@ -467,3 +469,56 @@ def test_no_timed_batch_was_made_before_its_trial_began(
     for trial, made in timed_made:
         assert min(made) > starts[trial], (trial, starts[trial], made)
     assert autotune.queue_depth(cfg.loader) == 4 and autotune.queue_depth(cfg.loader, prefetched=True) == 5
+
+
+WORKERS2 = Candidate(dataclasses.replace(DEFAULT, num_workers=2, persistent_workers=True, prefetch_factor=2))
+
+
+def confirmed_outcome(winner: list[float], current: list[float]) -> autotune.Outcome:
+    """An outcome whose search chose workers=2 and whose confirmation rounds gave these samples/s, round by round."""
+    now = Candidate(DEFAULT)
+    rounds = lambda values: dict(enumerate(values, start=1))  # noqa: E731
+    return autotune.Outcome(
+        current=now,
+        tallies=[autotune.Tally(now, {1: 100.0}), autotune.Tally(WORKERS2, {1: 500.0})],
+        rounds=1,
+        stop_reason="all 1 round(s) done",
+        cut_short=False,
+        elapsed_s=10.0,
+        budget_s=90.0,
+        trials=[],
+        batch_sizes=[],
+        batch_size=DEFAULT.batch_size,
+        confirmed=[autotune.Tally(WORKERS2, rounds(winner)), autotune.Tally(now, rounds(current))],
+    )
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_winner_that_beat_the_current_setting_in_one_round_of_three_claims_no_gain(repeats: int) -> None:
+    """Per-round ratios 5.3, 0.375, 0.94: the ratio of the medians said +50% (the issue saw +398%); the paired
+    estimate over the rounds is not significant, so no gain is claimed and the current setting stays."""
+    outcome = confirmed_outcome([530.0, 150.0, 94.0] * repeats, [100.0, 400.0, 100.0] * repeats)
+    gain = autotune.confirmed_gain(outcome, WORKERS2, outcome.current)
+    assert gain.test == "paired" and gain.pairs == 3 * repeats and gain.p >= 0.05
+    assert autotune.suggestion(outcome) == outcome.current
+    report = format_report(outcome, [], title="t")
+    assert "+50%" not in report and "fastest: workers=2" not in report
+    assert "keep your current setting: the search's fastest, workers=2, was not shown faster" in report
+    assert f"paired over {3 * repeats} confirmation rounds" in report and ": not shown" in report
+    if repeats == 1:
+        assert "3 rounds cannot show a difference: use --confirm 6 or more" in report
+    assert report.rstrip().endswith("python -m pipeline loader.num_workers=0")
+
+
+def test_a_winner_faster_in_every_one_of_six_rounds_claims_the_paired_estimate_and_its_interval() -> None:
+    outcome = confirmed_outcome([300.0, 330.0, 290.0, 310.0, 320.0, 305.0], [100.0, 105.0, 98.0, 101.0, 99.0, 102.0])
+    gain = autotune.confirmed_gain(outcome, WORKERS2, outcome.current)
+    assert gain.test == "paired" and gain.p == pytest.approx(1 / 32)  # all six rounds one way: 2 / 2**6
+    assert autotune.suggestion(outcome) == WORKERS2
+    report = format_report(outcome, [], title="t")
+    low, high = autotune.report.pct(gain.low - 1), autotune.report.pct(gain.high - 1)
+    assert f"fastest: workers=2: {autotune.report.pct(gain.ratio - 1)} [{low} to {high}] on your current setting" in (
+        report
+    )
+    assert "p=0.031, paired over 6 confirmation rounds run after the search chose it" in report
+    assert "python -m pipeline loader.num_workers=2" in report

@@ -20,10 +20,12 @@ a warming page cache or a busy neighbour favours none; the median over rounds ra
 The search stops early: a doubling of the workers that gained under 3% ends the ladder, a candidate
 whose best round is under 80% of the leader's median (50% after the first round) is measured no
 more, and rounds end once the leader's slowest round beats the runner-up's fastest. Those choices
-only *pick* the winner: the gain it prints comes from ``--confirm`` fresh rounds (3) of the winner,
+only *pick* the winner: the gain it prints comes from ``--confirm`` fresh rounds (6) of the winner,
 the current setting and the runner-up after the search, with a quarter of ``--budget-s`` kept for
-them, so neither the luck that made a candidate win nor the early stop inflates it; if the winner
-is not faster there, it says to keep the current setting. No trial starts that would overrun the
+them, so neither the luck that made a candidate win nor the early stop inflates it. The gain is the
+paired estimate over those rounds with its interval and signed-rank p (``pipeline.common.stats.compare``),
+claimed only when significant (6 rounds are the fewest that can be); otherwise it says "not shown" and
+to keep the current setting. No trial starts that would overrun the
 budget. It prints a table and the setting to use as a command to paste, and records the table and
 a plot of samples/s against ``num_workers`` in an MLflow run (``autotune-...``, tag
 ``autotune=true``) in the experiment ``<tracking.experiment>-autotune``, apart from the runs
@@ -49,10 +51,12 @@ from pipeline.experiments.autotune.candidates import (
 )
 from pipeline.experiments.autotune.cli import main, parse_args
 from pipeline.experiments.autotune.report import (
+    confirmed_gain,
     format_report,
     gain,
     override_line,
     record,
+    shown,
     suggestion,
     table,
     verdict,
@@ -89,6 +93,7 @@ __all__ = [
     "Trial",
     "Trials",
     "candidates",
+    "confirmed_gain",
     "describe",
     "format_report",
     "gain",
@@ -99,6 +104,7 @@ __all__ = [
     "queue_depth",
     "record",
     "resident_fits",
+    "shown",
     "suggestion",
     "table",
     "tune",

@@ -30,7 +30,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them, at least 1 (3)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the search at most (3)")
     parser.add_argument(
-        "--confirm", type=int, default=3, help="fresh rounds of the winner, runner-up and current setting after (3)"
+        "--confirm",
+        type=int,
+        default=6,
+        help="fresh rounds of the winner, runner-up and current setting after (6: the fewest the paired test needs)",
     )
     parser.add_argument(
         "--batch-size",

@@ -9,15 +9,73 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.common.errors import PipelineError
-from pipeline.common.stats import summarize
+from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, min_p_paired, summarize
 from pipeline.config import LoaderConfig, RunConfig
 from pipeline.experiments.autotune.candidates import Candidate, describe
 from pipeline.experiments.autotune.search import Outcome, Settings, Tally
 
 
 def gain(a: Tally, b: Tally) -> float:
-    """How much faster ``a`` is than ``b``: the ratio of the medians the table prints, less 1."""
+    """How much faster ``a`` is than ``b`` in the search's table: the ratio of the medians it prints, less 1 (what
+    chooses; the claimed gain is ``confirmed_gain``'s)."""
     return a.median / b.median - 1
+
+
+def confirmed_gain(outcome: Outcome, candidate: Candidate, against: Candidate) -> Comparison | None:
+    """``candidate`` against ``against`` over the confirmation rounds both ran: the paired estimate (the median of
+    the per-round ratios' Walsh averages), its interval and the signed-rank test (``pipeline.common.stats.compare``);
+    None without a confirmation of both. Always paired: the rounds ran side by side, so the machine's drift cancels.
+    """
+    a, b = outcome.confirmation(candidate), outcome.confirmation(against)
+    if a is None or b is None:
+        return None
+    pairs = [(b.by_round[r], a.by_round[r]) for r in sorted(set(a.by_round) & set(b.by_round))]
+    level = max(ALPHA, min_p_paired(len(pairs)))  # the paired test even where it cannot reach ALPHA: it then says so
+    return compare([x for x, _ in pairs], [y for _, y in pairs], pairs=pairs, level=level)
+
+
+def shown(gain: Comparison | None) -> bool:
+    """A gain the tuner claims: paired, significant (p < ``ALPHA``) and at least ``MIN_EFFECT``."""
+    return gain is not None and gain.test == "paired" and gain.p < ALPHA and gain.ratio >= 1 + MIN_EFFECT
+
+
+def rounds_needed() -> int:
+    """The fewest confirmation rounds whose paired test can reach ``ALPHA`` (6 for 0.05)."""
+    rounds = 2
+    while min_p_paired(rounds) >= ALPHA:
+        rounds += 1
+    return rounds
+
+
+def said(gain: Comparison, *, against: str = "") -> str:
+    """``+200% [+190% to +210%] on X, p=0.031, paired over 6 confirmation rounds run after the search chose it``."""
+    interval = f"[{pct(gain.low - 1)} to {pct(gain.high - 1)}]" + (f" on {against}" if against else "")
+    return (
+        f"{pct(gain.ratio - 1)} {interval}, p={gain.p:.2g}, paired over {gain.pairs} confirmation rounds run after "
+        "the search chose it"
+    )
+
+
+def _runner(outcome: Outcome) -> str:
+    """``; +25% [...] on workers=2 prefetch=4 (240 samples/s)...``, or ``not shown``: the winner on the runner-up."""
+    chosen = outcome.ranking()[0].candidate
+    runner = next((t for t in outcome.confirmed if t.candidate not in (chosen, outcome.current)), None)
+    versus = None if runner is None else confirmed_gain(outcome, chosen, runner.candidate)
+    if runner is None or versus is None:
+        return ""
+    who = f"{describe(runner.candidate, outcome.current)} ({_rate(runner.median)} samples/s)"
+    if shown(versus):
+        return f"; {pct(versus.ratio - 1)} [{pct(versus.low - 1)} to {pct(versus.high - 1)}] on {who}"
+    return f"; on {who}: not shown ({pct(versus.ratio - 1)}, p={versus.p:.2g})"
+
+
+def why_not_shown(gain: Comparison) -> str:
+    """Why a paired gain is not claimed, in words."""
+    if gain.min_p >= ALPHA:
+        return f"{gain.pairs} rounds cannot show a difference: use --confirm {rounds_needed()} or more"
+    if gain.p < ALPHA:
+        return f"a change under {MIN_EFFECT:.0%} is not worth acting on"
+    return f"p={gain.p:.2g} is not below {ALPHA:g}"
 
 
 def pct(value: float) -> str:
@@ -78,21 +136,18 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def suggestion(outcome: Outcome) -> Candidate | None:
-    """The setting the tuner suggests: the search's fastest, unless the confirmation rounds found it no faster
-    than the current setting (then the current one); None when nothing was measured."""
+    """The setting the tuner suggests: the search's fastest when the confirmation rounds showed it faster than the
+    current setting (``shown``), else the current one; None when nothing was measured."""
     ranking = outcome.ranking()
     if not ranking:
         return None
     chosen = ranking[0].candidate
-    winner, current = outcome.confirmation(chosen), outcome.confirmation(outcome.current)
-    if winner is not None and current is not None and chosen != outcome.current and winner.median <= current.median:
-        return outcome.current
-    return chosen
+    return chosen if shown(confirmed_gain(outcome, chosen, outcome.current)) else outcome.current
 
 
 def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
-    """The suggestion and what it gains, from the confirmation rounds run after the search chose it (the search's
-    own rounds would overstate the margin), with the numbers the percentages are ratios of; the command to paste."""
+    """The suggestion and what it gains: the paired estimate over the confirmation rounds run after the search chose
+    it (the search's own rounds would overstate the margin), claimed only when significant; the command to paste."""
     suggested = suggestion(outcome)  # what the record's autotune.command holds too
     if suggested is None:
         return ["nothing was measured: the budget ran out before the first trial; raise --budget-s"]
@@ -100,34 +155,33 @@ def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
     name = describe(chosen.candidate, outcome.current)
     winner, current = outcome.confirmation(chosen.candidate), outcome.confirmation(outcome.current)
     if winner is None:
-        lines = [f"fastest in the search: {name} (not confirmed: {outcome.unconfirmed})"]
+        lines = [f"fastest in the search: {name} (not confirmed: {outcome.unconfirmed}; no gain claimed)"]
         if chosen.candidate != outcome.current and (mine := outcome.tally(outcome.current)):
             lines[0] += (
                 f"; {_rate(chosen.median)} vs {_rate(mine.median)} samples/s for your current setting in the search's "
                 "own rounds, an optimistic margin"
             )
+    elif chosen.candidate == outcome.current:
+        lines = [
+            f"fastest: your current setting ({name}): {_rate(winner.median)} samples/s in the confirmation rounds"
+            + _runner(outcome)
+        ]
+    elif current is None:  # the current setting was never measured: nothing to claim a gain over
+        lines = [f"fastest in the search: {name}, {_rate(winner.median)} samples/s; your current setting was not timed"]
     else:
-        rounds = len(winner.by_round)
-        said = [f"{_rate(winner.median)} samples/s"]
-        if current is not None and chosen.candidate != outcome.current:
-            said.append(f"{pct(gain(winner, current))} on your current setting ({_rate(current.median)})")
-        runner = next((t for t in outcome.confirmed if t.candidate not in (chosen.candidate, outcome.current)), None)
-        if runner is not None:
-            said.append(
-                f"{pct(gain(winner, runner))} on {describe(runner.candidate, outcome.current)} ({_rate(runner.median)})"
-            )
-        where = f"medians of {rounds} confirmation round(s) run after the search chose it"
-        if chosen.candidate == outcome.current:
-            lines = [f"fastest: your current setting ({name}): {', '.join(said)}; {where}"]
-        elif suggested == outcome.current and current is not None:
+        claimed = confirmed_gain(outcome, chosen.candidate, outcome.current)
+        numbers = f"{_rate(winner.median)} vs {_rate(current.median)} samples/s"
+        if shown(claimed):
             lines = [
-                f"keep your current setting: the search's fastest, {name}, was not faster in the confirmation rounds "
-                f"({_rate(winner.median)} vs {_rate(current.median)} samples/s; {where})"
+                f"fastest: {name}: {said(claimed, against=f'your current setting ({numbers})')}" + _runner(outcome)
             ]
         else:
-            lines = [f"fastest: {name}: {', '.join(said)}; {where}"]
-        if any(s.noisy for t in outcome.confirmed if (s := summarize(t.by_round.values())) is not None):
-            lines.append("  (noisy: the confirmation rounds disagreed by 10% or more; rerun on a quieter machine)")
+            lines = [
+                f"keep your current setting: the search's fastest, {name}, was not shown faster in the confirmation "
+                f"rounds ({said(claimed)}, {numbers}: not shown; {why_not_shown(claimed)})"
+            ]
+    if any(s.noisy for t in outcome.confirmed if (s := summarize(t.by_round.values())) is not None):
+        lines.append("  (noisy: the confirmation rounds disagreed by 10% or more; rerun on a quieter machine)")
     lines.append("  " + override_line(overrides, outcome.current.loader, suggested.loader))
     if suggested.loader.batch_size != outcome.current.loader.batch_size:
         lines.append("  (a larger batch changes the optimisation: scale optimizer.lr with it and check val/acc)")
@@ -239,9 +293,13 @@ def record(
         if current is not None:
             metrics["autotune/current_samples_per_s"] = current.median
             metrics["autotune/vs_current_pct"] = 100 * gain(winner, current)
-        confirmed, mine = outcome.confirmation(winner.candidate), outcome.confirmation(outcome.current)
-        if confirmed is not None and mine is not None:  # what the verdict claims, from the fresh rounds
-            metrics["autotune/confirmed_vs_current_pct"] = 100 * gain(confirmed, mine)
+        claimed = confirmed_gain(outcome, winner.candidate, outcome.current)
+        if claimed is not None and winner.candidate != outcome.current:  # the verdict's paired estimate
+            metrics["autotune/confirmed_vs_current_pct"] = 100 * (claimed.ratio - 1)
+            metrics["autotune/confirmed_vs_current_low_pct"] = 100 * (claimed.low - 1)
+            metrics["autotune/confirmed_vs_current_high_pct"] = 100 * (claimed.high - 1)
+            metrics["autotune/confirmed_vs_current_p"] = claimed.p
+            tags["autotune.gain"] = "shown" if shown(claimed) else "not shown"
     trials = [
         {
             "candidate": describe(t.candidate, outcome.current),

@@ -37,7 +37,7 @@ class Settings:
     warmup: int = 3  # untimed steps before them (worker start-up, allocator, cuDNN autotuning); >= 1
     rounds: int = 3  # interleaved rounds at most
     search_batch_size: bool = False  # first double loader.batch_size until out of memory or no faster
-    confirm: int = 3  # fresh rounds of the winner, the current setting and the runner-up, after the search
+    confirm: int = 6  # fresh rounds of the winner, the current setting and the runner-up, after the search
 
 
 class Measure(Protocol):
