@@ -200,8 +200,11 @@ def test_several_rows_are_corrected_for_together_by_holm() -> None:
 def test_rows_run_in_the_same_rounds_are_compared_round_by_round() -> None:
     """Six rounds on a machine that slows 10% a round: the rank test sees overlapping samples, the paired test a
     steady 5% gain in every round."""
-    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.round": str(i)}) for i in range(6)]
-    new = [record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.round": str(i)}) for i in range(6)]
+    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)]
+    new = [
+        record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s1", "sweep.round": str(i)})
+        for i in range(6)
+    ]
     speedup = build([*base, *new]).lines[1].vs_baseline
     assert speedup.comparison.test == "paired" and speedup.comparison.ratio == pytest.approx(1.05)
     assert speedup.real is True and "paired, 6 rounds" in speedup.reason
@@ -560,3 +563,16 @@ def test_a_row_of_another_batch_size_is_compared_per_sample_not_per_step() -> No
     runs += [record(f"b{i}", 51_200, seed=i, params={"loader.batch_size": "256"}, **bigger) for i in range(2)]
     change = build(runs).lines[1].step_change
     assert change == "per sample: compute −9.4 µs, data wait −2.3 µs"  # 28.1 -> 18.75 µs and 3.1 -> 0.8 µs
+
+
+def test_runs_of_two_sweeps_are_never_paired_by_their_round_numbers_alone() -> None:
+    """``--last N`` over two sweeps: rows whose runs came from different sweeps never ran side by side, whatever
+    their ``sweep.round`` tags say; the rank test compares them."""
+    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)]
+    new = [
+        record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s2", "sweep.round": str(i)})
+        for i in range(6)
+    ]
+    speedup = build([*base, *new]).lines[1].vs_baseline
+    assert speedup.comparison.test == "rank" and speedup.real is False
+    assert "paired" not in speedup.reason
