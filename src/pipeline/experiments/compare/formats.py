@@ -15,7 +15,7 @@ from pipeline.common.markdown import markdown_table
 from pipeline.common.stats import NOISY, Summary
 from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
-from pipeline.experiments.compare.table import Line, Speedup, Table
+from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
 
@@ -207,6 +207,8 @@ def _footnotes(table: Table) -> list[str]:
         )
     if any(line.row.peak_mb()[1] for line in table.lines):
         notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
+    if power := power_note(table):
+        notes.append(power)
     for a, b, what in table.twins:
         notes.append(f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(what)}.")
     for record, missing in table.lacking:
