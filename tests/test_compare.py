@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -593,3 +594,12 @@ def test_three_rows_of_four_repeats_under_holm_say_they_cannot_show_a_difference
     assert "3 rows cannot show a difference with 4 repeats (Holm over 3 rows): use at least 5 per row" in text
     five = build([r for row in [repeats("a", [100, 101, 102, 103, 104]), *rows[1:]] for r in row]).lines[1]
     assert five.vs_baseline.cannot_show is False and five.vs_baseline.repeats_needed is None
+
+
+def test_a_drift_not_shown_says_what_was_estimated_and_how_sure_in_words() -> None:
+    from pipeline.common.stats import Drift
+    from pipeline.experiments.compare.formats import _drift
+
+    table = build([*repeats("a", [100, 101, 102, 103]), *repeats("b", [150, 151, 152, 153], params={"amp": "1"})])
+    said = _drift(replace(table, drift=Drift(-0.33, 0.18, 12)))
+    assert said == "Drift: the machine slowed about 33% from the first to the last of these 12 runs, p=0.18: not shown."

@@ -184,7 +184,11 @@ def _drift(table: Table) -> str:
             f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
             "each round still hold; for the rest, rerun on a quieter machine."
         )
-    return f"Drift: none shown over {d.runs} runs (estimated {d.change:+.1%} from first to last, p={d.p:.2g})."
+    way = "slowed" if d.change < 0 else "sped up"
+    return (
+        f"Drift: the machine {way} about {abs(d.change):.0%} from the first to the last of these {d.runs} runs, "
+        f"p={d.p:.2g}: not shown."
+    )
 
 
 def _footnotes(table: Table) -> list[str]:
