@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -193,7 +194,8 @@ def test_the_tie_case_reports_the_exact_p_and_is_not_real() -> None:
 def test_three_repeats_each_cannot_show_a_difference_but_three_against_five_can() -> None:
     short = build([*repeats("a", [100, 101, 99]), *repeats("b", [150, 151, 149], params={"amp": "1"})])
     assert short.lines[1].vs_baseline.real is None
-    assert "rank, 3v3 cannot show a difference (p ≥ 0.1): add repeats" in short.lines[1].vs_baseline.reason
+    assert short.lines[1].vs_baseline.reason == "cannot show a difference with 3 repeats: use at least 4"
+    assert short.lines[1].vs_baseline.cannot_show and short.lines[1].vs_baseline.repeats_needed == 4
     assert short.lines[1].vs_baseline.cell().startswith("~1.50× [")
     lopsided = build([*repeats("a", [100, 101, 99]), *repeats("b", [150, 151, 149, 152, 148], params={"amp": "1"})])
     assert lopsided.lines[1].vs_baseline.real is True and "p=0.036" in lopsided.lines[1].vs_baseline.reason
@@ -203,8 +205,8 @@ def test_several_rows_are_corrected_for_together_by_holm() -> None:
     rows = [repeats("a", [100, 101, 102, 103])]
     rows += [repeats(f"x{i}", [200 + i, 201 + i, 202 + i, 203 + i], params={"optimizer.lr": str(i)}) for i in range(3)]
     four = build([r for row in rows for r in row])
-    assert [ln.vs_baseline.real for ln in four.lines[1:]] == [False] * 3  # 0.029 × 3 = 0.086: not below 0.05
-    assert "(Holm, 3 tests)" in four.lines[1].vs_baseline.reason
+    assert [ln.vs_baseline.real for ln in four.lines[1:]] == [None] * 3  # 0.029 × 3 = 0.086: never below 0.05
+    assert "(Holm over 3 rows)" in four.lines[1].vs_baseline.reason
     assert "adjusted by Holm over the table's 3 comparisons" in table_markdown(four).replace("\n", " ")
     rows = [repeats("a", [100, 101, 102, 103, 104])]
     rows += [repeats(f"x{i}", [200 + i + j for j in range(5)], params={"optimizer.lr": str(i)}) for i in range(3)]
@@ -215,8 +217,11 @@ def test_several_rows_are_corrected_for_together_by_holm() -> None:
 def test_rows_run_in_the_same_rounds_are_compared_round_by_round() -> None:
     """Six rounds on a machine that slows 10% a round: the rank test sees overlapping samples, the paired test a
     steady 5% gain in every round."""
-    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.round": str(i)}) for i in range(6)]
-    new = [record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.round": str(i)}) for i in range(6)]
+    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)]
+    new = [
+        record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s1", "sweep.round": str(i)})
+        for i in range(6)
+    ]
     speedup = build([*base, *new]).lines[1].vs_baseline
     assert speedup.comparison.test == "paired" and speedup.comparison.ratio == pytest.approx(1.05)
     assert speedup.real is True and "paired, 6 rounds" in speedup.reason
@@ -515,6 +520,7 @@ def test_main_without_a_sweep_compares_the_experiments_runs_with_a_note(
     assert "no sweep in experiment 'pipeline' (no run tagged sweep.role=parent): all its runs: 2 runs" in printed
     row = next(line for line in printed.splitlines() if line.startswith("run1"))
     assert "3.00×" in row and "[" not in row and "cannot tell: add repeats" in row
+    assert "cannot show a difference with 1 repeat: use at least 4" in printed
 
 
 @pytest.mark.parametrize(
@@ -743,3 +749,41 @@ def test_the_terminal_view_shows_the_keys_that_differ_as_far_as_they_fit() -> No
     shown = [c.strip() for c in columns_of(lines)]
     left = [k for k in many if k not in shown]
     assert left and any(line.startswith(f"{len(left)} more config key(s) differ between rows") for line in lines)
+
+
+def test_runs_of_two_sweeps_are_never_paired_by_their_round_numbers_alone() -> None:
+    """``--last N`` over two sweeps: rows whose runs came from different sweeps never ran side by side, whatever
+    their ``sweep.round`` tags say; the rank test compares them."""
+    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)]
+    new = [
+        record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s2", "sweep.round": str(i)})
+        for i in range(6)
+    ]
+    speedup = build([*base, *new]).lines[1].vs_baseline
+    assert speedup.comparison.test == "rank" and speedup.real is False
+    assert "paired" not in speedup.reason
+
+
+def test_three_rows_of_four_repeats_under_holm_say_they_cannot_show_a_difference_and_how_many_would() -> None:
+    """Each row 2× faster in every run: 4 v 4 reaches p = 0.029, but Holm over 3 rows makes the best 0.086."""
+    rows = [repeats("a", [100, 101, 102, 103])]
+    rows += [repeats(f"x{i}", [200 + i, 201 + i, 202 + i, 203 + i], params={"optimizer.lr": str(i)}) for i in range(3)]
+    table = build([r for row in rows for r in row])
+    for line in table.lines[1:]:
+        speedup = line.vs_baseline
+        assert speedup.real is None and speedup.cannot_show is True and speedup.repeats_needed == 5
+        assert speedup.reason == "cannot show a difference with 4 repeats (Holm over 3 rows): use at least 5"
+    assert table.lines[0].vs_baseline.cannot_show is False
+    text = " ".join(table_markdown(table).split())
+    assert "3 rows cannot show a difference with 4 repeats (Holm over 3 rows): use at least 5 per row" in text
+    five = build([r for row in [repeats("a", [100, 101, 102, 103, 104]), *rows[1:]] for r in row]).lines[1]
+    assert five.vs_baseline.cannot_show is False and five.vs_baseline.repeats_needed is None
+
+
+def test_a_drift_not_shown_says_what_was_estimated_and_how_sure_in_words() -> None:
+    from pipeline.common.stats import Drift
+    from pipeline.experiments.compare.formats import _drift
+
+    table = build([*repeats("a", [100, 101, 102, 103]), *repeats("b", [150, 151, 152, 153], params={"amp": "1"})])
+    said = _drift(replace(table, drift=Drift(-0.33, 0.18, 12)))
+    assert said == "Drift: the machine slowed about 33% from the first to the last of these 12 runs, p=0.18: not shown."

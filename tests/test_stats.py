@@ -11,6 +11,7 @@ from scipy import stats as scipy_stats
 
 from pipeline.common import stats
 from pipeline.common.stats import (
+    ALPHA,
     compare,
     drift,
     holm,
@@ -179,3 +180,14 @@ def test_drift_over_many_runs_uses_the_normal_approximation_and_agrees() -> None
     assert not drift(steady).real and drift(steady).p > 0.05
     found = drift(slowing)
     assert found.real and found.p < 1e-6 and found.change == pytest.approx(0.999**399 - 1, abs=0.03)
+
+
+def test_the_repeats_needed_are_the_fewest_whose_smallest_p_after_holm_is_below_the_level() -> None:
+    from pipeline.common.stats import repeats_needed
+
+    assert repeats_needed(1) == 4  # 2 / C(8, 4) = 0.029 < 0.05; 3 v 3 reaches only 0.10
+    assert repeats_needed(3) == 5  # 3 × 0.029 = 0.086; 3 × 2 / C(10, 5) = 0.024
+    assert repeats_needed(7) == 6  # 7 × 0.0079 = 0.056; 7 × 2 / C(12, 6) = 0.015
+    for tests in range(1, 30):
+        n = repeats_needed(tests)
+        assert tests * min_p_unpaired(n, n) < ALPHA <= tests * min_p_unpaired(n - 1, n - 1)

@@ -1,8 +1,9 @@
 """``hydra/sweeper=interleaved``: Hydra's basic sweeper with a sweep's repeats interleaved (``pipeline.config.design``).
 
 It lists the same jobs as the basic sweeper (comma lists, ``range()``, ``glob()``, ``hydra.sweeper.params``) and
-hands them to whatever launcher is configured; only their order differs, and it writes which round each job is
-in to ``<hydra.sweep.dir>/design.json`` for the jobs to tag their runs with (``sweep.round``).
+hands them to whatever launcher is configured; only their order differs (drawn at random within each round), and
+it writes which round each job is in, and the seed of the order, to ``<hydra.sweep.dir>/design.json`` for the jobs
+to tag their runs with (``sweep.round``, ``sweep.design_seed``).
 """
 
 from __future__ import annotations
@@ -15,17 +16,25 @@ from hydra.core.override_parser.types import Override
 
 
 class InterleavedSweeper(BasicSweeper):
-    """The basic sweeper, repeats interleaved round by round; see ``pipeline.config.design``."""
+    """The basic sweeper, repeats interleaved round by round in a random order; see ``pipeline.config.design``.
+
+    Args:
+        seed: draws each round's order; None draws a fresh one. Recorded either way (``design.json``, the tag
+            ``sweep.design_seed``), so ``hydra.sweeper.seed=<it>`` runs the same order again.
+    """
+
+    def __init__(self, max_batch_size: int | None, params: dict[str, str] | None = None, seed: int | None = None):
+        super().__init__(max_batch_size, params)
+        self.seed = seed
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:  # type: ignore[override]
-        from pipeline.config.design import interleave
+        from pipeline.config.design import draw_seed, interleave
         from pipeline.experiments.sweep_files import save_design
 
-        plan = interleave(axes(overrides))
+        plan = interleave(axes(overrides), seed=draw_seed() if self.seed is None else int(self.seed))
         if self.config is not None:
-            save_design(
-                Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir)), plan.rounds, plan.jobs
-            )
+            folder = Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir))
+            save_design(folder, plan.rounds, plan.jobs, seed=plan.seed)
         size = len(plan.jobs) if max_batch_size in (None, -1) else max_batch_size
         return [plan.jobs[i : i + size] for i in range(0, len(plan.jobs), size)] or [[]]
 

@@ -7,7 +7,8 @@ functions, so there is one definition of *noisy*, one test and one interval:
 - ``rank_test`` (two independent samples) and ``signed_rank_test`` (paired differences): exact two-sided
   p-values from the permutation distribution, ties handled by midranks (no normal approximation below
   ``EXACT_LIMIT`` values). ``min_p_unpaired`` / ``min_p_paired`` say whether a design can show a
-  difference at all: 4 vs 4 runs can reach p = 0.029, 3 vs 5 p = 0.036, 3 vs 3 only 0.10, 4 pairs only 0.125.
+  difference at all: 4 vs 4 runs can reach p = 0.029, 3 vs 5 p = 0.036, 3 vs 3 only 0.10, 4 pairs only 0.125;
+  ``repeats_needed`` how many repeats per row can, once Holm multiplies the smallest p by the rows compared.
 - ``compare``: the speed-up as a ratio with its confidence interval (the Hodges–Lehmann estimate on the
   log scale: the median of all pairwise ratios, or of the paired ratios' Walsh averages), and the p-value
   of the test that fits the design: paired when the two samples ran round by round and that test can
@@ -192,6 +193,16 @@ def min_p_unpaired(n: int, m: int) -> float:
 def min_p_paired(n: int) -> float:
     """The smallest two-sided p the signed-rank test can give with ``n`` pairs: 2 / 2**n."""
     return 1.0 if not n else min(1.0, 2 / 2**n)
+
+
+def repeats_needed(tests: int = 1, *, level: float = ALPHA) -> int:
+    """The fewest repeats per row at which a comparison, one of ``tests`` corrected by Holm, can be below
+    ``level`` at all: the smallest n with ``tests × min_p_unpaired(n, n) < level``. The rank test's floor is the
+    lower one (C(2n, n) ≥ 2**n), so more rounds of a sweep never need more than this."""
+    n = 1
+    while tests * min_p_unpaired(n, n) >= level:
+        n += 1
+    return n
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:

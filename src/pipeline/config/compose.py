@@ -96,8 +96,8 @@ def load(overrides: Sequence[str] = ()) -> RunConfig:
 
 def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
     """The jobs ``python -m pipeline -m ...`` runs, each as its overrides, expanded by Hydra's own parser as its
-    basic sweeper does (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options), in the
-    interleaved sweeper's order (``pipeline.config.design``). ``hydra...``
+    basic sweeper does (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options), in one
+    order the interleaved sweeper can draw (``pipeline.config.design``, seed 0). ``hydra...``
     overrides configure Hydra, not a job, and are left out, as the sweeper leaves them out.
 
     Returns:
@@ -129,7 +129,7 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
         from pipeline.config.design import interleave
 
         try:
-            return interleave(axes(task)).jobs  # the interleaved sweeper's order: job N here is job N there
+            return interleave(axes(task), seed=0).jobs  # every job, each checked; the order the sweep draws may differ
         except HydraException as err:
             raise OverrideError(str(err).splitlines()[0]) from None
 

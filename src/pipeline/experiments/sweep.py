@@ -55,6 +55,7 @@ from pipeline.experiments.sweep_files import (
     _save_outcome,
     load_outcomes,
     load_round,
+    load_seed,
     planned_jobs,
     records_jobs,
     sweep_folder,
@@ -171,7 +172,8 @@ def current_job() -> SweepJob:
         log.warning("%s is missing: this job is recorded without its sweep's parent run", folder / SWEEP_FILE)
         sweep = Sweep(id="unknown", keys=(), metric="val/acc")
     number = int(hydra.job.num)
-    return SweepJob(sweep, number, tuple(str(o) for o in hydra.overrides.task), folder, load_round(folder, number))
+    overrides = tuple(str(o) for o in hydra.overrides.task)
+    return SweepJob(sweep, number, overrides, folder, load_round(folder, number), load_seed(folder))
 
 
 def use_platform_start_method() -> None:
@@ -300,7 +302,11 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
     else:
         status = "FAILED" if failures or not complete else "FINISHED"
     parent = sweep.parent_run_id and sweep.uri
-    table = close_parent(sweep, failures, status, complete=complete, not_run=not_run) if parent else ""
+    table = (
+        close_parent(sweep, failures, status, complete=complete, not_run=not_run, design_seed=load_seed(folder))
+        if parent
+        else ""
+    )
     how = "" if complete else "stopped before its end: "
     unstarted = (f", {len(killed)} stopped" if killed else "") + (f", {len(not_run)} not run" if not_run else "")
     print(

@@ -75,6 +75,7 @@ class SweepJob:
     overrides: tuple[str, ...]  # the job's overrides, as Hydra passed them
     folder: Path  # the sweep's folder (hydra.sweep.dir)
     round: int | None = None  # the round of an interleaved sweep (pipeline.config.design), None without repeats
+    design_seed: int | None = None  # the seed that drew the rounds' order, None without repeats
 
     @property
     def values(self) -> dict[str, str]:
@@ -90,6 +91,8 @@ class SweepJob:
         tags = {"sweep.id": self.sweep.id, "sweep.job": str(self.number), "sweep.keys": ",".join(self.sweep.keys)}
         if self.round is not None:  # runs of one round ran side by side: pipeline.experiments.compare pairs them
             tags["sweep.round"] = str(self.round)
+        if self.design_seed is not None:
+            tags["sweep.design_seed"] = str(self.design_seed)
         if self.sweep.parent_run_id:
             tags["mlflow.parentRunId"] = self.sweep.parent_run_id
         return tags
@@ -127,10 +130,20 @@ def sweep_folder(hydra: DictConfig) -> Path:
     return Path(str(hydra.runtime.cwd), str(hydra.sweep.dir))
 
 
-def save_design(folder: Path, rounds: Sequence[int | None], jobs: Sequence[Sequence[str]] = ()) -> None:
-    """Write each job's round (``pipeline.config.design.Plan.rounds``, by job number) to ``design.json``, and each job's
-    overrides (masked): a sweep stopped before its end lists the jobs it never started (``end_sweep``)."""
-    _write_json(folder / DESIGN_FILE, {"rounds": list(rounds), "jobs": [mask_overrides(job) for job in jobs]})
+def save_design(
+    folder: Path, rounds: Sequence[int | None], jobs: Sequence[Sequence[str]] = (), *, seed: int | None = None
+) -> None:
+    """Write each job's round (``pipeline.config.design.Plan.rounds``, by job number) to ``design.json``, each job's
+    overrides (masked: a sweep stopped before its end lists the jobs it never started, ``end_sweep``) and the seed
+    that drew the rounds' order."""
+    design = {"rounds": list(rounds), "jobs": [mask_overrides(job) for job in jobs], "seed": seed}
+    _write_json(folder / DESIGN_FILE, design)
+
+
+def load_seed(folder: Path) -> int | None:
+    """The seed that drew the sweep's order, from ``design.json``; None without one (no repeats, another sweeper)."""
+    path = folder / DESIGN_FILE
+    return json.loads(path.read_text()).get("seed") if path.is_file() else None
 
 
 def planned_jobs(folder: Path) -> list[tuple[int, list[str]]]:

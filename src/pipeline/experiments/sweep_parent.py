@@ -99,6 +99,7 @@ def close_parent(
     *,
     complete: bool = True,
     not_run: Sequence[JobOutcome] = (),
+    design_seed: int | None = None,
 ) -> str:
     """Log the summary on the parent and end it with ``status``, the failures listed in a tag; returns the
     summary as a terminal shows it ("" when it could not be made: the parent still ends)."""
@@ -118,6 +119,8 @@ def close_parent(
     except Exception as err:  # a summary that cannot be made must not leave the parent RUNNING
         log.warning("the sweep's summary could not be logged (%s: %s)", type(err).__name__, mask_text(str(err))[:300])
     tags = {"sweep.failed": str(len(failures))}
+    if design_seed is not None:  # the seed of the rounds' order: known once the sweeper listed the jobs
+        tags["sweep.design_seed"] = str(design_seed)
     if failures:
         tags["sweep.failures"] = "\n".join(o.line() for o in failures)[:5000]
     if not_run:

@@ -15,7 +15,7 @@ from pipeline.common.markdown import markdown_table
 from pipeline.common.stats import NOISY, Summary
 from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
-from pipeline.experiments.compare.table import Line, Speedup, Table
+from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
 
@@ -202,7 +202,11 @@ def _drift(table: Table) -> str:
             f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
             "each round still hold; for the rest, rerun on a quieter machine."
         )
-    return f"Drift: none shown over {d.runs} runs (estimated {d.change:+.1%} from first to last, p={d.p:.2g})."
+    way = "slowed" if d.change < 0 else "sped up"
+    return (
+        f"Drift: the machine {way} about {abs(d.change):.0%} from the first to the last of these {d.runs} runs, "
+        f"p={d.p:.2g}: not shown."
+    )
 
 
 def _footnotes(table: Table) -> list[str]:
@@ -225,6 +229,8 @@ def _footnotes(table: Table) -> list[str]:
         )
     if any(line.row.peak_mb()[1] for line in table.lines):
         notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
+    if power := power_note(table):
+        notes.append(power)
     return [wrapped for note in notes for wrapped in wrap(note)] + gaps(table)
 
 

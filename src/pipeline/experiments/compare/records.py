@@ -92,6 +92,13 @@ class RunRecord:
         """The round of an interleaved sweep this run ran in (``sweep.round``): runs of one round ran together."""
         return self.tags.get("sweep.round")
 
+    @property
+    def block(self) -> tuple[str, str] | None:
+        """``(sweep id, round)``: the runs that ran side by side. A round number alone pairs nothing: round 2 of
+        one sweep and round 2 of another (``--last N`` over both) ran hours apart."""
+        sweep, number = self.tags.get("sweep.id"), self.round
+        return (sweep, number) if sweep and number is not None else None
+
     def step_parts_ms(self) -> dict[str, float] | None:
         """A steady step's parts in ms (``STEP_PARTS``), from ``time/step_ms`` and the shares; None without them."""
         step = self.metrics.get(STEP_MS)

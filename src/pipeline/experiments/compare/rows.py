@@ -91,10 +91,10 @@ class Row:
     def speed(self) -> Summary | None:
         return summarize(self.speeds())
 
-    def by_round(self) -> dict[str, float]:
-        """samples/s by the sweep round each run ran in (``sweep.round``), where each round has one run."""
-        rounds = Counter(r.round for r in self.runs if r.round is not None)
-        return {r.round: r.speed for r in self.runs if r.round is not None and rounds[r.round] == 1 and r.speed}
+    def by_round(self) -> dict[tuple[str, str], float]:
+        """samples/s by the sweep and round each run ran in (``RunRecord.block``), where each has one run."""
+        blocks = Counter(r.block for r in self.runs if r.block is not None)
+        return {r.block: r.speed for r in self.runs if r.block is not None and blocks[r.block] == 1 and r.speed}
 
     def step_parts_ms(self) -> dict[str, float] | None:
         """The median over the runs of each part of a steady step, in ms (``STEP_PARTS``); None without them."""

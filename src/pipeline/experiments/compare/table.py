@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, Drift, compare, drift, holm
+from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, Drift, compare, drift, holm, repeats_needed
 from pipeline.experiments.compare.records import LOWER_IS_BETTER, STEP_PARTS, VAL_LOSS, CompareError, RunRecord
 from pipeline.experiments.compare.rows import (
     COVERED,
@@ -28,7 +28,18 @@ from pipeline.experiments.compare.rows import (
     provenance_columns,
 )
 
-__all__ = ["COVERED", "PROVENANCE", "REPEAT_KEYS", "SHOWN", "Line", "Speedup", "Table", "build", "config_key"]
+__all__ = [
+    "COVERED",
+    "PROVENANCE",
+    "REPEAT_KEYS",
+    "SHOWN",
+    "Line",
+    "Speedup",
+    "Table",
+    "build",
+    "config_key",
+    "power_note",
+]
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,10 @@ class Speedup:
     tests: int  # comparisons in the family Holm corrects over
     real: bool | None
     reason: str
+    # True when even the smallest p these repeats allow, after Holm, is not below the level: no data could make it
+    # real; ``repeats_needed`` per row could (None where the design can show a difference)
+    cannot_show: bool = False
+    repeats_needed: int | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -192,15 +207,31 @@ def _family(pairs: Sequence[tuple[Row, Row]], *, min_effect: float, alpha: float
         together = [(before[r], after[r]) for r in sorted(before.keys() & after.keys())]
         found.append(compare(ref.speeds(), row.speeds(), pairs=together, level=level))
     adjusted = holm([c.p if c is not None and c.min_p <= alpha else None for c in found])
-    return [_verdict(c, p, tests, min_effect=min_effect, alpha=alpha) for c, p in zip(found, adjusted, strict=True)]
+    family = sum(p is not None for p in adjusted)  # Holm multiplies the smallest p by this many
+    verdicts = []
+    for c, p in zip(found, adjusted, strict=True):
+        rows = family + (p is None)  # a row outside the family would join it with more repeats
+        if c is not None and rows * c.min_p >= alpha:
+            verdicts.append(_cannot_show(c, p, tests, rows, alpha=alpha))
+        else:
+            verdicts.append(_verdict(c, p, tests, min_effect=min_effect, alpha=alpha))
+    return verdicts
+
+
+def _cannot_show(c: Comparison, p: float | None, tests: int, rows: int, *, alpha: float) -> Speedup:
+    """A design whose smallest reachable p, after Holm over ``rows`` comparisons, is not below ``alpha``."""
+    needed = repeats_needed(rows, level=alpha)
+    repeats = f"{c.n_base}" if c.n_base == c.n_new else f"{c.n_base} and {c.n_new}"
+    holm_note = f" (Holm over {rows} rows)" if rows > 1 else ""
+    plural = "" if c.n_base == c.n_new == 1 else "s"
+    said = f"cannot show a difference with {repeats} repeat{plural}{holm_note}: use at least {needed}"
+    return Speedup(c, p, tests, None, said, cannot_show=True, repeats_needed=needed)
 
 
 def _verdict(c: Comparison | None, p: float | None, tests: int, *, min_effect: float, alpha: float) -> Speedup:
     if c is None:
         return Speedup(None, None, tests, None, "no samples/s to compare")
     sizes = c.sizes
-    if p is None:
-        return Speedup(c, None, tests, None, f"{sizes} cannot show a difference (p ≥ {c.min_p:.2g}): add repeats")
     said = f"p={p:.2g}" + (f" (Holm, {tests} tests)" if tests > 1 else "")
     if p >= alpha:
         return Speedup(c, p, tests, False, f"~ {said} ≥ {alpha:g}, {sizes}")
@@ -208,6 +239,17 @@ def _verdict(c: Comparison | None, p: float | None, tests: int, *, min_effect: f
     if effect < min_effect:
         return Speedup(c, p, tests, False, f"~ {said}, but {effect:.1%} < {min_effect:.0%}")
     return Speedup(c, p, tests, True, f"real: {said}, {sizes}")
+
+
+def power_note(table: Table) -> str:
+    """One line for the rows whose repeats can never show a difference, and how many repeats would; '' if none."""
+    blind = [ln.vs_baseline for ln in table.lines if ln.vs_baseline.cannot_show]
+    if not blind:
+        return ""
+    needed = max(s.repeats_needed or 0 for s in blind)
+    first = blind[0].reason.removeprefix("cannot show a difference with ").partition(":")[0]
+    who = f"{len(blind)} rows cannot" if len(blind) > 1 else "1 row cannot"
+    return f"{who} show a difference with {first}: use at least {needed} per row; their '~' is no evidence either way."
 
 
 def step_change(base: Row, row: Row) -> str:
