@@ -30,6 +30,16 @@ def test_repeats_run_round_by_round_in_an_order_drawn_by_the_recorded_seed() -> 
     assert len(orders) == 4  # each round's order is drawn: A B or B A, independently
 
 
+def test_each_job_knows_its_configuration_in_the_order_typed_whatever_order_its_round_ran() -> None:
+    """The table lists a sweep's configurations as typed (``sweep.config``): the first one typed is the baseline,
+    a ladder's steps stay in order, though each round runs them in a drawn order."""
+    axes = [("+ladder", [f"+ladder={s}" for s in "abcd"]), ("trainer.seed", ["trainer.seed=1", "trainer.seed=2"])]
+    plan = interleave(axes, seed=5)
+    assert [job[0] for job in plan.jobs] != [f"+ladder={s}" for s in "abcd"] * 2  # this seed reorders a round
+    assert [job[0] for job in plan.jobs] == [f"+ladder={'abcd'[n]}" for n in plan.configs]
+    assert sorted(plan.configs[:4]) == sorted(plan.configs[4:]) == [0, 1, 2, 3]
+
+
 def periodic_a_a(seed: int, rounds: int = 6) -> Any:
     """An A/A sweep on a machine slowed 17% on jobs j mod 4 in {1, 2} (a disturbance recurring every 4 jobs)."""
     plan = interleave(

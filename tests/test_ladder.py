@@ -19,16 +19,29 @@ def ladder_plan(experiment: str) -> list[list[str]]:
 
 
 def steps(jobs: list[list[str]]) -> list[str]:
+    """The ladder's steps in the order the jobs run them (each round's order is drawn at random)."""
     return list(dict.fromkeys(o.split("=", 1)[1] for job in jobs for o in job if o.startswith("+ladder=")))
+
+
+def ladder_steps(experiment: str) -> list[str]:
+    """The steps in the order the ladder's file lists them: the order each builds on the ones before."""
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    return str(cfg.hydra.sweeper.params["+ladder"]).split(",")
+
+
+def by_step(jobs: list[list[str]], order: list[str]) -> list[list[str]]:
+    return sorted(jobs, key=lambda job: order.index(next(o for o in job if o.startswith("+ladder=")).split("=")[1]))
 
 
 def test_the_cpu_ladder_composes_and_leaves_out_the_steps_with_no_cpu_meaning() -> None:
     jobs = ladder_plan("ladder_cpu")
-    assert steps(jobs) == ["baseline", "cpu1_resident", "cpu2_batch", "cpu3_amp", "cpu4_compile"]
+    order = ladder_steps("ladder_cpu")
+    assert order == ["baseline", "cpu1_resident", "cpu2_batch", "cpu3_amp", "cpu4_compile"]
     assert len(jobs) == 5 * 5  # five seeds a step: enough for a rank test over 4 comparisons, Holm-corrected
-    assert steps(jobs[5:10]) == steps(jobs[:5])[::-1]  # round by round, every other round reversed
+    assert all(sorted(steps(jobs[r : r + 5])) == sorted(order) for r in range(0, 25, 5))  # every step once a round
     assert {o for job in jobs[:5] for o in job if o.startswith("trainer.seed=")} == {"trainer.seed=1"}
-    configs = [load(job) for job in jobs[:5]]  # round 1: one seed of each step
+    configs = [load(job) for job in by_step(jobs[:5], order)]  # round 1: one seed of each step
     assert [c.device.name for c in configs] == ["cpu"] * 5
     assert [(c.trainer.channels_last, c.loader.num_workers, c.loader.pin_memory) for c in configs] == [
         (False, 0, "auto")
@@ -45,7 +58,8 @@ def test_the_cpu_ladder_composes_and_leaves_out_the_steps_with_no_cpu_meaning() 
 
 def test_the_gpu_ladder_follows_the_steps_dependencies() -> None:
     jobs = ladder_plan("ladder_gpu")
-    order = steps(jobs)
+    order = ladder_steps("ladder_gpu")
+    assert sorted(steps(jobs)) == sorted(order)
     assert len(jobs) == 7 * 6  # six seeds a step: Holm over 6 comparisons leaves 5 vs 5 (p >= 0.0079) no margin
     assert order[0] == "baseline" and order.index("gpu1_amp") < order.index("gpu2_channels_last")  # NHWC after AMP
     configs = {step: load(["experiment=ladder_gpu", f"+ladder={step}"]) for step in order}  # composing needs no GPU

@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
 from pipeline.config import config_dir, load
-from pipeline.engine.provenance import sweep_run_name
+from pipeline.engine.provenance import sweep_run_name, with_overrides
 from pipeline.experiments import sweep
 from test_cli import cli, run_main
 
@@ -59,7 +60,12 @@ def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
         ("mlp-digits-cpu-bs32-w0", {"device": "auto"}, "device=auto-mlp-digits-cpu-bs32-w0"),  # auto would read cpu
         ("mlp-digits-cpu-amp-bf16-bs32-w0", {"device": "cpu", "amp": "true"}, "cpu-amp-bf16-mlp-digits-bs32-w0"),
         ("mlp-digits-cpu-bs32-w0", {"trainer.seed": "1", "amp": "false"}, "fp32-seed1-mlp-digits-cpu-bs32-w0"),
-        ("mlp-digits-cpu-bs32-w0", {"optimizer.lr": "0.0029813770307052724"}, "lr0.00298138-mlp-digits-cpu-bs32-w0"),
+        (
+            "mlp-digits-cpu-bs32-w0",
+            {"optimizer.lr": "0.0029813770307052724"},
+            "lr0.00298138~b9a7-mlp-digits-cpu-bs32-w0",  # cut to 6 digits, with a hash of what the cut lost
+        ),
+        ("mlp-digits-cpu-bs32-w0", {"optimizer.lr": "0.001000000"}, "lr0.001-mlp-digits-cpu-bs32-w0"),  # lossless
         (
             "mlp-digits-cpu-bs32-w0",
             {"optimizer.lr": "0.1", "other.lr": "1e-05"},
@@ -70,6 +76,28 @@ def outcomes(tmp_path: Path) -> dict[int, dict[str, Any]]:
 )
 def test_a_jobs_name_starts_with_what_the_sweep_varies(derived: str, swept: dict[str, str], name: str) -> None:
     assert sweep_run_name(derived, swept) == name
+
+
+def test_numbers_cut_short_in_a_name_never_collide() -> None:
+    names = {sweep_run_name("mlp-digits-cpu-bs32-w0", {"optimizer.momentum": v}) for v in ("0.9", "0.9000001")}
+    assert len(names) == 2 and "momentum0.9-mlp-digits-cpu-bs32-w0" in names
+
+
+def test_runs_whose_typed_configurations_differ_never_share_a_name() -> None:
+    derived = "mlp-digits-cpu-bs64-w0"
+    sgd = with_overrides(derived, [])
+    adamw = with_overrides(derived, ["optimizer=adamw", "optimizer.lr=1e-3"])
+    assert sgd == derived and adamw == "mlp-digits-cpu-bs64-w0-optimizer=adamw-lr1e-3"
+    shown_or_bookkeeping = ["loader.batch_size=64", "trainer.seed=3", "tracking.experiment=x", "+tracking.tags.a=b"]
+    assert with_overrides(derived, shown_or_bookkeeping) == derived  # the name shows these, or they change nothing
+    swept = with_overrides(
+        "lr0.1-" + derived, ["optimizer.lr=0.1", "trainer.epochs=2", "+model.width=8"], ["optimizer.lr"]
+    )
+    assert swept == "lr0.1-mlp-digits-cpu-bs64-w0-width8"  # a swept key is at the front once; the length, never
+    long = with_overrides(derived, [f"+model.layer{i}=1024" for i in range(8)])
+    path = with_overrides(derived, ["data.root=~/pictures"])
+    assert re.fullmatch(derived + r"-cfg[0-9a-f]{6}", long) and re.fullmatch(derived + r"-cfg[0-9a-f]{6}", path)
+    assert long != with_overrides(derived, [f"+model.layer{i}=2048" for i in range(8)])
 
 
 @pytest.mark.parametrize("name", ["mnist_gpu", "cifar10_resnet18_gpu", "digits_quick"])

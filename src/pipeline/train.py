@@ -23,7 +23,7 @@ from pipeline.engine.build import Setup, build
 from pipeline.engine.loop import evaluate, train_epoch
 from pipeline.engine.memory import out_of_memory_is_an_error
 from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.engine.provenance import run_tags, sweep_run_name
+from pipeline.engine.provenance import run_tags, sweep_run_name, with_overrides
 from pipeline.engine.restore import restore
 from pipeline.engine.stopping import Stopped, StopRequests, signal_name
 from pipeline.engine.timing import launch_metrics, make_timer
@@ -90,11 +90,13 @@ def _train(
     resumed = resume.shared_point(cfg, recorded, group) if cfg.resume else None
     with resumed or contextlib.nullcontext():  # a resumed run stays locked to this process until it ends
         setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
-        if sweep is not None and not cfg.tracking.run_name:  # a sweep's jobs differ in what the name may not show
-            setup = dataclasses.replace(setup, run_name=sweep_run_name(setup.run_name, sweep.values))
+        typed = mask_overrides(overrides, cfg.env_keys)
+        if not cfg.tracking.run_name:  # runs whose configurations differ never share a name
+            swept = sweep.values if sweep is not None else {}
+            name = sweep_run_name(setup.run_name, swept) if sweep is not None else setup.run_name
+            setup = dataclasses.replace(setup, run_name=with_overrides(name, typed, list(swept)))
         if resumed is not None:
             restore(setup.state, resumed, setup.device, cfg.optimizer)
-        typed = mask_overrides(overrides, cfg.env_keys)
         tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
         if sweep is not None:
             tags.update(sweep.tags())  # mlflow.parentRunId nests the run under the sweep's parent in the UI

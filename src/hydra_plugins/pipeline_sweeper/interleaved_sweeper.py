@@ -34,7 +34,7 @@ class InterleavedSweeper(BasicSweeper):
         plan = interleave(axes(overrides), seed=draw_seed() if self.seed is None else int(self.seed))
         if self.config is not None:
             folder = Path(str(self.config.hydra.runtime.cwd), str(self.config.hydra.sweep.dir))
-            save_design(folder, plan.rounds, plan.jobs, seed=plan.seed)
+            save_design(folder, plan.rounds, plan.jobs, seed=plan.seed, configs=plan.configs)
         size = len(plan.jobs) if max_batch_size in (None, -1) else max_batch_size
         return [plan.jobs[i : i + size] for i in range(0, len(plan.jobs), size)] or [[]]
 

@@ -38,6 +38,8 @@ class Plan:
     jobs: list[list[str]]
     rounds: list[int | None]  # None: the sweep has no repeat key
     seed: int | None = None  # what drew each round's order; None: the sweep has no repeat key
+    configs: list[int] | None = None  # each job's configuration, numbered in the order typed (Hydra's): the order
+    # the table lists them in, whatever order a round ran them in; None: each job is its own (no repeat key)
 
 
 def draw_seed() -> int:
@@ -59,13 +61,14 @@ def interleave(axes: Sequence[tuple[str, Sequence[str]]], *, seed: int) -> Plan:
     others = [i for i in range(len(axes)) if i not in repeat]
     configs = list(itertools.product(*(axes[i][1] for i in others)))
     rng = random.Random(seed)
-    jobs, rounds = [], []
+    jobs, rounds, numbers = [], [], []
     for number, repeats in enumerate(itertools.product(*(axes[i][1] for i in repeat))):
-        for config in rng.sample(configs, len(configs)):
-            chosen = dict(zip(others, config, strict=True)) | dict(zip(repeat, repeats, strict=True))
+        for index in rng.sample(range(len(configs)), len(configs)):
+            chosen = dict(zip(others, configs[index], strict=True)) | dict(zip(repeat, repeats, strict=True))
             jobs.append([chosen[i] for i in range(len(axes))])
             rounds.append(number)
-    return Plan(jobs, rounds, seed)
+            numbers.append(index)
+    return Plan(jobs, rounds, seed, numbers)
 
 
 def _size(axes: Sequence[tuple[str, Sequence[str]]]) -> int:

@@ -184,8 +184,56 @@ def sweep_run_name(name: str, swept: Mapping[str, str]) -> str:
 
 
 def _short(number: str) -> str:
-    """A number as typed, or to 6 significant digits when longer (Optuna's ``0.0029813770307052724``)."""
-    return number if len(number) <= 8 else f"{float(number):.6g}"
+    """A number as typed, or to 6 significant digits when longer (Optuna's ``0.0029813770307052724``), with a short
+    hash of the value as typed where those digits lose some of it: ``0.9`` and ``0.9000001`` never share a name."""
+    if len(number) <= 8:
+        return number
+    short = f"{float(number):.6g}"
+    return short if float(short) == float(number) else f"{short}~{_digest(number, 4)}"
+
+
+def _digest(text: str, size: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:size]
+
+
+# Overrides a name never carries: what names, places or watches a run (its bookkeeping), and Hydra's own
+UNNAMED_PREFIXES = ("tracking.", "monitor.", "checkpoint.", "hydra.", "hydra/")
+UNNAMED = frozenset({"trainer.progress", "resume", "fork", "tracking", "monitor", "checkpoint"})
+# ... and how long it trains and how often it logs: a run's length is its own column in compare, not its name
+UNNAMED |= {"trainer.epochs", "trainer.max_steps", "trainer.log_every_n_steps"}
+NAME_TAIL = 40  # the most characters the typed overrides add to a name; longer, a hash of them
+SAFE = re.compile(r"[\w.=+,~-]+")  # a tail that is also a safe folder name (the run's checkpoints)
+
+
+def with_overrides(name: str, overrides: Sequence[str], swept: Sequence[str] = ()) -> str:
+    """``name`` followed by the typed overrides it does not show: two runs whose configurations differ never
+    share a name (``mlp-digits-cpu-bs64-w0-optimizer=adamw-lr1e-3``). The seed, bookkeeping, the run's length,
+    the keys the name shows and a sweep's ``swept`` keys (already at its front) are left out; a tail over
+    ``NAME_TAIL`` characters, or one no folder may be named, becomes ``cfg`` and a short hash of those overrides.
+
+    Args:
+        name: the derived (or sweep) name.
+        overrides: the run's overrides as typed, secrets masked.
+        swept: the keys a sweep varies (``SweepJob.values``), without ``+``/``~``.
+    """
+    kept = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key in swept or key in SHOWN_AS or key in REPEAT_KEYS or _unnamed(key):
+            continue
+        leaf = key.rsplit(".", 1)[-1]
+        kept.append((override, f"{leaf}{_short(value)}" if NUMBER.fullmatch(value) else f"{leaf}={value}"))
+    if not kept:
+        return name
+    tail = "-".join(token for _, token in kept)
+    if len(tail) > NAME_TAIL or not SAFE.fullmatch(tail):
+        tail = "cfg" + _digest("\n".join(sorted(o for o, _ in kept)), 6)
+    return f"{name}-{tail}"
+
+
+def _unnamed(key: str) -> bool:
+    return key in UNNAMED or key.startswith(UNNAMED_PREFIXES)
 
 
 def code_tags(prefix: str, obj: Any, *, target: str) -> dict[str, str]:

@@ -173,7 +173,8 @@ def current_job() -> SweepJob:
         sweep = Sweep(id="unknown", keys=(), metric="val/acc")
     number = int(hydra.job.num)
     overrides = tuple(str(o) for o in hydra.overrides.task)
-    return SweepJob(sweep, number, overrides, folder, load_round(folder, number), load_seed(folder))
+    config = load_round(folder, number, "configs")
+    return SweepJob(sweep, number, overrides, folder, load_round(folder, number), load_seed(folder), config)
 
 
 def use_platform_start_method() -> None:

@@ -76,6 +76,7 @@ class SweepJob:
     folder: Path  # the sweep's folder (hydra.sweep.dir)
     round: int | None = None  # the round of an interleaved sweep (pipeline.config.design), None without repeats
     design_seed: int | None = None  # the seed that drew the rounds' order, None without repeats
+    config: int | None = None  # its configuration's number in the order typed (``Plan.configs``), None without repeats
 
     @property
     def values(self) -> dict[str, str]:
@@ -91,6 +92,8 @@ class SweepJob:
         tags = {"sweep.id": self.sweep.id, "sweep.job": str(self.number), "sweep.keys": ",".join(self.sweep.keys)}
         if self.round is not None:  # runs of one round ran side by side: pipeline.experiments.compare pairs them
             tags["sweep.round"] = str(self.round)
+        if self.config is not None:  # the table lists configurations in this order, not the rounds' drawn one
+            tags["sweep.config"] = str(self.config)
         if self.design_seed is not None:
             tags["sweep.design_seed"] = str(self.design_seed)
         if self.sweep.parent_run_id:
@@ -131,12 +134,18 @@ def sweep_folder(hydra: DictConfig) -> Path:
 
 
 def save_design(
-    folder: Path, rounds: Sequence[int | None], jobs: Sequence[Sequence[str]] = (), *, seed: int | None = None
+    folder: Path,
+    rounds: Sequence[int | None],
+    jobs: Sequence[Sequence[str]] = (),
+    *,
+    seed: int | None = None,
+    configs: Sequence[int] | None = None,
 ) -> None:
     """Write each job's round (``pipeline.config.design.Plan.rounds``, by job number) to ``design.json``, each job's
-    overrides (masked: a sweep stopped before its end lists the jobs it never started, ``end_sweep``) and the seed
-    that drew the rounds' order."""
+    overrides (masked: a sweep stopped before its end lists the jobs it never started, ``end_sweep``), the seed
+    that drew the rounds' order and each job's configuration number (``Plan.configs``)."""
     design = {"rounds": list(rounds), "jobs": [mask_overrides(job) for job in jobs], "seed": seed}
+    design["configs"] = list(configs) if configs is not None else None
     _write_json(folder / DESIGN_FILE, design)
 
 
@@ -155,13 +164,14 @@ def planned_jobs(folder: Path) -> list[tuple[int, list[str]]]:
     return list(enumerate(json.loads(path.read_text()).get("jobs", [])))
 
 
-def load_round(folder: Path, job: int) -> int | None:
-    """The round job ``job`` runs in, from ``design.json``; None when there is none (another sweeper)."""
+def load_round(folder: Path, job: int, field: str = "rounds") -> int | None:
+    """The round job ``job`` runs in (``field="configs"``: its configuration's number), from ``design.json``; None
+    when there is none (another sweeper, a sweep without repeats)."""
     path = folder / DESIGN_FILE
     if not path.is_file():
         return None
-    rounds = json.loads(path.read_text())["rounds"]
-    return rounds[job] if 0 <= job < len(rounds) else None
+    values = json.loads(path.read_text()).get(field) or []
+    return values[job] if 0 <= job < len(values) else None
 
 
 def request_stop(folder: Path, signum: int) -> None:

@@ -114,7 +114,7 @@ def close_parent(
         children = retrying(
             lambda: client.search_runs([sweep.experiment_id], where, max_results=MAX_CHILDREN), what="reading runs"
         )
-        children = sorted(children, key=lambda run: int(run.data.tags.get("sweep.job", "-1")))
+        children = sorted(children, key=_typed_order)
         table = summarize_sweep(client, sweep.parent_run_id, children, sweep=sweep)
     except Exception as err:  # a summary that cannot be made must not leave the parent RUNNING
         log.warning("the sweep's summary could not be logged (%s: %s)", type(err).__name__, mask_text(str(err))[:300])
@@ -213,7 +213,15 @@ def job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:
     """The name a job that failed before its run existed gets: the derived one, with the device as asked."""
     if cfg is None:
         return f"sweep-{job.sweep.short_id}-job{job.number}"
-    from pipeline.engine.provenance import run_name, sweep_run_name
+    from pipeline.engine.provenance import run_name, sweep_run_name, with_overrides
 
     precision = ("amp" if cfg.precision.dtype == "auto" else cfg.precision.dtype) if cfg.amp else "fp32"
-    return sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)
+    name = sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)
+    return with_overrides(name, mask_overrides(job.overrides, cfg.env_keys), list(job.values))
+
+
+def _typed_order(run: Any) -> tuple[int, int]:
+    """A child's place in the table: its configuration in the order typed (``sweep.config``; rounds run them in a
+    random order), then its job number."""
+    tags = run.data.tags
+    return int(tags.get("sweep.config", "-1")), int(tags.get("sweep.job", "-1"))

@@ -88,6 +88,13 @@ class RunRecord:
         return int(job) if job.isdigit() else math.inf
 
     @property
+    def config_number(self) -> float:
+        """Its configuration's number in the order the sweep's values were typed (``sweep.config``; a round runs
+        them in a random order), inf without one: the order a sweep's rows are listed in."""
+        number = self.tags.get("sweep.config", "")
+        return int(number) if number.isdigit() else math.inf
+
+    @property
     def round(self) -> str | None:
         """The round of an interleaved sweep this run ran in (``sweep.round``): runs of one round ran together."""
         return self.tags.get("sweep.round")

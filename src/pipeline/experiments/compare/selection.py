@@ -93,7 +93,7 @@ def select(
     parent = next((r for r in runs if r.is_parent), parent)
     if not runs:
         raise CompareError(f"no sweep {sweep!r} in experiment {experiment!r} (no run tagged sweep.id={sweep}...)")
-    runs.sort(key=lambda r: (r.job, r.start_time))
+    runs.sort(key=lambda r: (r.config_number, r.job, r.start_time))  # rows in the order typed, then launched
     return _selection(runs, parent, f"sweep {sweep[:8]}", experiment)
 
 

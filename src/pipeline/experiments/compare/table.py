@@ -70,8 +70,8 @@ class Speedup:
     @property
     def cannot_tell(self) -> bool:
         """No test these runs allow can show a difference: the design's smallest p is above the level (``real``
-        None), or a side has a single run. The one place a power verdict (too few repeats) joins in."""
-        return self.comparison is not None and (self.real is None or self.single)
+        None: ``cannot_show``, with the ``repeats_needed`` that could), or a side has a single run."""
+        return self.comparison is not None and (self.cannot_show or self.real is None or self.single)
 
     def verdict(self) -> str:
         """The comparison in words: ``faster: shown``, ``slower: shown``, ``no difference shown`` (may be noise,
@@ -80,7 +80,7 @@ class Speedup:
         if c is None:
             return "baseline" if self.reason == "baseline" else "no samples/s"
         if self.cannot_tell:
-            return "cannot tell: add repeats"
+            return "cannot tell: add repeats"  # how many: power_note, under the table
         if self.real:
             return "faster: shown" if c.ratio > 1 else "slower: shown"
         return "no difference shown"
@@ -249,7 +249,7 @@ def power_note(table: Table) -> str:
     needed = max(s.repeats_needed or 0 for s in blind)
     first = blind[0].reason.removeprefix("cannot show a difference with ").partition(":")[0]
     who = f"{len(blind)} rows cannot" if len(blind) > 1 else "1 row cannot"
-    return f"{who} show a difference with {first}: use at least {needed} per row; their '~' is no evidence either way."
+    return f"{who} show a difference with {first}: use at least {needed} per row; their speed-up is no evidence."
 
 
 def step_change(base: Row, row: Row) -> str:

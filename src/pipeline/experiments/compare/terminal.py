@@ -15,7 +15,7 @@ from __future__ import annotations
 import textwrap
 
 from pipeline.experiments.compare.formats import above, gaps, number, step_cell, wrap
-from pipeline.experiments.compare.table import Line, Table
+from pipeline.experiments.compare.table import Line, Table, power_note
 
 MAX_WIDTH = 160  # a terminal's width at most: no line of the view is longer
 GAP = "  "  # between columns
@@ -98,4 +98,6 @@ def _notes(table: Table) -> list[str]:
         "memory, the bottleneck (python -m pipeline.compare writes them to its --out; a sweep attaches them to its "
         "parent run, under compare/).",
     ]
+    if power := power_note(table):
+        notes.append(power)
     return [wrapped for note in notes for wrapped in wrap(note)]
