@@ -22,7 +22,7 @@ from pipeline.engine import checkpoint, compilation, resume
 from pipeline.engine.build import Setup, build
 from pipeline.engine.loop import evaluate, train_epoch
 from pipeline.engine.memory import out_of_memory_is_an_error
-from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
+from pipeline.engine.progress import NoProgress, ProgressBar, RunProgress, amp_reference, progress_mode, steps_to_train
 from pipeline.engine.provenance import run_tags, sweep_run_name, with_overrides
 from pipeline.engine.restore import restore
 from pipeline.engine.stopping import Stopped, StopRequests, signal_name
@@ -144,7 +144,7 @@ def _train(
                         sampler=sampler,
                         saver=saver,
                         stop=stop,
-                        show_progress=progress_enabled(cfg.trainer.progress, quiet=quiet),
+                        show_progress=progress_mode(cfg.trainer.progress, quiet=quiet),
                     )
                 finally:
                     sampler.stop()
@@ -195,14 +195,30 @@ def run_epochs(
     sampler: Any,
     saver: checkpoint.Checkpointer,
     stop: StopRequests,
-    show_progress: bool,
+    show_progress: str,
 ) -> tuple[list[EpochRecord], list[float]]:
     """Train from ``start`` to the last epoch or ``trainer.max_steps``, checkpointing as configured.
 
     Returns the epochs' records and their start times on the sampler's clock (the timeline's
     epoch marks). Raises ``Stopped`` after writing a checkpoint when a stop request ended an epoch.
+    ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``).
     """
     cfg, timer = setup.cfg, make_timer(setup.device)
+    t = cfg.trainer
+    total = steps_to_train(
+        epochs=t.epochs,
+        per_epoch=len(setup.train_batches),
+        max_steps=t.max_steps,
+        epoch=start.epoch,
+        batch=start.batch,
+        step=start.step,
+    )
+    run_progress = RunProgress(
+        total_steps=total,
+        periodic=show_progress == "lines",
+        reference=amp_reference(setup.amp_probe),
+        speak=setup.group.is_main,
+    )
     epochs: list[EpochRecord] = []
     epoch_starts: list[float] = []
     for epoch in range(start.epoch, cfg.trainer.epochs + 1):
@@ -218,7 +234,8 @@ def run_epochs(
             saver=saver,
             stop=stop,
             skip=skip,
-            show_progress=show_progress,
+            progress=run_progress,
+            show_bar=show_progress == "bar",
         )
         position = checkpoint.Position(epoch, skip + done, setup.state.step)
         if record is None:  # stopped mid-epoch at a step boundary
@@ -248,7 +265,8 @@ def run_epoch(
     tracker: Tracker,
     sampler: Any,
     timer: Any,
-    show_progress: bool,
+    progress: RunProgress,
+    show_bar: bool,
     saver: checkpoint.Checkpointer,
     stop: StopRequests,
     skip: int = 0,
@@ -262,7 +280,8 @@ def run_epoch(
     started_at = time.time()
     batches_left = len(setup.train_batches)
     steps_left = batches_left if t.max_steps < 0 else min(batches_left, t.max_steps - state.step)
-    bar = ProgressBar(total=steps_left, epoch=epoch, epochs=t.epochs) if show_progress else NoProgress()
+    bar = ProgressBar(total=steps_left, epoch=epoch, epochs=t.epochs) if show_bar else NoProgress()
+    progress.start_epoch(epoch, t.epochs)
     done = 0
 
     def log_step(metrics: dict[str, float], step: int) -> None:
@@ -274,6 +293,7 @@ def run_epoch(
         nonlocal done
         done += 1
         bar.step(samples)
+        progress.step(samples)
 
     with stop.interruptible():  # a second Ctrl-C or SIGTERM in here stops at once
         stats = train_epoch(
