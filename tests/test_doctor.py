@@ -233,6 +233,14 @@ def test_a_small_shared_memory_warns_about_loader_workers() -> None:
     assert check.status == "WARN" and "/dev/shm 64 MiB" in check.evidence and "--shm-size" in check.fix
 
 
+@pytest.mark.parametrize(("cpus", "sweep"), [(2, "loader.num_workers=0,1,2"), (8, "loader.num_workers=0,7,14")])
+def test_the_worker_advice_sets_no_limit_a_sweep_would_contradict(cpus: int, sweep: str) -> None:
+    """The README sweeps loader.num_workers=0,2,4 on any machine: the doctor says what the CPUs suggest and that a
+    sweep measures the rest, never that more workers than that are not sensible."""
+    evidence = by_name(Facts(shm_mb=4096, cpus=cpus))["data loading"].evidence
+    assert "sensible" not in evidence and sweep in evidence and f"{cpus - 1} loader worker(s)" in evidence
+
+
 def test_nvidia_smi_is_read_when_nvml_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     script = tmp_path / "nvidia-smi"
     script.write_text(

@@ -155,10 +155,20 @@ def loading_check(facts: Facts) -> Check:
     return Check(
         "data loading",
         "WARN" if small else "INFO",
-        f"{facts.cpus} CPUs (loader.num_workers up to {max(facts.cpus - 1, 1)} is sensible); {shm}; "
+        f"{facts.cpus} CPUs ({_workers_advice(facts.cpus)}); {shm}; "
         f"start method {facts.start_method}",
         "worker processes pass batches through /dev/shm: give it >= 1 GiB (docker run --shm-size=2g) "
         "or keep loader.num_workers=0 / loader.resident=true"
         if small
         else "",
+    )
+
+
+def _workers_advice(cpus: int) -> str:
+    """What the CPU count says about loader workers, in the words the README's sweep uses: a worker per CPU the
+    training process leaves free, and a sweep (``loader.num_workers=0,2,4``) to measure what more would do."""
+    free = max(cpus - 1, 1)
+    return (
+        f"{free} loader worker(s) leave the training process a CPU of its own; a sweep such as "
+        f"loader.num_workers=0,{free},{2 * free} measures what more would do"
     )
