@@ -296,3 +296,15 @@ def test_auto_without_an_nvidia_driver_tries_nvml_then_gputil(
 def test_cpu_runs_open_no_gpu_backend_and_warn_nothing(caplog: pytest.LogCaptureFixture) -> None:
     assert isinstance(open_backend("auto", [], timeout_s=1), NoGpu)
     assert warnings_in(caplog) == []
+
+
+def test_the_first_readings_are_real_ones_not_psutils_meaningless_zero() -> None:
+    """psutil keeps cpu_percent's last reading per thread: primed on the caller's thread only, the sampler's first
+    reading was 0.0, so a first (or just-resumed) epoch logged cpu/util_mean_pct 0.0 while this loop kept a CPU busy."""
+    sampler = Sampler(interval_s=0.1).start()
+    deadline = time.monotonic() + 5.0
+    while len(sampler.samples) < 2 and time.monotonic() < deadline:
+        sum(i * i for i in range(10_000))  # a CPU busy the whole time
+    sampler.stop()
+    assert len(sampler.samples) >= 2
+    assert sampler.samples[0].cpu_pct > 0.0 and sampler.samples[0].process_cpu_pct > 0.0

@@ -155,8 +155,7 @@ def loading_check(facts: Facts) -> Check:
     return Check(
         "data loading",
         "WARN" if small else "INFO",
-        f"{facts.cpus} CPUs ({_workers_advice(facts.cpus)}); {shm}; "
-        f"start method {facts.start_method}",
+        f"{facts.cpus} CPUs ({_workers_advice(facts.cpus)}); {shm}; start method {facts.start_method}",
         "worker processes pass batches through /dev/shm: give it >= 1 GiB (docker run --shm-size=2g) "
         "or keep loader.num_workers=0 / loader.resident=true"
         if small

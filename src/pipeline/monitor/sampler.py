@@ -93,7 +93,7 @@ class Sampler:
 
     def start(self) -> Sampler:
         self._t0 = time.monotonic()
-        psutil.cpu_percent(interval=None)  # prime the counters: the first real reading covers one interval
+        psutil.cpu_percent(interval=None)  # primed for stop()'s closing reading, on this thread
         self._process_cpu()
         self._thread = threading.Thread(target=self._run, name="pipeline-sampler", daemon=True)
         self._thread.start()
@@ -126,6 +126,7 @@ class Sampler:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        psutil.cpu_percent(interval=None)  # psutil keeps the last reading per thread: this one's, primed here
         tick = 0
         while not self._stop.wait(self._t0 + (tick + 1) * self.interval_s - time.monotonic()):
             tick = max(tick + 1, int(self.now() / self.interval_s))  # a slow read skips ticks, never bursts
