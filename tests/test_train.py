@@ -180,6 +180,15 @@ def test_summary_is_printed(make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str
     assert "val/acc" in out and "samples/s" in out and "tracking off" in out
 
 
+def test_a_resident_runs_summary_says_what_its_data_share_counts(
+    make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No loader at all: the share is the batches cut from the tensors on the device, not a wait for a loader."""
+    train(make_cfg("tracking=none", "loader=resident"))
+    step = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  step time"))
+    assert "cutting batches from the resident tensors" in step and "waiting for data" not in step
+
+
 def test_the_summarys_links_open_the_model_training_view(
     make_cfg: MakeCfg, store_uri: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

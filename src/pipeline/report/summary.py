@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.monitor import UtilSummary, summarize
+from pipeline.report.verdict import data_wait_words
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def format_summary(result: RunResult) -> str:
             f"  speed       {last.job_samples_per_s:,.0f} samples/s in the last epoch (steady state"
             + (f", all ranks; rank 0 {last.samples_per_s:,.0f}" if last.ranks else "")
             + f"; epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
-            f"  step time   {b.data_wait_pct:.0f}% waiting for data · {b.h2d_pct:.0f}% copying to the device · "
+            f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(result.loader.startswith('resident'))} · "
+            f"{b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]
     if u.samples:

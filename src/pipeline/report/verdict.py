@@ -38,6 +38,12 @@ class Verdict:
     message: str  # the printed line: the evidence, then what to try
 
 
+def data_wait_words(resident: bool) -> str:
+    """What the data-wait share counts: the loader's next batch, or, with ``loader.resident=true`` (no loader),
+    cutting the batch out of the tensors kept on the device (indexing, normalising, any on-device augmentation)."""
+    return "cutting batches from the resident tensors" if resident else "waiting for data"
+
+
 def classify(*, data_wait_pct: float, h2d_pct: float, gpu_util_pct: float | None) -> str:
     """``input``, ``compute`` or ``mixed`` by the rules in the module docstring."""
     input_pct = data_wait_pct + h2d_pct
@@ -65,7 +71,7 @@ def judge(
     """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
     ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``)."""
     kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
-    evidence = f"{data_wait_pct:.0f}% of step time waiting for data, {h2d_pct:.0f}% copying it"
+    evidence = f"{data_wait_pct:.0f}% of step time {data_wait_words(cfg.loader.resident)}, {h2d_pct:.0f}% copying it"
     if gpu_util_pct is not None:
         evidence += f", GPU busy {gpu_util_pct:.0f}% on average"
     bookkeeping = ""
