@@ -170,6 +170,23 @@ def test_the_advice_names_the_measured_ratio_and_what_the_cpu_has() -> None:
         assert amp_advice(AmpProbe(1.0, 1.0 / speed, speed, 8, 5, "bf16", amx=False)) is None
 
 
+def test_a_check_timed_below_the_runs_batch_says_which_question_it_answered() -> None:
+    """bf16's gain grows with the batch (the weights are cast every step): a check capped at batch 2 for a run at
+    batch 128 must say so, or its '0.56x' reads as a claim about the run's own epochs."""
+    capped = AmpProbe(1.0, 1.8, 0.56, 2, 5, "bf16", amx=True, run_batch=128).describe()
+    assert "at batch 2" in capped and "the run's batch is 128" in capped and "may gain more" in capped
+    whole = AmpProbe(1.0, 1.8, 0.56, 64, 5, "bf16", amx=True, run_batch=64).describe()
+    assert "the run's batch" not in whole
+
+
+def test_the_doctors_bf16_figure_says_it_is_one_large_op_not_the_model() -> None:
+    from pipeline.diagnostics.doctor_facts import Facts
+    from pipeline.diagnostics.doctor_host import cpu_bf16_check
+
+    evidence = cpu_bf16_check(Facts(cpu_bf16_matmul_speed=2.31, cpu_bf16_conv_speed=1.5)).evidence
+    assert "2.31x float32 for a single 1024x1024 matmul" in evidence and "times the run's own model" in evidence
+
+
 def test_every_later_hint_follows_the_measurement() -> None:
     cfg = load(["device=cpu", "amp=true", "model=resnet50"])
     fast = AmpProbe(1.0, 0.234, 4.27, 2, 5, "bf16", amx=True)

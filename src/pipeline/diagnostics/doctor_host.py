@@ -137,8 +137,9 @@ def cpu_bf16_check(facts: Facts) -> Check:
     return Check(
         "CPU bfloat16",
         "WARN" if slow else "INFO",
-        f"bfloat16 runs at {matmul:.2f}x float32 for a 1024x1024 matmul and {conv:.2f}x for a 3x3 convolution "
-        f"({flags})",
+        f"bfloat16 runs at {matmul:.2f}x float32 for a single 1024x1024 matmul and {conv:.2f}x for a 3x3 "
+        f"convolution ({flags}): what the hardware does with one large op; a model's step also casts its weights "
+        "every step, which costs most at small batches, so amp=true times the run's own model at start-up",
         "amp=true will be slower than float32 on this CPU: train with amp=false here, or on a GPU" if slow else "",
     )
 

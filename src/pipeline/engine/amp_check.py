@@ -65,6 +65,7 @@ class AmpProbe:
     pairs: int  # interleaved pairs timed (0: only the warm-ups ran, so the figures are first steps)
     dtype: str  # the autocast format: "bf16" or "fp16"
     amx: bool | None = None  # the CPU's flags include amx_bf16 (None: unknown on this OS)
+    run_batch: int = 0  # the run's own batch (``batch`` is capped below it by ``PROBE_FLOPS``); 0: not known
 
     @property
     def measured(self) -> bool:
@@ -89,10 +90,16 @@ class AmpProbe:
             "slower": "amp=false is faster here",
             "same": "about the same: either will do",
         }[self.verdict]
+        capped = (
+            f"; the run's batch is {self.run_batch}: autocast casts the weights every step, a cost larger batches "
+            "share, so the run's own epochs may gain more"
+            if self.batch < self.run_batch
+            else ""
+        )
         return (
             f"{self.dtype} autocast ran at {self.speed:.2f}x float32's speed on this CPU (median of {self.pairs} "
             f"interleaved pair(s) at batch {self.batch}: {seconds(self.amp_s)} vs {seconds(self.fp32_s)} a step, "
-            f"before training): {said}"
+            f"before training{capped}): {said}"
         )
 
 
@@ -175,9 +182,10 @@ def probe_cpu_amp(
         amp_step = _train_step(copied, take(images, cut), take(labels, cut), dtype, loss)
         first, times = time_pairs(fp32_step, amp_step, pairs=pairs, until=deadline)
     if not times[0]:
-        return AmpProbe(first[0], first[1], math.nan, batch, 0, name, has_amx())
+        return AmpProbe(first[0], first[1], math.nan, batch, 0, name, has_amx(), count(labels))
     fp32, amp = statistics.median(times[0]), statistics.median(times[1])
-    return AmpProbe(fp32, amp, paired_ratio(times[0], times[1]), batch, len(times[0]), name, has_amx())
+    ratio = paired_ratio(times[0], times[1])
+    return AmpProbe(fp32, amp, ratio, batch, len(times[0]), name, has_amx(), count(labels))
 
 
 def time_pairs(
