@@ -787,3 +787,21 @@ def test_a_drift_not_shown_says_what_was_estimated_and_how_sure_in_words() -> No
     table = build([*repeats("a", [100, 101, 102, 103]), *repeats("b", [150, 151, 152, 153], params={"amp": "1"})])
     said = _drift(replace(table, drift=Drift(-0.33, 0.18, 12)))
     assert said == "Drift: the machine slowed about 33% from the first to the last of these 12 runs, p=0.18: not shown."
+
+
+def test_a_records_steps_are_each_latest_metrics_step_with_or_without_mlflows_metric_objects(store_uri: str) -> None:
+    client = MlflowClient(store_uri)
+    run_id = client.create_run(client.create_experiment("steps")).info.run_id
+    client.log_batch(run_id, metrics=[Metric("val/acc", 0.5, 0, 1), Metric("val/acc", 0.7, 0, 3), Metric("x", 1, 0, 7)])
+    run = client.get_run(run_id)
+    assert RunRecord.from_run(run).steps == {"val/acc": 3, "x": 7}
+
+    class Bare:  # a RunData without them: read through its protobuf
+        def __init__(self, data: Any) -> None:
+            self.params, self.metrics, self.tags, self.proto = data.params, data.metrics, data.tags, data.to_proto()
+
+        def to_proto(self) -> Any:
+            return self.proto
+
+    bare = type("Run", (), {"info": run.info, "data": Bare(run.data)})()
+    assert RunRecord.from_run(bare).steps == {"val/acc": 3, "x": 7}

@@ -17,6 +17,7 @@ VERDICT_COLOURS = {
     "no difference shown, or cannot tell": "#c6dbef",
 }
 CHART_ROWS = 40  # the most rows a chart draws (``shown``)
+WIDTH_IN, LEFT_IN, TOP_IN = 14.0, 5.0, 1.25  # inches: the figure, room for 50-character row names, title and legends
 SLOWER_HATCH = "///"  # every row slower than the baseline, shown or not: a slowdown never reads as a speed-up
 
 
@@ -33,7 +34,11 @@ def chart(table: Table) -> Any:
     from matplotlib.patches import Patch
 
     lines = shown(table)[::-1]  # barh draws bottom-up: the first row goes on top
-    fig = Figure(figsize=(13, 2.4 + 0.45 * len(lines)), layout="constrained")
+    height = 2.4 + 0.45 * len(lines)
+    fig = Figure(figsize=(WIDTH_IN, height))  # margins set in inches: a layout engine took as long as the runs' query
+    fig.subplots_adjust(
+        left=LEFT_IN / WIDTH_IN, right=1 - 0.2 / WIDTH_IN, top=1 - TOP_IN / height, bottom=0.6 / height, wspace=0.3
+    )
     rows = f"{len(lines)} row(s)" if len(lines) == len(table.lines) else f"{len(lines)} of {len(table.lines)} rows"
     fig.suptitle(f"steady-state samples/s of {rows} against the baseline, {_short(table.baseline.name)}")
     speed_ax, step_ax = fig.subplots(1, 2, sharey=True, width_ratios=[3, 2])
@@ -46,7 +51,7 @@ def chart(table: Table) -> Any:
         if line.vs_baseline.ratio is not None and line.vs_baseline.ratio < 1:
             bar.set_hatch(SLOWER_HATCH)
             bar.set_edgecolor("white")
-    speed_ax.set_yticks(y, [f"{_short(line.row.name)} (n={line.row.n})" for line in lines])
+    speed_ax.set_yticks(y, [f"{_short(line.row.name, 50)} (n={line.row.n})" for line in lines])
     for i, (line, s) in enumerate(zip(lines, stats, strict=True)):
         versus = line.vs_baseline
         text = "baseline" if line.row is table.baseline else f"{versus.estimate()} {versus.verdict()}"
@@ -57,7 +62,7 @@ def chart(table: Table) -> Any:
     slower = "hatched: slower than the baseline"
     handles.append(Patch(facecolor="white", edgecolor="0.3", hatch=SLOWER_HATCH, label=slower))
     handles.append(Patch(color="none", label="[a–b]: 95% interval of the speed-up; *: less, too few runs for 95%"))
-    speed_ax.legend(handles=handles, fontsize=7, loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False)
+    speed_ax.legend(handles=handles, fontsize=7, loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)
 
     left = [0.0] * len(lines)
     for part in STEP_PARTS:
@@ -65,7 +70,7 @@ def chart(table: Table) -> Any:
         step_ax.barh(y, widths, left=left, color=STEP_COLOURS[part], label=part)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     step_ax.set_xlabel("a steady step, ms (medians over the repeats)")
-    step_ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1), ncol=4, frameon=False)  # above: no bar hidden
+    step_ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)  # above: no bar hidden
     return fig
 
 

@@ -61,7 +61,7 @@ class RunRecord:
             params=dict(data.params),
             metrics=dict(data.metrics),
             tags=dict(data.tags),
-            steps={m.key: m.step for m in data.to_proto().metrics},
+            steps=_steps(data),
             experiment_id=info.experiment_id,
             start_time=info.start_time or 0,
         )
@@ -121,3 +121,12 @@ class RunRecord:
     def single_epoch(self) -> bool:
         """Its epoch time is its first epoch's, warm-up included (per-epoch metrics are logged at step = epoch)."""
         return EPOCH_S in self.metrics and self.steps.get(EPOCH_S, 2) <= 1
+
+
+def _steps(data: Any) -> dict[str, int]:
+    """Each latest metric's step: from the ``Metric`` objects ``RunData`` keeps (MLflow 2 and 3), else through its
+    protobuf, which costs 0.5 s over 1,000 runs (half of what compare added to ``search_runs``)."""
+    metrics = getattr(data, "_metric_objs", None)
+    if metrics is None:
+        metrics = data.to_proto().metrics
+    return {m.key: m.step for m in metrics}

@@ -115,7 +115,7 @@ def write(result: Report, folder: Any) -> list[Any]:
     md, table, png = (folder / name for name in FILES)
     md.write_text(result.markdown, encoding="utf-8")
     table.write_text(result.csv, encoding="utf-8")
-    result.figure().savefig(png, dpi=120)
+    result.figure().savefig(png, dpi=100)
     return [md, table, png]
 
 
