@@ -310,8 +310,11 @@ def test_ctrl_c_in_the_cli_exits_130_with_the_run_killed(
 
     monkeypatch.setattr(build_module, "build_model", build)
     assert run_main(monkeypatch, "device=cpu") == 130
-    assert "stopped by SIGINT at a step boundary; resume with resume=latest" in capsys.readouterr().err
     (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    assert (
+        f"stopped by SIGINT at a step boundary; continue it with: python -m pipeline resume={run.info.run_id}"
+        in capsys.readouterr().err
+    )
     assert run.info.status == "KILLED"
     assert (tmp_path / "checkpoints" / run.info.run_id / "last.pt").exists()
 
@@ -736,3 +739,55 @@ def test_a_run_resumed_after_a_crash_records_each_replayed_step_once(
     assert run.data.tags["resume.replayed_steps"] == (
         "11-15: trained again after resuming, not logged again (the points logged before stand)"
     )
+
+
+def test_the_printed_command_continues_the_run_with_its_own_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26: the hint `resume=latest` used to finish a 7-epoch run at the default 5 epochs, for good."""
+    started = ["device=cpu", "trainer.epochs=7", "trainer.max_steps=-1", "loader.batch_size=256"]  # 6 steps an epoch
+    with monkeypatch.context() as patch:
+        at_training_step(patch, 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        assert run_main(monkeypatch, *started) == 130
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stopped by SIGINT")]
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    command = f"python -m pipeline resume={run.info.run_id}"
+    assert line == f"stopped by SIGINT at a step boundary; continue it with: {command}"
+    assert run_main(monkeypatch, *command.split()[3:]) == 0  # exactly as printed
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    done = client.get_run(run.info.run_id)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")]
+    assert done.info.status == "FINISHED" and done.data.params["trainer.epochs"] == "7" and steps == list(range(1, 8))
+    assert done.data.tags["resume.overrides"] == f"resume={run.info.run_id}" and "->" not in done.data.tags.get(
+        "resume.changed", ""
+    )
+
+
+def test_a_resume_keeps_the_runs_length_unless_a_shorter_one_is_typed(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """A checkpoint without its overrides (an in-process run, or one from before they were kept) falls to the
+    defaults: a default that would end the run earlier is refused; typed by name, it is taken."""
+    import pipeline.engine.continuation as continuation
+
+    run_id = stopped_run(make_cfg, monkeypatch, "trainer.epochs=7")
+    now = ["device=cpu", f"tracking.uri={store_uri}", f"resume={run_id}"]
+    with pytest.raises(CheckpointError, match=r"earlier than it was started to \(trainer\.epochs=7 when it started, 5"):
+        continuation.continued(now)
+    merged, own = continuation.continued([*now, "trainer.epochs=2"])
+    assert merged == [*now, "trainer.epochs=2"]
+    assert own == ["device=cpu", f"tracking.uri={store_uri}", "trainer.epochs=2"]
+
+
+def test_the_overrides_typed_now_replace_the_runs_own_key_by_key() -> None:
+    from pipeline.engine.continuation import merged, own_overrides
+
+    started = ["model=resnet18", "trainer.epochs=30", "+model.width=2", "tracking.tags.arm=a"]
+    assert merged(started, ["trainer.epochs=40", "resume=latest", "~model.width"]) == [
+        "model=resnet18",
+        "tracking.tags.arm=a",
+        "trainer.epochs=40",
+        "resume=latest",
+        "~model.width",
+    ]
+    assert own_overrides(["resume=x", "fork=true", "optimizer.lr=0.1"]) == ["optimizer.lr=0.1"]

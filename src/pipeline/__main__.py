@@ -106,7 +106,8 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
 
     try:
-        return train(run_cfg, overrides=list(HydraConfig.get().overrides.task), quiet=job is not None, sweep=job)
+        typed = list(HydraConfig.get().overrides.task) if _TYPED is None else _TYPED
+        return train(run_cfg, overrides=typed, quiet=job is not None, sweep=job, own_overrides=_OWN)
     except Exception as err:
         from pipeline.record.store import DiskFull, disk_full
 
@@ -118,6 +119,8 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
 
 def main() -> None:
     """Check plain overrides, or every job of a sweep, in one line each, then hand over to Hydra."""
+    global _TYPED, _OWN
+    _TYPED = _OWN = None  # a resume before this one, in this process (tests), set them
     if DEBUG_FLAG in sys.argv[1:]:  # ours, not Hydra's: tracebacks in full, Hydra's own included
         sys.argv.remove(DEBUG_FLAG)
         os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -126,6 +129,8 @@ def main() -> None:
     try:
         if plain:
             load(args)  # Hydra reports these in several lines and exits 1; we say it in one and exit 2
+            if any(a.startswith("resume=") for a in args):
+                _continue_the_run(args)
         elif "-m" in args or "--multirun" in args:
             check_sweep(args)
     except PipelineError as err:
@@ -136,6 +141,21 @@ def main() -> None:
         from pipeline.experiments.sweep import end_unfinished
 
         end_unfinished()
+
+
+_TYPED: list[str] | None = None  # a resume's overrides as typed, when Hydra composes the run's own (``_continue``)
+_OWN: list[str] | None = None
+
+
+def _continue_the_run(args: list[str]) -> None:
+    """A resume composes the run's own overrides (from its checkpoint) plus those typed now
+    (``pipeline.engine.continuation``): Hydra is handed the merged list, the record keeps what was typed."""
+    global _TYPED, _OWN
+    from pipeline.engine.continuation import continued
+
+    merged, _OWN = continued(args)
+    _TYPED = list(args)
+    sys.argv[1:] = merged
 
 
 def check_sweep(args: list[str]) -> None:
