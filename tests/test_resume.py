@@ -791,3 +791,54 @@ def test_the_overrides_typed_now_replace_the_runs_own_key_by_key() -> None:
         "~model.width",
     ]
     assert own_overrides(["resume=x", "fork=true", "optimizer.lr=0.1"]) == ["optimizer.lr=0.1"]
+
+
+HOLDS = Path(__file__).parent / "holds"  # sitecustomize.py: holds a real process in one phase until signalled
+NOTHING = "interrupted before the first step: nothing was recorded, nothing to resume"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "line"),
+    [
+        ("imports", NOTHING),
+        ("compose", NOTHING),
+        ("build", NOTHING),
+        ("memory", NOTHING),
+        ("first_step", "stopped by SIGINT at a step boundary; continue it with: python -m pipeline resume="),
+        ("teardown", "interrupted while exiting: the run had finished and is recorded"),
+    ],
+)
+def test_ctrl_c_in_any_phase_is_one_line_and_exit_130(tmp_path: Path, phase: str, line: str) -> None:
+    """Issue 26: Ctrl-C in the first seconds printed a ~100-line KeyboardInterrupt traceback (through torch._dynamo)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(PIPELINE_HOLD=phase, PYTHONPATH=os.pathsep.join([str(HOLDS), env.get("PYTHONPATH", "")]))
+    args = [sys.executable, "-m", "pipeline", "device=cpu", "trainer.epochs=1", "trainer.max_steps=3"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # blocks until the process is held in the phase (or has ended)
+    assert first == f"holding at {phase}\n", first + proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.splitlines()[-1].startswith(line), err
+
+
+def test_ctrl_c_while_a_resume_builds_leaves_the_run_as_it_was_in_one_line(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], store_uri: str
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(build_module, "check_training", interrupted)  # the memory estimate
+        assert run_main(monkeypatch, "device=cpu", f"tracking.uri={store_uri}", *BASE, f"resume={run_id}") == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "interrupted before the first step: the run is as it was; continue it with the same command"
+    )
+    assert checkpoint.RunLock(Path("checkpoints") / run_id).free()
+    assert checkpoint.read_state(Path("checkpoints") / run_id)["status"] == "stopped"
