@@ -310,8 +310,11 @@ def test_ctrl_c_in_the_cli_exits_130_with_the_run_killed(
 
     monkeypatch.setattr(build_module, "build_model", build)
     assert run_main(monkeypatch, "device=cpu") == 130
-    assert "stopped by SIGINT at a step boundary; resume with resume=latest" in capsys.readouterr().err
     (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    assert (
+        f"stopped by SIGINT at a step boundary; continue it with: python -m pipeline resume={run.info.run_id}"
+        in capsys.readouterr().err
+    )
     assert run.info.status == "KILLED"
     assert (tmp_path / "checkpoints" / run.info.run_id / "last.pt").exists()
 
@@ -736,3 +739,106 @@ def test_a_run_resumed_after_a_crash_records_each_replayed_step_once(
     assert run.data.tags["resume.replayed_steps"] == (
         "11-15: trained again after resuming, not logged again (the points logged before stand)"
     )
+
+
+def test_the_printed_command_continues_the_run_with_its_own_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26: the hint `resume=latest` used to finish a 7-epoch run at the default 5 epochs, for good."""
+    started = ["device=cpu", "trainer.epochs=7", "trainer.max_steps=-1", "loader.batch_size=256"]  # 6 steps an epoch
+    with monkeypatch.context() as patch:
+        at_training_step(patch, 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        assert run_main(monkeypatch, *started) == 130
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stopped by SIGINT")]
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    command = f"python -m pipeline resume={run.info.run_id}"
+    assert line == f"stopped by SIGINT at a step boundary; continue it with: {command}"
+    assert run_main(monkeypatch, *command.split()[3:]) == 0  # exactly as printed
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    done = client.get_run(run.info.run_id)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")]
+    assert done.info.status == "FINISHED" and done.data.params["trainer.epochs"] == "7" and steps == list(range(1, 8))
+    assert done.data.tags["resume.overrides"] == f"resume={run.info.run_id}" and "->" not in done.data.tags.get(
+        "resume.changed", ""
+    )
+
+
+def test_a_resume_keeps_the_runs_length_unless_a_shorter_one_is_typed(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """A checkpoint without its overrides (an in-process run, or one from before they were kept) falls to the
+    defaults: a default that would end the run earlier is refused; typed by name, it is taken."""
+    import pipeline.engine.continuation as continuation
+
+    run_id = stopped_run(make_cfg, monkeypatch, "trainer.epochs=7")
+    now = ["device=cpu", f"tracking.uri={store_uri}", f"resume={run_id}"]
+    with pytest.raises(CheckpointError, match=r"earlier than it was started to \(trainer\.epochs=7 when it started, 5"):
+        continuation.continued(now)
+    merged, own = continuation.continued([*now, "trainer.epochs=2"])
+    assert merged == [*now, "trainer.epochs=2"]
+    assert own == ["device=cpu", f"tracking.uri={store_uri}", "trainer.epochs=2"]
+
+
+def test_the_overrides_typed_now_replace_the_runs_own_key_by_key() -> None:
+    from pipeline.engine.continuation import merged, own_overrides
+
+    started = ["model=resnet18", "trainer.epochs=30", "+model.width=2", "tracking.tags.arm=a"]
+    assert merged(started, ["trainer.epochs=40", "resume=latest", "~model.width"]) == [
+        "model=resnet18",
+        "tracking.tags.arm=a",
+        "trainer.epochs=40",
+        "resume=latest",
+        "~model.width",
+    ]
+    assert own_overrides(["resume=x", "fork=true", "optimizer.lr=0.1"]) == ["optimizer.lr=0.1"]
+
+
+HOLDS = Path(__file__).parent / "holds"  # sitecustomize.py: holds a real process in one phase until signalled
+NOTHING = "interrupted before the first step: nothing was recorded, nothing to resume"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "line"),
+    [
+        ("imports", NOTHING),
+        ("compose", NOTHING),
+        ("build", NOTHING),
+        ("memory", NOTHING),
+        ("first_step", "stopped by SIGINT at a step boundary; continue it with: python -m pipeline resume="),
+        ("teardown", "interrupted while exiting: the run had finished and is recorded"),
+    ],
+)
+def test_ctrl_c_in_any_phase_is_one_line_and_exit_130(tmp_path: Path, phase: str, line: str) -> None:
+    """Issue 26: Ctrl-C in the first seconds printed a ~100-line KeyboardInterrupt traceback (through torch._dynamo)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(PIPELINE_HOLD=phase, PYTHONPATH=os.pathsep.join([str(HOLDS), env.get("PYTHONPATH", "")]))
+    args = [sys.executable, "-m", "pipeline", "device=cpu", "trainer.epochs=1", "trainer.max_steps=3"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # blocks until the process is held in the phase (or has ended)
+    assert first == f"holding at {phase}\n", first + proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.splitlines()[-1].startswith(line), err
+
+
+def test_ctrl_c_while_a_resume_builds_leaves_the_run_as_it_was_in_one_line(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], store_uri: str
+) -> None:
+    run_id = stopped_run(make_cfg, monkeypatch)
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(build_module, "check_training", interrupted)  # the memory estimate
+        assert run_main(monkeypatch, "device=cpu", f"tracking.uri={store_uri}", *BASE, f"resume={run_id}") == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "interrupted before the first step: the run is as it was; continue it with the same command"
+    )
+    assert checkpoint.RunLock(Path("checkpoints") / run_id).free()
+    assert checkpoint.read_state(Path("checkpoints") / run_id)["status"] == "stopped"

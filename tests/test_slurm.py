@@ -441,7 +441,8 @@ def test_sigterm_to_a_submitit_job_stops_it_with_a_checkpoint_and_resume_through
     step = state["position"]["step"]
     logs = [log.read_text() for log in tmp_path.glob("multirun/*/*/.submitit/*_0_log.err")]  # jobs' stderr
     assert len(logs) == 2
-    assert sum("stopped by SIGTERM at a step boundary; resume with resume=<run id>" in log for log in logs) == 1
+    stopped = "stopped by SIGTERM at a step boundary; continue it with: python -m pipeline resume=<run id>"
+    assert sum(stopped in log for log in logs) == 1
 
     again = [*job, "trainer.epochs=500", f"trainer.max_steps={step + 5}", f"resume={killed.info.run_id}"]
     proc = cli("-m", "hydra/launcher=local", *again, cwd=tmp_path)

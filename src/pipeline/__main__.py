@@ -7,7 +7,8 @@
 
 Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or
 dataset, a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after
-SIGTERM / Ctrl-C (checkpoint written, run KILLED), 1 for anything else (a bug, or a fault of the
+SIGTERM / Ctrl-C (checkpoint written, run KILLED; Ctrl-C before the first step or while exiting: one line, 130),
+1 for anything else (a bug, or a fault of the
 machine: one line, the run recorded FAILED; ``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback).
 A sweep (``-m``) is checked job by job before the first job starts; a job that fails while it
 runs is recorded and the others still run, then the sweep exits 2 (every failure the user's to
@@ -21,13 +22,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-import hydra
-from omegaconf import DictConfig
+BEFORE_THE_FIRST_STEP = "interrupted before the first step: nothing was recorded, nothing to resume"
+try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the import machinery's traceback
+    import hydra
+    from omegaconf import DictConfig
 
-from pipeline.common.cli import DEBUG_FLAG
-from pipeline.common.errors import PipelineError
-from pipeline.config import RunConfig, config_dir, from_dictconfig, load, sweep_jobs
-from pipeline.engine.stopping import Stopped
+    from pipeline.common.cli import DEBUG_FLAG
+    from pipeline.common.errors import PipelineError
+    from pipeline.config import RunConfig, config_dir, from_dictconfig, load, sweep_jobs
+    from pipeline.engine.stopping import Stopped
+except KeyboardInterrupt:
+    print(BEFORE_THE_FIRST_STEP, file=sys.stderr, flush=True)
+    raise SystemExit(130) from None
 
 if TYPE_CHECKING:
     from pipeline.experiments.sweep import SweepJob
@@ -42,8 +48,10 @@ def run(cfg: DictConfig) -> float | None:
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return run_sweep_job(cfg)
+    global _CLOSED
     try:
         result = _train(from_dictconfig(cfg), cfg)  # validated before any torch work: bad input never touches CUDA
+        _CLOSED = True
     except PipelineError as err:
         _fail(err)
     except Stopped as stop:
@@ -106,7 +114,8 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
 
     try:
-        return train(run_cfg, overrides=list(HydraConfig.get().overrides.task), quiet=job is not None, sweep=job)
+        typed = list(HydraConfig.get().overrides.task) if _TYPED is None else _TYPED
+        return train(run_cfg, overrides=typed, quiet=job is not None, sweep=job, own_overrides=_OWN)
     except Exception as err:
         from pipeline.record.store import DiskFull, disk_full
 
@@ -117,7 +126,33 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
 
 
 def main() -> None:
-    """Check plain overrides, or every job of a sweep, in one line each, then hand over to Hydra."""
+    """Check plain overrides, or every job of a sweep, in one line each, then hand over to Hydra. Ctrl-C at any
+    moment ends in one line and exit 130: in training, the stop's own line (``_stop``); before the first step
+    (config, build, the memory estimate) or once the run is closed, ``_interrupted``'s."""
+    global _TYPED, _OWN, _CLOSED
+    _TYPED = _OWN = None  # a resume before this one, in this process (tests), set them
+    _CLOSED = False
+    try:
+        _main()
+    except KeyboardInterrupt:  # outside training, where StopRequests turns Ctrl-C into a stop at a step boundary
+        _interrupted(resuming=any(a.startswith("resume=") for a in sys.argv[1:]))
+
+
+def _interrupted(*, resuming: bool) -> NoReturn:
+    if _CLOSED:
+        print("interrupted while exiting: the run had finished and is recorded", file=sys.stderr, flush=True)
+    elif resuming:
+        print(
+            "interrupted before the first step: the run is as it was; continue it with the same command",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(BEFORE_THE_FIRST_STEP, file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+def _main() -> None:
     if DEBUG_FLAG in sys.argv[1:]:  # ours, not Hydra's: tracebacks in full, Hydra's own included
         sys.argv.remove(DEBUG_FLAG)
         os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -126,6 +161,8 @@ def main() -> None:
     try:
         if plain:
             load(args)  # Hydra reports these in several lines and exits 1; we say it in one and exit 2
+            if any(a.startswith("resume=") for a in args):
+                _continue_the_run(args)
         elif "-m" in args or "--multirun" in args:
             check_sweep(args)
     except PipelineError as err:
@@ -136,6 +173,22 @@ def main() -> None:
         from pipeline.experiments.sweep import end_unfinished
 
         end_unfinished()
+
+
+_CLOSED = False  # the run trained and was closed: a Ctrl-C now interrupts only the exit
+_TYPED: list[str] | None = None  # a resume's overrides as typed, when Hydra composes the run's own (``_continue``)
+_OWN: list[str] | None = None
+
+
+def _continue_the_run(args: list[str]) -> None:
+    """A resume composes the run's own overrides (from its checkpoint) plus those typed now
+    (``pipeline.engine.continuation``): Hydra is handed the merged list, the record keeps what was typed."""
+    global _TYPED, _OWN
+    from pipeline.engine.continuation import continued
+
+    merged, _OWN = continued(args)
+    _TYPED = list(args)
+    sys.argv[1:] = merged
 
 
 def check_sweep(args: list[str]) -> None:

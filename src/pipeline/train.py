@@ -11,14 +11,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.config import RunConfig
 from pipeline.data.workers import LoaderError, deaths_expected_while, worker_faults
 from pipeline.diagnostics import doctor
-from pipeline.engine import checkpoint, compilation, resume
+from pipeline.engine import checkpoint, compilation, continuation, resume
 from pipeline.engine.build import Setup, build
 from pipeline.engine.loop import evaluate, train_epoch
 from pipeline.engine.memory import out_of_memory_is_an_error
@@ -48,6 +48,7 @@ def train(
     echo: bool = True,
     quiet: bool = False,
     sweep: SweepJob | None = None,
+    own_overrides: Sequence[str] | None = None,
 ) -> RunResult:
     """Train and evaluate the configured model and record the run.
 
@@ -59,6 +60,8 @@ def train(
         sweep: the sweep job this run is (``pipeline.experiments.sweep.current_job``): the run is nested under the
         sweep's
             parent run, tagged with the sweep, and named after its swept values unless ``tracking.run_name`` is set.
+        own_overrides: the run's own configuration as overrides, kept in its checkpoints for a resume to restore
+            (``pipeline.engine.continuation``); default ``overrides`` without ``resume=``/``fork=``.
 
     Raises:
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
@@ -66,7 +69,8 @@ def train(
     started = time.perf_counter()
     # torchrun: this rank's place in the job; else a plain run. Memory running out ends the run in one line.
     with out_of_memory_is_an_error(), distributed.joined(cfg.device) as group:
-        return _train(cfg, group, started, overrides=overrides, echo=echo, quiet=quiet, sweep=sweep)
+        own = continuation.own_overrides(overrides if own_overrides is None else own_overrides)
+        return _train(cfg, group, started, overrides=overrides, own=own, echo=echo, quiet=quiet, sweep=sweep)
 
 
 def _train(
@@ -75,6 +79,7 @@ def _train(
     started: float,
     *,
     overrides: Sequence[str],
+    own: list[str],
     echo: bool,
     quiet: bool,
     sweep: SweepJob | None,
@@ -117,18 +122,22 @@ def _train(
                 tracker.log_only_new_steps()  # steps trained again after the checkpoint keep their first points
             if main:
                 run_record.start(tracker, setup, recorded, typed, resumed)
-            with checkpoint.Checkpointer.for_run(
-                cfg,
-                run_id=group.share(lambda: tracker.run_id),  # every rank knows the run's checkpoint folder
-                write=main,
-                world_size=group.world_size,
-                run_name=setup.run_name,
-                state=setup.state,
-                device=setup.device,
-                config=recorded,
-                lock=resumed.lock if resumed else None,
-                classes=list(setup.spec.classes) if setup.spec.classes else None,
-            ) as saver:
+            with (
+                checkpoint.Checkpointer.for_run(
+                    cfg,
+                    run_id=group.share(lambda: tracker.run_id),  # every rank knows the run's checkpoint folder
+                    write=main,
+                    world_size=group.world_size,
+                    run_name=setup.run_name,
+                    state=setup.state,
+                    device=setup.device,
+                    config=recorded,
+                    lock=resumed.lock if resumed else None,
+                    classes=list(setup.spec.classes) if setup.spec.classes else None,
+                    overrides=mask_overrides(own, cfg.env_keys),
+                ) as saver,
+                stop_says_how_to_continue(saver, own, resumed=resumed is not None),
+            ):
                 sampler = open_sampler(
                     cfg.monitor,
                     device=setup.device,
@@ -162,6 +171,18 @@ def _train(
     if echo and main:
         print(summary, flush=True)
     return result
+
+
+@contextlib.contextmanager
+def stop_says_how_to_continue(saver: checkpoint.Checkpointer, own: list[str], *, resumed: bool) -> Iterator[None]:
+    """A stop leaves the command that continues the run on ``Stopped.command``, once a checkpoint of it exists
+    (written now, or the one this resume started from)."""
+    try:
+        yield
+    except Stopped as stop:
+        if saver.enabled and (saver.last is not None or resumed):
+            stop.command = continuation.continue_command(saver.path.parent.name, own)
+        raise
 
 
 def workers_stopped_too(stop: StopRequests, fn: Any) -> Any:
@@ -241,7 +262,7 @@ def run_epochs(
         if record is None:  # stopped mid-epoch at a step boundary
             path = saver.write(position, status="stopped")
             where = (
-                f"checkpoint {path}; continue with resume={tracker.run_id or path.parent.name}"
+                f"checkpoint {path}"
                 if path
                 else "rank 0 writes the checkpoint"
                 if not setup.group.is_main

@@ -316,18 +316,26 @@ class Checkpointer:
         write: bool = True,
         world_size: int = 1,
         classes: list[str] | None = None,
+        overrides: list[str] | None = None,
     ) -> Checkpointer:
         """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
         ``state`` (a ``loop.TrainState``) and ``config`` (the masked config, compared on resume).
 
         ``write=False`` (DDP ranks other than 0) writes nothing; ``world_size`` is saved, since a position inside
-        an epoch counts this job's per-rank batches."""
+        an epoch counts this job's per-rank batches. ``overrides``: the run's own (masked), which a resume restores
+        (``pipeline.engine.continuation``)."""
         folder = Path(cfg.checkpoint.dir) / (run_id or untracked_id(run_name))
         return cls(
             folder=folder,
             enabled=cfg.checkpoint.enabled and write,
             contents=lambda: payload(
-                state, run_id=run_id, run_name=run_name, config=config, world_size=world_size, classes=classes
+                state,
+                run_id=run_id,
+                run_name=run_name,
+                config=config,
+                world_size=world_size,
+                classes=classes,
+                overrides=list(overrides or []),
             ),
             device=device,
             scope={

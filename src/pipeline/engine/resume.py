@@ -260,6 +260,19 @@ def shared_point(cfg: RunConfig, recorded: Mapping[str, Any], group: Any) -> Res
     return found[0] if found else Resumed(path, load(path), {}, cfg.fork, None)
 
 
+def locate(cfg: RunConfig) -> Path:
+    """The checkpoint ``cfg.resume`` names (``find``) in ``cfg``'s checkpoint folder, experiment and store."""
+    uri = absolute(cfg.tracking.uri)
+    gone = (lambda run_id: run_gone(uri, run_id)) if cfg.tracking.enabled else (lambda run_id: False)
+    return find(
+        cfg.resume or "latest",
+        folder=Path(cfg.checkpoint.dir),
+        experiment=cfg.tracking.experiment,
+        store=store_id(cfg.tracking),
+        gone=gone,
+    )
+
+
 def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int = 1) -> Resumed:
     """The checkpoint ``cfg.resume`` names, checked against this run's config and the record.
 
@@ -271,10 +284,7 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int
             a run recorded in another store or experiment; or nothing left to train.
     """
     store = store_id(cfg.tracking)
-    folder = Path(cfg.checkpoint.dir)
-    uri = absolute(cfg.tracking.uri)
-    gone = (lambda run_id: run_gone(uri, run_id)) if cfg.tracking.enabled else (lambda run_id: False)
-    path = find(cfg.resume or "latest", folder=folder, experiment=cfg.tracking.experiment, store=store, gone=gone)
+    path = locate(cfg)
     saved = load(path)
     run = saved["run_id"] or saved["run_name"]
     state = read_state(path.parent) or {}

@@ -46,16 +46,22 @@ class Stopped(Interruption):
     def __init__(self, signum: int, *, at_once: bool = False, checkpoints: bool = True) -> None:
         self.signum, self.at_once, self.checkpoints = signum, at_once, checkpoints
         self.exit_code = 128 + signum
+        self.command: str | None = None  # the command that continues the run, once a checkpoint of it exists
         how = "at a step boundary"
         if at_once:
             how = "at once (asked twice), mid-step" + (": the last checkpoint stays" if checkpoints else "")
         super().__init__(f"stopped by {signal_name(signum)} {how}")
 
-    def advice(self, resume: str = "latest") -> str:
-        """How to go on: ``resume with resume=latest``, or why there is no way to (``checkpoint.enabled=false``)."""
-        if self.checkpoints:
-            return f"resume with resume={resume}"
-        return "no checkpoint was written (checkpoint.enabled=false): the run cannot be resumed"
+    def advice(self, resume: str | None = None) -> str:
+        """How to go on: the whole command that continues the run (its configuration comes back from its
+        checkpoint), or why there is none (``checkpoint.enabled=false``, or no checkpoint written yet)."""
+        if not self.checkpoints:
+            return "no checkpoint was written (checkpoint.enabled=false): the run cannot be resumed"
+        if resume is not None:
+            return f"continue it with: python -m pipeline resume={resume}"
+        if self.command is None:
+            return "no checkpoint was written yet: nothing to resume"
+        return f"continue it with: {self.command}"
 
 
 class StopRequests:

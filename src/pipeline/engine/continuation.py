@@ -1,0 +1,100 @@
+"""A resume continues the run's own configuration: the overrides it started with (kept in its checkpoint), plus
+only what is typed now, which wins key by key. ``python -m pipeline resume=<run id>`` alone restores the run as it
+was; a default never shortens it (a resumed run ends with fewer epochs or steps only when they are typed now).
+
+``continued`` runs before Hydra composes the run's config (``pipeline.__main__.main``), on the command line's
+overrides; ``continue_command`` is the command a stopped run prints.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pipeline.common.secrets import MASK
+from pipeline.config import RunConfig, load
+from pipeline.engine.checkpoint import CheckpointError
+from pipeline.engine.checkpoint import load as load_checkpoint
+
+NOT_KEPT = ("resume", "fork")  # how this process started, not the run's configuration
+LENGTH = ("trainer.epochs", "trainer.max_steps")
+
+
+def key_of(override: str) -> str:
+    """``trainer.epochs`` for ``trainer.epochs=3``, ``+model.width=2`` and ``~model.width``."""
+    return override.partition("=")[0].lstrip("+~")
+
+
+def own_overrides(overrides: Sequence[str]) -> list[str]:
+    """What a run's checkpoint keeps of the overrides that configured it: all but ``resume=`` and ``fork=``."""
+    return [o for o in overrides if key_of(o) not in NOT_KEPT]
+
+
+def merged(started: Sequence[str], typed: Sequence[str]) -> list[str]:
+    """The run's overrides with those typed now in place of any of the same key (typed ones last, as typed)."""
+    now = {key_of(o) for o in typed}
+    return [*(o for o in started if key_of(o) not in now), *typed]
+
+
+def continued(typed: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The overrides a resume runs with, and the run's own overrides for its next checkpoint.
+
+    Args:
+        typed: the overrides typed now (a ``resume=`` among them).
+
+    Returns:
+        ``(merged, own)``: the run's recorded overrides with those typed now in their place, and the same without
+        ``resume=``/``fork=``. A checkpoint written before overrides were kept gives ``typed`` alone.
+
+    Raises:
+        CheckpointError: no such checkpoint; a recorded override whose value was masked (a secret) and is not
+            typed again; or a length shorter than the run was started with that is not typed now.
+    """
+    from pipeline.engine.resume import locate
+
+    saved = load_checkpoint(locate(load(typed)))
+    started = saved.get("overrides")
+    now = {key_of(o) for o in typed}
+    hidden = [key_of(o) for o in started or () if MASK in o and key_of(o) not in now]
+    if hidden:
+        keys = ", ".join(hidden)
+        raise CheckpointError(
+            f"run {saved['run_id'] or saved['run_name']} was started with {keys} set to a secret, which is never "
+            f"recorded: type {' '.join(f'{k}=...' for k in hidden)} again with the resume"
+        )
+    overrides = merged(started or (), typed)
+    _check_length(saved, load(overrides), typed=now)
+    return overrides, own_overrides(overrides)
+
+
+def _check_length(saved: Mapping[str, Any], cfg: RunConfig, *, typed: set[str]) -> None:
+    """Refuse a resume that would end the run earlier than it was started to, unless that is typed now."""
+    was = saved["config"]["trainer"]
+    now = {"trainer.epochs": cfg.trainer.epochs, "trainer.max_steps": cfg.trainer.max_steps}
+    shorter = {
+        key: (was[key.split(".")[1]], value)
+        for key, value in now.items()
+        if key not in typed and _ends_earlier(key, was[key.split(".")[1]], value)
+    }
+    if shorter:
+        listed = "; ".join(f"{k}={a} when it started, {b} now" for k, (a, b) in shorter.items())
+        run = saved["run_id"] or saved["run_name"]
+        raise CheckpointError(
+            f"resume would end run {run} earlier than it was started to ({listed}, from a default): type "
+            f"{' '.join(f'{k}={a}' for k, (a, _) in shorter.items())} to keep its length, or the shorter value to "
+            f"end it there"
+        )
+
+
+def _ends_earlier(key: str, was: int, now: int) -> bool:
+    if key == "trainer.epochs":
+        return now < was
+    return now > 0 and (was <= 0 or now < was)  # max_steps: -1 = no limit
+
+
+def continue_command(run: str, own: Sequence[str]) -> str:
+    """The command that continues a stopped run: its id, and where its checkpoints are when that was typed
+    (the rest of its configuration comes back from the checkpoint)."""
+    where = [o for o in own if key_of(o) == "checkpoint.dir"]
+    return shlex.join(["python", "-m", "pipeline", f"resume={run}", *where])
