@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from pipeline import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +59,11 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=120
     ).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1] == str(site / "pipeline" / "conf") and out[2] == "resnet50"
-    jobs = [["loader.batch_size=32", "trainer.seed=1"], ["loader.batch_size=64", "trainer.seed=1"]]
-    jobs += [["loader.batch_size=64", "trainer.seed=2"], ["loader.batch_size=32", "trainer.seed=2"]]
-    assert out[3] == str(jobs)  # the interleaved order: round by round, every other round reversed
+    jobs = ast.literal_eval(out[3])
+    rounds = [jobs[:2], jobs[2:]]  # round by round: each seed's round runs every batch size once
+    assert [{job[1] for job in r} for r in rounds] == [{"trainer.seed=1"}, {"trainer.seed=2"}]
+    assert all(sorted(job[0] for job in r) == ["loader.batch_size=32", "loader.batch_size=64"] for r in rounds)
+    assert jobs == config.sweep_jobs(["loader.batch_size=32,64", "trainer.seed=1,2"])  # the checkout's order
 
 
 def test_the_linter_sees_every_python_file_of_the_package_and_the_tests() -> None:

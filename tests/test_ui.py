@@ -109,9 +109,12 @@ def test_a_sweeps_parent_page_keeps_its_about_panel_and_child_runs_and_its_links
         tiny = ["trainer.epochs=1", "trainer.max_steps=3", "device=cpu", "monitor.enabled=false"]
         assert run_main(monkeypatch, *sweep, *tiny) == 0
         printed = capsys.readouterr().out
-        assert f"MLflow's compare page for these 8 runs: {server.uri}/#/compare-runs?runs=" in printed  # the server's
+        assert "MLflow's compare page for these 8 runs: the link is in compare.md (" in printed  # too long to print
+        assert f"All runs (model-training view): {server.uri}/#/experiments/1/runs?" in printed  # the server's
         client = MlflowClient(server.uri)
         (parent,) = [r for r in client.search_runs(["1"]) if r.data.tags.get("sweep.role") == "parent"]
+        attached = Path(client.download_artifacts(parent.info.run_id, "compare/compare.md", str(tmp_path)))
+        assert f"MLflow's compare page for these 8 runs: {server.uri}/#/compare-runs?runs=" in attached.read_text()
         page = f"{server.uri}/#/experiments/1/runs/{parent.info.run_id}?workflowType=machine_learning"
         with browser(1920, 1080) as port:
             seen = asyncio.run(look(port, page))
