@@ -157,14 +157,16 @@ def _main() -> None:
         sys.argv.remove(DEBUG_FLAG)
         os.environ["HYDRA_FULL_ERROR"] = "1"
     args = sys.argv[1:]
-    plain = not any(a.startswith("-") or a.startswith("hydra") for a in args)
+    plain = not any(a.startswith("-") for a in args)  # Hydra's own overrides (hydra/launcher=..., hydra.x=...) too
     try:
         if plain:
             load(args)  # Hydra reports these in several lines and exits 1; we say it in one and exit 2
             if any(a.startswith("resume=") for a in args):
                 _continue_the_run(args)
-        elif "-m" in args or "--multirun" in args:
-            check_sweep(args)
+        else:
+            check_flags(args)
+            if "-m" in args or "--multirun" in args:
+                check_sweep(args)
     except PipelineError as err:
         _fail(err)
     try:
@@ -191,6 +193,21 @@ def _continue_the_run(args: list[str]) -> None:
     sys.argv[1:] = merged
 
 
+def check_flags(args: list[str]) -> None:
+    """The folders Hydra's flags name exist (Hydra says it in several lines and exits 1).
+
+    Raises:
+        OverrideError: ``--config-dir`` names no folder.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    from pipeline.common.errors import OverrideError
+
+    parsed, _ = get_args_parser().parse_known_args(args)
+    if parsed.config_dir and not Path(parsed.config_dir).is_dir():
+        raise OverrideError(f"--config-dir {parsed.config_dir}: no such folder")
+
+
 def check_sweep(args: list[str]) -> None:
     """Validate every job of ``-m ...`` before Hydra starts the first (which would run before the second fails).
 
@@ -207,6 +224,9 @@ def check_sweep(args: list[str]) -> None:
     shows = (parsed.help, parsed.hydra_help, parsed.cfg, parsed.info, parsed.shell_completion, parsed.run)
     if unknown or any(elsewhere) or any(shows):
         return
+    own = [o for o in parsed.overrides if o.lstrip("+~").startswith("hydra")]  # Hydra's groups: its launcher...
+    if own:
+        load(own)  # ...and sweeper, which the jobs leave out: a wrong one is one line, not Hydra's listing
     jobs = sweep_jobs(parsed.overrides)
     if jobs is None:  # an interval() or another sweeper: refused here only where the sweeper cannot run it
         from hydra_plugins.pipeline_sweeper.interleaved_sweeper import check_search_space

@@ -79,7 +79,7 @@ def compose(overrides: Sequence[str] = ()) -> Any:
                 ) from None
             raise OverrideError(
                 f"{key} is not a config key{f' of {parent}' if parent else ''}: check the spelling "
-                f"(python -m pipeline --cfg job shows every key)"
+                f"(python -m pipeline --cfg {'hydra' if key.startswith('hydra.') else 'job'} shows every key)"
             ) from None
         raise OverrideError("; ".join(lines)) from None
     except OSError as err:  # Hydra looks a key up as a config group's file: a long one is too long a file name
