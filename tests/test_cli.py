@@ -39,7 +39,10 @@ def run_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
         (["precision=bf16"], "error: precision.dtype='bf16' is not allowed: expected auto while amp=false"),
         # Hydra's own groups and flags: one line too, not Hydra's listing of its search path and exit 1
         (["hydra/launcher=nope"], "error: hydra/launcher=nope is not an option: expected one of basic, "),
-        (["hydra.nope=1"], "error: hydra.nope is not a config key of hydra: check the spelling (python -m pipeline --cfg hydra shows"),
+        (
+            ["hydra.nope=1"],
+            "error: hydra.nope is not a config key of hydra: check the spelling (python -m pipeline --cfg hydra shows",
+        ),
         (["-m", "hydra/sweeper=nope", "trainer.seed=1,2"], "error: hydra/sweeper=nope is not an option: expected"),
         (["--config-dir", "no/such/folder", "model=mlp"], "error: --config-dir no/such/folder: no such folder"),
     ],
