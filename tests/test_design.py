@@ -14,6 +14,7 @@ import pipeline.train
 from pipeline.config import sweep_jobs
 from pipeline.config.design import interleave
 from pipeline.experiments.compare import RunRecord, build
+from pipeline.experiments.compare.selection import select
 from test_cli import run_main
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32", "monitor.enabled=false", "device=cpu"]
@@ -122,9 +123,8 @@ def drifting_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, penalty: 
     store = tmp_path / f"drift-{penalty}.db"
     args = ["-m", "trainer.log_every_n_steps=100,101", "trainer.seed=1,2,3,4", *TINY]
     assert run_main(monkeypatch, *args, f"tracking.uri=sqlite:///{store}") == 0
-    runs = MlflowClient(f"sqlite:///{store}").search_runs(["1"])
-    records = sorted((RunRecord.from_run(r) for r in runs if "sweep.job" in r.data.tags), key=lambda r: r.job)
-    return build(records)
+    chosen = select(MlflowClient(f"sqlite:///{store}"))  # as python -m pipeline.compare chooses and orders them:
+    return build(chosen.runs)  # rows in the order typed (the baseline log_every_n_steps=100), whatever order ran
 
 
 @pytest.mark.slow
