@@ -48,7 +48,8 @@ def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
 
 
 def test_about_says_a_duration_in_the_unit_a_person_reads() -> None:
-    assert [about(s) for s in (4.2, 59.4, 90, 1610, 3 * 3600 + 600)] == [
+    assert [about(s) for s in (0.34, 4.2, 59.4, 90, 1610, 3 * 3600 + 600)] == [
+        "under 1 s",  # the README's MLP run: not "about 0 s"
         "about 4 s",
         "about 59 s",
         "about 2 min",
@@ -190,4 +191,4 @@ def test_a_run_without_a_terminal_logs_its_estimate_and_progress_lines(
     said = messages(caplog, logging.INFO)
     assert said[0] == "step 1/6 (epoch 1/1) · 1 samples/s · about 3 min left"
     assert "this run: about 3 min of training: 31.0 s a step × 6 steps (evaluation not included)" in said
-    assert said[-1] == "step 6/6 (epoch 1/1) · 1 samples/s · about 0 s left"
+    assert said[-1] == "step 6/6 (epoch 1/1) · 1 samples/s · under 1 s left"

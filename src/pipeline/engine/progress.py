@@ -152,7 +152,9 @@ def steps_to_train(*, epochs: int, per_epoch: int, max_steps: int, epoch: int, b
 
 
 def about(value: float) -> str:
-    """``about 40 s``, ``about 27 min``, ``about 3.2 h``."""
+    """``under 1 s``, ``about 40 s``, ``about 27 min``, ``about 3.2 h``."""
+    if value < 0.5:
+        return "under 1 s"
     if value < 59.5:
         return f"about {value:.0f} s"
     if value < 90 * 60:

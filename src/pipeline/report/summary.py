@@ -118,7 +118,7 @@ def format_summary(result: RunResult) -> str:
             util += f" · GPU {u.gpu_util_mean_pct:.0f}% mean, {u.gpu_util_p95_pct:.0f}% p95"
         if u.gpu_mem_peak_mb is not None:
             util += f", {u.gpu_mem_peak_mb:,.0f} MB peak"
-        lines.append(util + f" ({u.samples} samples)")
+        lines.append(util + f" ({u.samples} {'sample' if u.samples == 1 else 'samples'})")
     if result.oom_events:
         first = result.oom_events[0].micro_batch
         lines.append(
