@@ -78,6 +78,7 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "CPU amp check, the same config",
         "torch.compile, batch dimension static / dynamic up front",
         "compare / search_runs, 40 runs (10 rows), fresh processes",
+        "compare / search_runs with the collector paused, 40 runs (10 rows), fresh processes",
     ):
         assert f"| {name}" in out, name
 

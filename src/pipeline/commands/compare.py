@@ -3,7 +3,11 @@
 
 import sys
 
-from pipeline.experiments.compare.cli import main
+from pipeline.common.heap import collector_paused
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with collector_paused():  # from the imports on: a process of its own, which keeps all it reads until it exits
+        from pipeline.experiments.compare.cli import main
+
+        code = main()
+    sys.exit(code)
