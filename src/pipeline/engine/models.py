@@ -83,11 +83,18 @@ def mlp(in_shape: tuple[int, ...], num_classes: int, hidden_sizes: list[int]) ->
     return nn.Sequential(*layers)
 
 
-def resnet(arch: str, in_shape: tuple[int, ...], num_classes: int, stem: str = "auto") -> nn.Module:
+def resnet(
+    arch: str, in_shape: tuple[int, ...], num_classes: int, stem: str = "auto", zero_init_residual: bool = False
+) -> nn.Module:
     """A randomly initialised torchvision ResNet with its stem adapted to the input.
 
     ``stem=small`` (the default below 64 px) replaces the 7x7 stride-2 convolution and the max-pool
     by one 3x3 stride-1 convolution, as CIFAR ResNets do, so 28-32 px images keep their detail.
+
+    ``zero_init_residual=True`` starts each residual block's last BatchNorm scale at zero, so every block begins as
+    the identity (Goyal et al. 2017). ``conf/model/resnet50.yaml`` sets it: in torchvision's own init ResNet-50's
+    first epoch on the digits diverged and predicted one class for every sample; ResNet-18 learns faster without it
+    (the measurements: docs/configuration.md).
     """
     import torchvision
 
@@ -96,7 +103,8 @@ def resnet(arch: str, in_shape: tuple[int, ...], num_classes: int, stem: str = "
     if len(in_shape) != 3:
         raise TargetError(f"model.arch={arch}: a ResNet takes [C, H, W] images, not inputs of shape {list(in_shape)}")
     in_channels, image_px = in_shape[0], min(in_shape[1:])
-    net = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+    make = getattr(torchvision.models, arch)
+    net = make(weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual)
     small = stem == "small" or (stem == "auto" and image_px < SMALL_IMAGE_PX)
     if small:
         net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)

@@ -59,7 +59,9 @@ RUNTIME = (
     "tracking.tags.",
     "fork",
 )
-NOT_COMPARED = ("resume",)  # differs by definition
+# Not compared: ``resume`` differs by definition; ``model.zero_init_residual`` says only how fresh weights start (a
+# resume loads them), and checkpoints from before it hold no such key.
+NOT_COMPARED = ("resume", "model.zero_init_residual")
 # Keys added after a checkpoint format, with the value that behaves as runs did before them: a checkpoint
 # written without the key compares as if it held this value.
 ADDED_LATER = {
