@@ -72,7 +72,7 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "sampler on / off",
         "tracking cost",
         "sampler reading, psutil",
-        "loader.resident=true vs guides'",
+        "loader.resident=true vs the set-up recipe's DataLoader",
         "launch to first training step",
         "autotune's claimed gain, reproduced in real runs",
         "CPU amp check, the same config",

@@ -56,7 +56,7 @@ def test_every_option_key_is_commented() -> None:
                 assert has_comment or key == "name", f"{path.relative_to(config_dir())}: '{key}' has no comment"
 
 
-def test_defaults_are_the_guides_baseline() -> None:
+def test_defaults_are_the_set_up_recipes_baseline() -> None:
     cfg = load()
     assert (cfg.model._target_, cfg.model.keywords, cfg.data.name) == (
         "pipeline.engine.models.mlp",

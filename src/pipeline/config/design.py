@@ -4,7 +4,7 @@
     python -m pipeline -m amp=false,true trainer.seed=1,2,3,4 hydra.sweeper.seed=7   # that order again
 
 Hydra's basic sweeper runs the cartesian product with the last key varying fastest, so with the seed typed last
-(as the guides write it) each configuration's repeats run back to back: A1 A2 A3 A4 B1 B2 B3 B4. On a machine
+(as the set-up recipe writes it) each configuration's repeats run back to back: A1 A2 A3 A4 B1 B2 B3 B4. On a machine
 that slows down 1% a run, four *identical* configurations then differ "significantly" (all of A's runs beat all
 of B's). ``interleave`` runs the repeat keys (``trainer.seed``, ``repeat``) slowest whatever order they were
 typed in: round r runs every configuration once with the r-th repeat, in an order drawn at random for that round

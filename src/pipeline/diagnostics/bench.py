@@ -47,8 +47,8 @@ from pipeline.diagnostics.harness import (
 # What is compared
 
 
-def guides_epoch(root: Path, *, batch: int) -> float:
-    """The guides' recipe: torchvision MNIST + ToTensor + DataLoader, one training epoch."""
+def recipe_epoch(root: Path, *, batch: int) -> float:
+    """The set-up recipe's loader: torchvision MNIST + ToTensor + DataLoader, one training epoch."""
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
 
@@ -250,27 +250,27 @@ def bench_sampler_backends(sizes: Sizes) -> list[Row]:
 
 
 def bench_resident(sizes: Sizes, work: Path) -> list[Row]:
-    """loader.resident=true vs the guides' torchvision + ToTensor + DataLoader recipe, batch 64."""
+    """loader.resident=true vs the set-up recipe's torchvision + ToTensor + DataLoader recipe, batch 64."""
     import numpy as np
 
     root = work / "mnist"
     write_idx_mnist(root / "MNIST" / "raw", sizes.samples, np.random.default_rng(0))
     variants = {
-        "guides": lambda: guides_epoch(root, batch=64),
+        "recipe": lambda: recipe_epoch(root, batch=64),
         "resident": lambda: pipeline_epoch(
             ["data=mnist", f"data.root={root}", "data.download=false", "loader=resident", "loader.batch_size=64"],
             work / "resident.db",
         ),
     }
     t = interleaved(variants, sizes)
-    speedup = paired_ratio(t["guides"], t["resident"])
+    speedup = paired_ratio(t["recipe"], t["resident"])
     return [
         Row(
-            "loader.resident=true vs guides' DataLoader recipe, batch 64",
+            "loader.resident=true vs the set-up recipe's DataLoader, batch 64",
             f"{speedup:.2f}x faster",
             ">= 3x",
             speedup >= 3.0,
-            f"median epoch {median(t['resident']):.2f} s vs {median(t['guides']):.2f} s ({sizes.samples:,} samples)",
+            f"median epoch {median(t['resident']):.2f} s vs {median(t['recipe']):.2f} s ({sizes.samples:,} samples)",
         )
     ]
 

@@ -1,4 +1,4 @@
-"""One training epoch and one evaluation pass, written like the guides' pseudo-code.
+"""One training epoch and one evaluation pass, written like the set-up recipe's pseudo-code.
 
 The hot loop never reads a value back from the device except at logging points: losses are
 summed on the device and ``.item()`` (a host sync on GPUs) runs every ``log_every`` steps and at
