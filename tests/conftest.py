@@ -14,11 +14,20 @@ from pipeline.config import RunConfig, load
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
 
 
+@pytest.fixture(scope="session")
+def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache folder for the session (the measured CPU peak, ``pipeline.monitor.peaks``): measured once per
+    test process, never written to the home folder of whoever runs the tests."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI, and take
-    back the logging handlers a test added (Hydra's entry point points some at a captured, later closed, stream)."""
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _cache_home: Path) -> Iterator[None]:
+    """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI and a cache folder of
+    the session's, and take back the logging handlers a test added (Hydra's entry point points some at a captured,
+    later closed, stream)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(_cache_home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     root = logging.getLogger()

@@ -361,6 +361,7 @@ def run_epoch(
             **record.val_metrics,
             "time/epoch_s": record.seconds,
             **stats.breakdown.metrics(),
+            **setup.model_flops.metrics(stats.samples_per_s),  # perf/tflops, perf/mfu_pct: this rank's device
             **utilisation.metrics(),
             **ranks,
             **allocator_metrics(device),

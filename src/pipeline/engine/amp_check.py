@@ -39,6 +39,7 @@ from torch import nn
 
 from pipeline.common.stats import paired_ratio
 from pipeline.data.structures import call_model, count, take
+from pipeline.engine import flops
 from pipeline.engine.precision import PrecisionPolicy
 
 log = logging.getLogger(__name__)
@@ -136,14 +137,9 @@ def probe_batch(model: nn.Module, images: Any, run_batch: int) -> int:
     The FLOPs are counted on a 2-sample forward of ``model`` (in eval mode, on a copy): the same for every run of
     the same model and input, whatever the machine is doing.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     sample = take(images, slice(0, PROBE_MIN_BATCH))
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        call_model(model.eval(), sample)
-    per_sample = 3 * counter.get_total_flops() / count(sample)  # forward + backward ~ 3 forwards
-    fits = int(PROBE_FLOPS // per_sample) if per_sample > 0 else run_batch
+    per_sample = flops.per_sample(flops.forward_flops(model, sample), count(sample))
+    fits = int(PROBE_FLOPS // per_sample) if per_sample else run_batch
     return max(PROBE_MIN_BATCH, min(run_batch, count(images), fits))
 
 

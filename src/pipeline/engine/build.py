@@ -33,7 +33,8 @@ from pipeline.data import (
     with_prefetch,
 )
 from pipeline.data.iterable import IterableLoader, check_shares, steps_per_epoch
-from pipeline.data.structures import move, split
+from pipeline.data.structures import count, move, split
+from pipeline.engine import flops
 from pipeline.engine.amp_check import AmpProbe, check_cpu_amp
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.engine.devices import DeviceChoice, activate, resolve_device
@@ -46,6 +47,7 @@ from pipeline.engine.optim import build_optimizer, build_scheduler
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.engine.provenance import run_name
 from pipeline.engine.tasks import Task, make_task
+from pipeline.monitor.peaks import device_peak, run_dtype
 from pipeline.parallel.distributed import Group, Solo
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class Setup:
     run_name: str
     amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
+    model_flops: flops.ModelFlops  # model FLOPs per sample and the device's peak: each epoch's TFLOP/s and MFU
 
     @property
     def device(self) -> torch.device:
@@ -112,8 +115,13 @@ def build(
     else:
         prepare = AsGiven(channels_last=t.channels_last)
     first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
-    check_first_batch(
-        model, task, first, prepare=prepare, device=device, channels_last=t.channels_last, autocast=policy.autocast
+    with flops.counting() as counted:  # that forward's FLOPs: MFU's numerator, counted once per run
+        check_first_batch(
+            model, task, first, prepare=prepare, device=device, channels_last=t.channels_last, autocast=policy.autocast
+        )
+    model_flops = flops.ModelFlops(
+        flops.per_sample(counted.forward, count(first[0])),
+        device_peak(device, run_dtype(device, policy.dtype), device_name=choice.name),
     )
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -165,6 +173,7 @@ def build(
         run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
         amp_probe=amp_probe,
         group=group,
+        model_flops=model_flops,
     )
     log.info(
         "run %s: %s on %s, %s train / %s val samples, %s parameters",

@@ -24,11 +24,15 @@ from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import ModelCard
 from pipeline.report.plots import step_breakdown, utilisation_timeline
 from pipeline.report.summary import EpochRecord, RunResult
-from pipeline.report.verdict import judge
+from pipeline.report.verdict import Mfu, judge
 
 
 def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: Resumed | None) -> None:
     """What a run records before training: its config, data and environment; or, resumed, what changed."""
+    model_flops = setup.model_flops  # a resumed run may continue on another device: its peak is said again
+    tracker.set_tags(model_flops.tags())
+    if model_flops.per_sample is not None:
+        tracker.log_metrics({"perf/flops_per_sample": model_flops.per_sample}, step=0)
     probe = setup.amp_probe
     if probe is not None:
         tracker.set_tags({"amp.cpu_check": probe.describe()})
@@ -79,6 +83,7 @@ def conclude(
         overhead_pct=breakdown.overhead_pct,
         gpu_util_pct=utilisation.gpu_util_mean_pct,
         precision=setup.policy.label,
+        mfu=run_mfu(setup, breakdown.samples_per_s),
         amp_check=setup.amp_probe,
         convolutional=has_convolutions(setup.state.model),
     )
@@ -148,8 +153,15 @@ def conclude(
         logged_model=f"mlflow.pytorch.load_model('{logged}')" if logged else "",
         amp_probe=setup.amp_probe,
         notes=notes,
+        flops=setup.model_flops,
         distributed=setup.group.describe(setup.cfg.loader.batch_size),
     )
+
+
+def run_mfu(setup: Setup, samples_per_s: float) -> Mfu | None:
+    """The run's MFU over its steady steps (every epoch's, as the step-time shares), for the verdict."""
+    pct = setup.model_flops.mfu_pct(samples_per_s)
+    return Mfu(pct, setup.model_flops.peak.dtype) if pct is not None else None
 
 
 def model_card(setup: Setup, model: Any) -> ModelCard:

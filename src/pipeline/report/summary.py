@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.engine.flops import ModelFlops
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.monitor import UtilSummary, summarize
 from pipeline.report.verdict import data_wait_words
@@ -68,6 +69,7 @@ class RunResult:
     tracking: list[str] = field(default_factory=list)
     amp_probe: Any = None  # pipeline.engine.precision.AmpProbe: amp=true on the CPU, timed against float32 at start
     notes: list[str] = field(default_factory=list)  # caveats about what the numbers mean (e.g. BatchNorm)
+    flops: ModelFlops | None = None  # model FLOPs per sample and the device's peak: the compute line's MFU
     distributed: str = ""  # DDP: world size, backend, per-rank and global batch ("" for one process)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
     primary: str = "val/acc"  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
@@ -108,6 +110,7 @@ def format_summary(result: RunResult) -> str:
             f"  speed       {last.job_samples_per_s:,.0f} samples/s in the last epoch (steady state"
             + (f", all ranks; rank 0 {last.samples_per_s:,.0f}" if last.ranks else "")
             + f"; epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
+            *([f"  compute     {result.flops.describe(last.samples_per_s)}"] if result.flops is not None else []),
             f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(result.loader.startswith('resident'))} · "
             f"{b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",

@@ -11,7 +11,10 @@ The pipeline's own work between steps (reading the loss back, checkpoints, the p
 ``time/overhead_pct``) is not input: it never makes a run input-bound. When it takes
 ``OVERHEAD_PCT`` or more of the step time, the verdict says so and how to reduce it.
 
-The hint names the overrides to try next, chosen from the run's own loader and device.
+The hint names the overrides to try next, chosen from the run's own loader and device. A compute-bound run is
+judged by its MFU too (``pipeline.engine.flops``): under ``LOW_MFU_PCT`` of the device's peak it gets the changes
+that raise it (amp, channels_last, compile, a larger batch); from ``HIGH_MFU_PCT`` on it is told that the model's
+own arithmetic is the limit at this precision.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ INPUT_WITH_IDLE_GPU_PCT = 15.0
 IDLE_GPU_PCT = 50.0
 COMPUTE_BOUND_PCT = 10.0
 OVERHEAD_PCT = 10.0
+# MFU bands: well-tuned training reaches 40-60% of a GPU's dense peak (nanoGPT's GPT-2 on an A100: about 40%);
+# under 30% a run leaves most of the device unused, from 50% on little is left to win by tuning the training loop.
+LOW_MFU_PCT = 30.0
+HIGH_MFU_PCT = 50.0
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,11 @@ def judge(
     cpus: int | None = None,
     amp_check: AmpProbe | None = None,
     convolutional: bool = True,
+    mfu: Mfu | None = None,
 ) -> Verdict:
     """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
-    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``)."""
+    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``); ``mfu``: the run's model
+    FLOPs utilisation, when it has one."""
     kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
     evidence = f"{data_wait_pct:.0f}% of step time {data_wait_words(cfg.loader.resident)}, {h2d_pct:.0f}% copying it"
     if gpu_util_pct is not None:
@@ -84,14 +93,19 @@ def judge(
         hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
     elif kind == "compute":
         hint = compute_hint(
-            cfg, device_type=device_type, precision=precision, amp_check=amp_check, convolutional=convolutional
+            cfg, device_type=device_type, precision=precision, amp_check=amp_check, convolutional=convolutional, mfu=mfu
         )
     else:
         hint = (
             input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
             + "; then "
             + compute_hint(
-                cfg, device_type=device_type, precision=precision, amp_check=amp_check, convolutional=convolutional
+                cfg,
+                device_type=device_type,
+                precision=precision,
+                amp_check=amp_check,
+                convolutional=convolutional,
+                mfu=mfu,
             )
         )
     label = {"input": "input-bound", "compute": "compute-bound", "mixed": "mixed"}[kind]
@@ -115,6 +129,17 @@ def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -
     return f"all {cpus} CPUs already load data; try loader.resident=true{pin}"
 
 
+@dataclass(frozen=True)
+class Mfu:
+    """A run's model FLOPs utilisation and the peak's dtype, as the verdict reads it."""
+
+    pct: float
+    dtype: str  # fp32, tf32, bf16, fp16
+
+    def words(self) -> str:
+        return f"{self.pct:.0f}% of its {self.dtype} peak (MFU)"
+
+
 def compute_hint(
     cfg: RunConfig,
     *,
@@ -122,18 +147,12 @@ def compute_hint(
     precision: str,
     amp_check: AmpProbe | None = None,
     convolutional: bool = True,
+    mfu: Mfu | None = None,
 ) -> str:
     """What to try when the device computes most of the time; ``convolutional``: the model has 2-D convolutions
-    (only then is ``channels_last`` worth a try)."""
+    (only then is ``channels_last`` worth a try); ``mfu``: how much of its peak the device reached."""
     if device_type == "cpu":
-        hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
-        if precision != "fp32":
-            return f"{hint}; {cpu_amp_hint(amp_check)}"
-        from pipeline.engine.amp_check import has_amx
-
-        if has_amx():
-            hint += "; this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains"
-        return hint
+        return _cpu_compute_hint(precision, amp_check, mfu)
     steps = []
     if precision == "fp32":
         steps.append("amp=true")
@@ -142,7 +161,28 @@ def compute_hint(
     if not cfg.trainer.compile:
         steps.append("trainer.compile=true")
     steps.append(f"loader.batch_size={cfg.loader.batch_size * 2}")
-    return "the device is busy computing; to go faster try " + " ".join(steps)
+    if mfu is not None and mfu.pct >= HIGH_MFU_PCT:
+        limit = f"the device computes at {mfu.words()}: the model's own arithmetic is the limit at this precision"
+        return limit + ("; amp=true computes in a narrower format, whose peak is higher" if precision == "fp32" else "")
+    if mfu is not None and mfu.pct < LOW_MFU_PCT:
+        return f"the device is busy but computes at only {mfu.words()}; to raise it try " + " ".join(steps)
+    busy = f"the device is busy computing ({mfu.words()})" if mfu is not None else "the device is busy computing"
+    return f"{busy}; to go faster try " + " ".join(steps)
+
+
+def _cpu_compute_hint(precision: str, amp_check: AmpProbe | None, mfu: Mfu | None) -> str:
+    hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
+    if mfu is not None:
+        hint = f"the CPU does the arithmetic, at {mfu.words()}: train on a GPU (device=cuda)"
+        if mfu.pct >= HIGH_MFU_PCT:
+            hint += "; on this CPU the model's own arithmetic is the limit"
+    if precision != "fp32":
+        return f"{hint}; {cpu_amp_hint(amp_check)}"
+    from pipeline.engine.amp_check import has_amx
+
+    if has_amx():
+        hint += "; this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains"
+    return hint
 
 
 def cpu_amp_hint(check: AmpProbe | None) -> str:
