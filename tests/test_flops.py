@@ -195,3 +195,20 @@ def test_a_cpu_run_at_high_mfu_is_told_the_arithmetic_is_the_limit_there(make_cf
         "the CPU does the arithmetic, at 55% of its fp32 peak (MFU): train on a GPU (device=cuda); on this CPU the "
         "model's own arithmetic is the limit" in verdict.message
     )
+
+
+def test_the_doctor_measures_the_cpu_peak_again_and_says_what_runs_read_mfu_against(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pipeline.diagnostics import doctor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cache of this test's own
+    measured: list[torch.dtype] = []
+    monkeypatch.setattr(peaks, "measure_cpu_matmul", lambda dtype: measured.append(dtype) or 0.5)
+    peaks.cpu_peak("fp32")  # cached before: the doctor measures again all the same
+    found = doctor.report(smoke=True)
+    assert found["facts"]["cpu_peak_tflops"] == {"fp32": 0.5, "bf16": 0.5}
+    assert measured == [torch.float32, torch.float32, torch.bfloat16]
+    check = next(c for c in found["checks"] if c["name"] == "CPU peak (MFU)")
+    assert check["evidence"].startswith("fp32 0.5 TFLOP/s, bf16 0.5 TFLOP/s: the fastest 1024x1024 matmul at ")
+    assert str(peaks.cache_file()) in check["evidence"]

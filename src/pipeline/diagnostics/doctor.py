@@ -30,6 +30,7 @@ from pipeline.diagnostics.doctor_facts import (
 )
 from pipeline.diagnostics.doctor_host import (
     cpu_bf16_check,
+    cpu_peak_check,
     hybrid_check,
     loading_check,
     monitoring_checks,
@@ -54,7 +55,7 @@ def checks(facts: Facts, *, smoke: bool = True) -> list[Check]:
     out += _device_checks(facts, smoke=smoke)
     out += _cudnn_path_checks(facts)
     if smoke:
-        out.append(cpu_bf16_check(facts))
+        out += [cpu_bf16_check(facts), cpu_peak_check(facts)]
     out += _order_checks(facts)
     out.append(hybrid_check(facts))
     if facts.system == "Darwin":

@@ -91,6 +91,8 @@ class Facts:
     cpu_bf16_conv_speed: float | None = None  # 3x3 convolution, batch 8, 64 -> 64 channels, 56x56
     cpu_avx512_bf16: bool | None = None  # from /proc/cpuinfo; None where it does not exist
     cpu_amx: bool | None = None  # amx_bf16: the tile unit that makes bfloat16 pay off on the CPU
+    # the CPU's measured matmul peak per dtype (TFLOP/s; pipeline.monitor.peaks), measured again by gather_speed
+    cpu_peak_tflops: dict[str, float] = field(default_factory=dict)
 
 
 def gather(probe: Probe | None = None) -> Facts:
@@ -154,10 +156,11 @@ def gather(probe: Probe | None = None) -> Facts:
 
 
 def gather_speed(facts: Facts) -> Facts:
-    """Time bfloat16 against float32 on the CPU for a matmul and a convolution: about a second.
+    """Time bfloat16 against float32 on the CPU for a matmul and a convolution, and measure the CPU's matmul peaks
+    again: under two seconds.
 
     Only the doctor's own run (and ``report(smoke=True)``) pays for this, never the report
-    attached to each training run. Fills ``facts.cpu_bf16_*`` and the CPU's bfloat16 flags.
+    attached to each training run. Fills ``facts.cpu_bf16_*``, the CPU's bfloat16 flags and ``cpu_peak_tflops``.
     """
     from pipeline.engine.amp_check import cpu_flags
 
@@ -170,7 +173,16 @@ def gather_speed(facts: Facts) -> Facts:
     facts.cpu_bf16_matmul_speed = _bf16_speed(torch.matmul, (a, b), until=start + 0.3)
     conv = torch.nn.functional.conv2d
     facts.cpu_bf16_conv_speed = _bf16_speed(lambda x, w: conv(x, w, padding=1), (x, w), until=start + 1.0)
+    facts.cpu_peak_tflops = cpu_peaks()
     return facts
+
+
+def cpu_peaks() -> dict[str, float]:
+    """The CPU's matmul peaks that runs read MFU against, measured again (about 0.7 s) and cached for them."""
+    from pipeline.monitor.peaks import cpu_peak
+
+    measured = {dtype: cpu_peak(dtype, refresh=True).tflops for dtype in ("fp32", "bf16")}
+    return {dtype: tflops for dtype, tflops in measured.items() if tflops is not None}
 
 
 def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> float:

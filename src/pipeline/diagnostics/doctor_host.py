@@ -1,6 +1,7 @@
 """The doctor's checks of the machine around the GPU: a hybrid laptop's display adapters (which GPU the display
-and the application use), Apple's MPS, GPU monitoring (NVML, GPUtil), the CPU's bfloat16 speed and the data
-loading basics (CPUs, ``/dev/shm``, the start method).
+and the application use), Apple's MPS, GPU monitoring (NVML, GPUtil), the CPU's bfloat16 speed, its measured
+matmul peaks (what a CPU run's MFU is read against) and the data loading basics (CPUs, ``/dev/shm``, the start
+method).
 """
 
 from __future__ import annotations
@@ -141,6 +142,24 @@ def cpu_bf16_check(facts: Facts) -> Check:
         f"convolution ({flags}): what the hardware does with one large op; a model's step also casts its weights "
         "every step, which costs most at small batches, so amp=true times the run's own model at start-up",
         "amp=true will be slower than float32 on this CPU: train with amp=false here, or on a GPU" if slow else "",
+    )
+
+
+def cpu_peak_check(facts: Facts) -> Check:
+    """What MFU is read against on this CPU: its measured matmul peaks, cached for the runs."""
+    import torch
+
+    from pipeline.monitor.peaks import CPU_MATMUL_N, cache_file
+
+    if not facts.cpu_peak_tflops:
+        return Check("CPU peak (MFU)", "INFO", "not measured (gather_speed did not run)")
+    figures = ", ".join(f"{dtype} {tflops:.3g} TFLOP/s" for dtype, tflops in facts.cpu_peak_tflops.items())
+    return Check(
+        "CPU peak (MFU)",
+        "INFO",
+        f"{figures}: the fastest {CPU_MATMUL_N}x{CPU_MATMUL_N} matmul at {torch.get_num_threads()} thread(s), "
+        f"measured now and cached in {cache_file()}; a CPU run's MFU is its model FLOPs per second over this. "
+        "Measured on a busy machine it reads low (and MFU high): run the doctor again when the machine is quiet",
     )
 
 
