@@ -43,7 +43,7 @@ def record(
     names = {"epoch_s": "time/epoch_s", "acc": "val/acc", "gpu": "gpu/util_mean_pct", "peak": "memory/max_allocated_mb"}
     names |= {"device_peak": "gpu/mem_peak_mb", "oom": "oom/events", "step_ms": "time/step_ms"}
     names |= {"wait": "time/data_wait_pct", "h2d": "time/h2d_pct", "compute": "time/compute_pct"}
-    names |= {"own": "time/overhead_pct"}
+    names |= {"own": "time/overhead_pct", "mfu": "perf/mfu_pct"}
     values = {names[k]: v for k, v in metrics.items()}
     if samples_per_s is not None:
         values.setdefault("time/epoch_s", 60000 / samples_per_s)
@@ -654,6 +654,7 @@ def test_the_terminal_view_of_the_readme_sweep_fits_160_columns_with_the_columns
         "speed-up [95% CI]",
         "verdict",
         "val/acc",
+        "MFU %",
         "step ms",
     ]
     rows = [line for line in lines if line.startswith("bs")]
@@ -805,3 +806,25 @@ def test_a_records_steps_are_each_latest_metrics_step_with_or_without_mlflows_me
 
     bare = type("Run", (), {"info": run.info, "data": Bare(run.data)})()
     assert RunRecord.from_run(bare).steps == {"val/acc": 3, "x": 7}
+
+
+def test_each_row_shows_its_runs_median_mfu_in_every_view() -> None:
+    """MFU (``perf/mfu_pct``) in the terminal, compare.md and compare.csv: the median over the row's runs; a row whose
+    runs have none (an unknown GPU, an older run) shows a dash, never a zero."""
+    runs = [
+        record(f"a{i}", 1000 + i, seed=i, mfu=m, tags={"perf.peak": "this GPU's bf16 peak (H200 datasheet)"})
+        for i, m in enumerate((31.0, 35.0, 33.0))
+    ]
+    runs += [record(f"b{i}", 900 + i, seed=i, params={"amp": "1"}) for i in range(3)]
+    table = build(runs)
+    lines = terminal_lines(table)
+    header = columns_of(lines)
+    at = [c.strip() for c in header].index("MFU %")
+    start = lines[lines.index(next(line for line in lines if line.startswith("row ")))].index("MFU %")
+    rows = [line for line in lines if line.startswith("mlp-")]
+    assert [row[start : start + 5].strip() for row in rows] == ["33", "–"] and at == 6
+    md = table_markdown(table)
+    assert "| MFU % " in md
+    csv_rows = list(csv.DictReader(io.StringIO(compare.table_csv(table))))
+    assert [r["mfu_pct"] for r in csv_rows] == ["33", ""]
+    assert csv_rows[0]["mfu_peak"] == "this GPU's bf16 peak (H200 datasheet)"

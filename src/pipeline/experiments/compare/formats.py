@@ -13,7 +13,7 @@ import textwrap
 
 from pipeline.common.markdown import markdown_table
 from pipeline.common.stats import NOISY, Summary
-from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, PEAK_MB, STEP_PARTS
+from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, MFU, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
 from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
@@ -81,6 +81,7 @@ def _headers(table: Table) -> list[str]:
         "step vs baseline",
         table.quality,
         "GPU util %",
+        "MFU %",
         "peak MB",
         "bottleneck",
         "OOM",
@@ -111,11 +112,18 @@ def _cells(table: Table, line: Line) -> list[str]:
         "baseline" if is_base else line.step_change or "–",
         _range(row.stat(table.quality)),
         number(s.median) if (s := row.stat(GPU_UTIL)) else "–",
+        mfu_cell(row),
         (number(peak.median) + ("²" if device_peak else "")) if peak else "–",
         row.tag("bottleneck"),
         str(row.oom_events),
         *([row.status] if _any_unfinished(table) else []),
     ]
+
+
+def mfu_cell(row: Row) -> str:
+    """The row's median MFU in percent (``perf/mfu_pct``), ``–`` where its runs have none."""
+    stat = row.stat(MFU)
+    return f"{stat.median:.0f}" if stat and stat.median >= 1 else f"{stat.median:.2g}" if stat else "–"
 
 
 def _any_unfinished(table: Table) -> bool:
@@ -262,7 +270,8 @@ def table_csv(table: Table) -> str:
     header += [f"{name}_{part}" for name in metrics for part in ("median", "min", "max")]
     header += ["spread_iqr_over_median", *_speedup_header(""), *_speedup_header("vs_previous_")]
     header += [f"step_{p.replace(' ', '_')}_ms" for p in STEP_PARTS] + ["step_vs_baseline"]
-    header += ["gpu_util_mean_pct", "peak_mb", "peak_mb_source", "bottleneck", "oom_events", "single_epoch"]
+    header += ["gpu_util_mean_pct", "mfu_pct", "mfu_peak", "peak_mb", "peak_mb_source", "bottleneck", "oom_events"]
+    header += ["single_epoch"]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(header)
@@ -291,6 +300,8 @@ def table_csv(table: Table) -> str:
                 *(_g(parts.get(p)) for p in STEP_PARTS),
                 line.step_change,
                 _g(s.median if (s := row.stat(GPU_UTIL)) else None),
+                _g(s.median if (s := row.stat(MFU)) else None),
+                row.runs[0].tags.get("perf.peak", ""),
                 _g(peak.median if peak else None),
                 (DEVICE_PEAK_MB if device_peak else PEAK_MB) if peak else "",
                 row.tag("bottleneck"),

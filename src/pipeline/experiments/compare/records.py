@@ -24,6 +24,7 @@ VAL_LOSS = "val/loss"
 PRIMARY = "task.primary"  # the tag naming a run's leading validation metric (val/acc, val/mae, ...)
 LOWER_IS_BETTER = frozenset({"val/loss", "val/mae", "val/rmse", "val/perplexity"})
 GPU_UTIL = "gpu/util_mean_pct"
+MFU = "perf/mfu_pct"  # model FLOPs utilisation: the model's FLOP/s over the device's peak (pipeline.engine.flops)
 PEAK_MB = "memory/max_allocated_mb"  # the allocator's peak (CUDA)
 DEVICE_PEAK_MB = "gpu/mem_peak_mb"  # NVML's reading of the whole device: shown only where PEAK_MB is missing
 OOM_EVENTS = "oom/events"  # a running count, logged only at an event: missing = none

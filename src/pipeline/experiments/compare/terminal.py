@@ -1,7 +1,7 @@
 """A ``Table`` for a terminal: the columns that matter, in plain words, in lines of at most ``MAX_WIDTH``
 characters; every other column, the ranges and the tests' numbers stay in ``compare.md`` and ``compare.csv``.
 
-    row  n  [keys]  samples/s  speed-up [95% CI]  verdict  [vs previous]  val/acc  step ms
+    row  n  [keys]  samples/s  speed-up [95% CI]  verdict  [vs previous]  val/acc  MFU %  step ms
 
 [keys]: the config keys that differ between rows beyond the batch size, workers and the like that run names
 carry, as many as leave the name room; [vs previous]: ladders only.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import textwrap
 
-from pipeline.experiments.compare.formats import above, gaps, number, step_cell, wrap
+from pipeline.experiments.compare.formats import above, gaps, mfu_cell, number, step_cell, wrap
 from pipeline.experiments.compare.table import Line, Table, power_note
 
 MAX_WIDTH = 160  # a terminal's width at most: no line of the view is longer
@@ -45,7 +45,7 @@ def table_terminal(table: Table) -> str:
 
 def _columns(table: Table, keys: list[str]) -> tuple[list[str], list[list[str]]]:
     headers = ["row", "n", *keys, "samples/s", "speed-up [95% CI]", "verdict"]
-    headers += ["vs previous"] * table.ladder + [table.quality, "step ms"]
+    headers += ["vs previous"] * table.ladder + [table.quality, "MFU %", "step ms"]
     return headers, [_cells(table, line, keys) for line in table.lines]
 
 
@@ -57,7 +57,7 @@ def _cells(table: Table, line: Line, keys: list[str]) -> list[str]:
     if table.ladder:
         previous = line.vs_previous
         cells.append(f"{previous.estimate().split(' ')[0]} {previous.verdict()}" if previous else "–")
-    cells += [number(quality.median) if quality else "–", step_cell(row)]
+    cells += [number(quality.median) if quality else "–", mfu_cell(row), step_cell(row)]
     return cells
 
 
@@ -93,7 +93,9 @@ def _notes(table: Table) -> list[str]:
         f"verdict: 'shown' when the test finds the difference too large to be noise (under a 5% chance{over}) and it "
         f"is at least {table.min_effect:.0%}; 'no difference shown': it may be noise; 'cannot tell: add repeats': "
         "too few runs for any test to show one (rerun with more trainer.seed values).",
-        "step ms: a steady step = waiting for data + copying to the device + computing + the pipeline's own work.",
+        "MFU %: the model's FLOPs per second over the device's peak in the dtype it computes in (a GPU's datasheet, "
+        "a CPU's measured matmul peak), the median over a row's runs; – where a run has none. step ms: a steady step "
+        "= waiting for data + copying to the device + computing + the pipeline's own work.",
         "compare.md and compare.csv hold every column: the keys that differ, ranges, p-values, epoch time, GPU use, "
         "memory, the bottleneck (python -m pipeline.compare writes them to its --out; a sweep attaches them to its "
         "parent run, under compare/).",
