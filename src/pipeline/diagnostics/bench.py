@@ -72,26 +72,22 @@ def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None
 
     ``writes`` collects each run's share of that time spent writing metrics.
     """
-    from pipeline.config import load
-    from pipeline.train import train
-
-    cfg = load(
-        [
-            "device=cpu",
-            "trainer.epochs=1",
-            "trainer.progress=false",
-            f"tracking.uri=sqlite:///{store}",
-            "tracking.experiment=bench",
-            "monitor.plots=false",
-            *overrides,
-        ]
-    )
-    with contextlib.redirect_stdout(io.StringIO()):
-        result = train(cfg, echo=False, quiet=True)
+    result = pipeline_run(overrides, store)
     seconds = result.epochs[0].seconds + result.tracking_write_s  # the writes between epochs count too
     if writes is not None:  # the writer thread's writes, if any, ran during the epoch: its seconds hold them
         writes.append((result.tracking_write_s + result.tracking_background_write_s) / seconds)
     return seconds
+
+
+def pipeline_run(overrides: list[str], store: Path) -> Any:
+    """A one-epoch ``python -m pipeline`` run in-process, on the CPU, tracked in ``store``: its ``RunResult``."""
+    from pipeline.config import load
+    from pipeline.train import train
+
+    base = ["device=cpu", "trainer.epochs=1", "trainer.progress=false", f"tracking.uri=sqlite:///{store}"]
+    cfg = load([*base, "tracking.experiment=bench", "monitor.plots=false", *overrides])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(cfg, echo=False, quiet=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,12 +349,13 @@ BENCHES = {
     "autotune": lambda sizes, work: _module("bench_claims").bench_autotune(sizes, work),
     "ddp": lambda sizes, work: _module("bench_ddp").bench_ddp(sizes, work),
     "compare": lambda sizes, work: _module("bench_compare").bench_compare(sizes, work),
+    "mfu": lambda sizes, work: _module("bench_mfu").bench_mfu(sizes, work),
 }
 
 
 def _module(name: str) -> Any:
-    """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``,
-    ``bench_compare``), imported when its rows are asked for."""
+    """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``, ``bench_compare``,
+    ``bench_mfu``), imported when its rows are asked for."""
     import importlib
 
     return importlib.import_module(f"pipeline.diagnostics.{name}")
