@@ -97,6 +97,9 @@ def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
         ">= 90%",
     )
     assert rows["pipeline_vs_bare"]["goal"] == ">= 0.98" and rows["pipeline_vs_bare"]["value"] > 0
+    mfu = rows["mfu"]  # a functional goal: on the CPU, against its measured peak
+    assert mfu["status"] == "PASS" and mfu["value"] == rows["resnet50_bf16_channels_last"]["raw"]["mfu_pct"] > 0
+    assert mfu["detail"].startswith("this CPU's bf16 peak (measured matmul, ")
 
     mlp = rows["mlp"]["raw"]
     assert rows["mlp"]["value"] == pytest.approx(mlp["train_s"] + mlp["eval_s"])
@@ -331,3 +334,14 @@ def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisat
     ctx.busy = {}  # --only sampler: the busy loop never ran
     rows = {row.key: row for row in gpu_check.step_sampler(ctx)}
     assert rows["nvml_busy_util"].status == "SKIP" and "did not run" in rows["nvml_busy_util"].detail
+
+
+def test_a_card_missing_from_the_table_fails_the_mfu_row_with_the_reason(gpu_check: ModuleType) -> None:
+    from pipeline.diagnostics.gpu_runs import mfu_row
+
+    ctx = gpu_plan.Context(gpu_plan.GPU_PLAN, "default", Path("."))
+    ctx.mfu["resnet50_bf16_channels_last"] = (None, "no MFU: 'NVIDIA Some Future GPU' is not in pipeline's table")
+    row = mfu_row(ctx)
+    assert (row.value, row.status) == (0.0, "FAIL") and row.detail.startswith("no MFU: 'NVIDIA Some Future GPU'")
+    ctx.mfu["resnet50_bf16_channels_last"] = (41.5, "this GPU's bf16 peak (H200 SXM datasheet)")
+    assert (mfu_row(ctx).value, mfu_row(ctx).status) == (41.5, "PASS")

@@ -139,6 +139,7 @@ ROW_ORDER = [  # the table's order: the issue's
     "resnet50_bf16",
     "resnet50_fp16",
     "resnet50_bf16_channels_last",
+    "mfu",
     "resnet50_bf16_channels_last_compile",
     "input_vs_synthetic",
     "input_gpu_util",

@@ -80,6 +80,7 @@ GOALS = {
     "input_gpu_util": Goal(">=", 90, ">= 90%"),
     "doctor": Goal("==", 0, "0 FAIL", functional=True),
     "oom_fallback": Goal(">=", 1, "survives", functional=True),
+    "mfu": Goal(">=", 0.01, "> 0: the card is in the table", functional=True),
     "pipeline_vs_bare": Goal(">=", 0.98, ">= 0.98"),
 }
 
@@ -106,6 +107,7 @@ class Context:
     images_per_s: dict[str, float] = field(default_factory=dict)  # row key -> img/s
     peak_mb: dict[str, float] = field(default_factory=dict)  # row key -> the allocator's peak during that run
     busy: dict[str, Any] = field(default_factory=dict)  # the bare loop's readings per GPU backend
+    mfu: dict[str, tuple[float | None, str]] = field(default_factory=dict)  # row key -> MFU %, its peak or why none
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started

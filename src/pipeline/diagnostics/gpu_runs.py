@@ -230,11 +230,27 @@ def step_resnet(ctx: Context, *, compiled: bool = False) -> list[Row]:
                     detail += f"; compiling took {figures['compile_s']:.0f} s (left out)"
             if result.oom_events:
                 detail += f"; out of memory: micro-batch {result.micro_batch}"
+            mfu = result.flops.mfu_pct(value)
+            figures["mfu_pct"] = mfu
+            ctx.mfu[key] = (mfu, result.flops.peak.what if mfu is not None else result.flops.why_none())
+            detail += f"; MFU {mfu:.1f}%" if mfu is not None else ""
             goal = GOALS.get(key)
             return Row(key, name, value, "img/s", goal.text if goal else "", plan.judge(value, goal), detail, figures)
 
         rows.append(guarded(key, name, "img/s", make))
-    return rows
+    return rows if compiled else [*rows, mfu_row(ctx)]
+
+
+def mfu_row(ctx: Context, key: str = "resnet50_bf16_channels_last") -> Row:
+    """That run's MFU against the table of GPU peaks (a dry run: the CPU's measured peak); a card the table does not
+    hold reads 0 and fails, with the reason."""
+    name = "MFU, ResNet-50 AMP bf16 + channels_last, against the device's peak"
+    goal = GOALS["mfu"]
+    if key not in ctx.mfu:
+        return Row("mfu", name, None, "%", goal.text, "SKIP", f"the {key} run did not complete")
+    value, basis = ctx.mfu[key]
+    shown = value if value is not None else 0.0
+    return Row("mfu", name, shown, "%", goal.text, ctx.plan.judge(shown, goal), basis, {"mfu_pct": value})
 
 
 @contextlib.contextmanager
