@@ -12,6 +12,10 @@ The pipeline's own work between steps (reading the loss back, checkpoints, the p
 ``OVERHEAD_PCT`` or more of the step time, the verdict says so and how to reduce it.
 
 The hint names the overrides to try next, chosen from the run's own loader and device.
+
+No rule reads a CPU utilisation: the machine's figure counts every process on it, so it says nothing of this run.
+When other processes kept the machine busy (``pipeline.monitor.BUSY_OTHERS_PCT``), the evidence says so: the shares
+then measure the contention as much as the run.
 """
 
 from __future__ import annotations
@@ -67,9 +71,11 @@ def judge(
     cpus: int | None = None,
     amp_check: AmpProbe | None = None,
     convolutional: bool = True,
+    busy: str = "",
 ) -> Verdict:
     """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
-    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``)."""
+    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``); ``busy``: how busy other
+    processes kept the machine (``pipeline.report.summary.busy_words``), "" when they did not."""
     kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
     evidence = f"{data_wait_pct:.0f}% of step time {data_wait_words(cfg.loader.resident)}, {h2d_pct:.0f}% copying it"
     if gpu_util_pct is not None:
@@ -80,6 +86,8 @@ def judge(
         bookkeeping = f"; to cut that, raise trainer.log_every_n_steps (now {cfg.trainer.log_every_n_steps})" + (
             f" or checkpoint.every_n_steps (now {cfg.checkpoint.every_n_steps})" if cfg.checkpoint.every_n_steps else ""
         )
+    if busy:
+        evidence += f"; {busy}, so this evidence is unreliable"
     if kind == "input":
         hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
     elif kind == "compute":
