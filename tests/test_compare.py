@@ -828,3 +828,33 @@ def test_each_row_shows_its_runs_median_mfu_in_every_view() -> None:
     csv_rows = list(csv.DictReader(io.StringIO(compare.table_csv(table))))
     assert [r["mfu_pct"] for r in csv_rows] == ["33", ""]
     assert csv_rows[0]["mfu_peak"] == "this GPU's bf16 peak (H200 datasheet)"
+
+
+def test_rows_with_runs_on_a_busy_machine_are_marked_in_every_view() -> None:
+    busy = {"machine.busy": "true", "machine.others_cpu_pct": "60"}
+    runs = [
+        *repeats("a", [1000.0, 1010.0, 990.0]),
+        record("b0", 1500.0, seed=0, params={"amp": "1"}, tags=busy),
+        *(record(f"b{i}", 1500.0 + i, seed=i, params={"amp": "1"}, tags={"machine.busy": "false"}) for i in (1, 2)),
+    ]
+    table = build(runs)
+    text = table_markdown(table)
+    assert "1,501† (1,500–1,502)" in text and "1,000 (990–1,010)" in text
+    assert "† some of the row's runs ran on a busy machine" in text and "Rows: mlp-bs64 (1 of 3 runs)." in " ".join(
+        text.split()
+    )
+    csv_rows = list(csv.DictReader(io.StringIO(table_csv(table))))
+    assert [r["busy_runs"] for r in csv_rows] == ["0", "1"]
+    lines = terminal_lines(table)
+    rows = [line for line in lines if line.startswith("mlp-bs64")]
+    assert "1,000 " in rows[0] and "1,501†" in rows[1]
+    assert any(line.startswith("† some of the row's runs ran on a busy machine") for line in lines)
+    assert "1,501†" in compare.formats.compact_markdown(table)
+
+
+def test_the_terminal_view_with_busy_rows_still_fits_160_columns() -> None:
+    runs = [replace(r, tags={**r.tags, "machine.busy": "true"}) if i % 2 else r for i, r in enumerate(readme_sweep(3))]
+    lines = terminal_lines(build(runs))
+    assert max(len(line) for line in lines) <= 160
+    assert sum(line.startswith("bs") and "†" in line for line in lines) == 9
+    assert "†" not in table_markdown(build(readme_sweep(1)))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from pipeline.engine.timing import Breakdown
 from pipeline.monitor import GpuTarget, Sample
 from pipeline.monitor.gpu import GpuReading
 from pipeline.report.plots import step_breakdown, utilisation_timeline
+from pipeline.report.summary import format_summary
 from pipeline.report.verdict import classify, judge
 from pipeline.train import train
 
@@ -147,6 +151,18 @@ def test_compute_hints_follow_device_and_precision(make_cfg: MakeCfg) -> None:
     assert "train on a GPU (device=cuda); amp's effect on this CPU was not measured" in cpu.message
 
 
+def test_on_a_busy_machine_the_verdict_says_its_evidence_is_unreliable(make_cfg: MakeCfg) -> None:
+    busy = "the machine was busy (others used 60% of its CPUs)"
+    verdict = judge(
+        make_cfg(), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="fp32", busy=busy
+    )
+    assert verdict.bottleneck == "compute"  # the rules read the step's shares, never a CPU utilisation
+    assert verdict.message.startswith(
+        "compute-bound: 1% of step time waiting for data, 0% copying it; the machine was busy (others used 60% of its "
+        "CPUs), so this evidence is unreliable — "
+    )
+
+
 def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
     make_cfg: MakeCfg, store_uri: str, tmp_path: Path
 ) -> None:
@@ -164,8 +180,11 @@ def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
         "time/overhead_pct",
         "time/first_step_s",
         "throughput/samples_per_s",
+        "cpu/util_mean_pct",
+        "cpu/run_util_mean_pct",
     ):
         assert key in metrics, key
+    assert run.data.tags["machine.busy"] in ("true", "false") and run.data.tags["machine.others_cpu_pct"].isdigit()
     assert len(client.get_metric_history(result.run_id, "time/compute_pct")) == 2
     assert run.data.tags["bottleneck"] in ("input", "compute", "mixed")
     assert run.data.tags["bottleneck.hint"] == result.verdict
@@ -174,6 +193,28 @@ def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
     png = Path(client.download_artifacts(result.run_id, "plots/utilisation.png", str(tmp_path))).read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
     assert "utilisation CPU" in run.data.tags["mlflow.note.content"]
+
+
+@pytest.mark.slow
+def test_a_run_beside_processes_burning_every_cpu_says_the_machine_was_busy(make_cfg: MakeCfg) -> None:
+    """One spinning process per CPU for the whole run: the run's own CPU share stays below the machine's, and the
+    summary says the machine was busy. Nothing about how fast anything ran is asserted."""
+    cpus = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < cpus:
+        pytest.skip("this process may use only some of the machine's CPUs: the burners could not fill the machine")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
+    try:
+        cfg = make_cfg("tracking=none", "trainer.max_steps=20", "monitor.interval_s=0.05")  # ~4 s beside them
+        result = train(cfg, echo=False)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    u = result.utilisation
+    assert u.samples >= 3 and u.run_cpu_pct is not None and u.cpu_mean_pct is not None
+    assert u.run_cpu_pct < u.cpu_mean_pct  # of its CPUs, which are all the machine's here
+    assert u.busy and "; the machine was busy (others used" in result.verdict
+    assert "  note        the machine was busy (others used " in format_summary(result)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from pipeline.monitor import GpuTarget, Sampler, summarize, system_metrics
+from pipeline.monitor import BUSY_OTHERS_PCT, GpuTarget, RankCpu, Sampler, job_summary, summarize, system_metrics
 from pipeline.monitor.gpu import GpuReading, GputilBackend, NoGpu, NvmlBackend, open_backend
 from pipeline.monitor.sampler import Sample
 
@@ -316,3 +317,61 @@ def test_the_first_readings_are_real_ones_not_psutils_meaningless_zero(monkeypat
         time.sleep(0.01)
     sampler.stop()
     assert len(sampler.samples) >= 2 and sampler.samples[0].cpu_pct == 37.0
+
+
+def machine(monkeypatch: pytest.MonkeyPatch, *, cpus: int, usable: set[int] | None) -> None:
+    """A machine of ``cpus`` CPUs on which this process may use ``usable`` (None: an OS without affinity)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    if usable is None:
+        monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    else:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: usable, raising=False)
+
+
+def readings(machine_pct: float, run_pct: float, n: int = 4) -> list[Sample]:
+    return [Sample(float(t), machine_pct, run_pct, 1000.0, 20.0) for t in range(n)]
+
+
+def test_the_runs_own_cpu_is_a_share_of_the_cpus_it_may_use_and_the_rest_of_the_machine_is_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    machine(monkeypatch, cpus=8, usable={0, 1})
+    summary = summarize(readings(50.0, 70.0))  # 0.7 of a core; half of the machine's 8 CPUs busy
+    assert (summary.cpus, summary.machine_cpus, summary.run_cpu_pct) == (2, 8, 35.0)
+    assert summary.others_cpu_pct == 50.0 - 70.0 / 8 and summary.busy
+    assert summary.metrics()["cpu/run_util_mean_pct"] == 35.0 and summary.metrics()["cpu/util_mean_pct"] == 50.0
+    assert summary.tags() == {"machine.busy": "true", "machine.others_cpu_pct": "41"}
+
+
+def test_without_an_affinity_the_run_may_use_every_cpu_of_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    machine(monkeypatch, cpus=4, usable=None)
+    summary = summarize(readings(30.0, 100.0))
+    assert (summary.cpus, summary.run_cpu_pct, summary.others_cpu_pct, summary.busy) == (4, 25.0, 5.0, False)
+    assert summary.tags() == {"machine.busy": "false", "machine.others_cpu_pct": "5"}
+
+
+def test_others_never_go_below_zero_when_the_runs_reading_comes_out_above_the_machines() -> None:
+    summary = summarize(readings(30.0, 70.0), cpus=2, machine_cpus=2)  # sampled a moment apart: 35% > 30%
+    assert summary.others_cpu_pct == 0.0 and not summary.busy
+
+
+@pytest.mark.parametrize(("machine_pct", "busy"), [(BUSY_OTHERS_PCT + 10.0, True), (BUSY_OTHERS_PCT + 9.0, False)])
+def test_the_machine_is_busy_from_the_threshold_of_others_on(machine_pct: float, busy: bool) -> None:
+    summary = summarize(readings(machine_pct, 20.0), cpus=2, machine_cpus=2)  # the run: 10% of the machine
+    assert summary.busy is busy
+
+
+def test_a_ddp_jobs_ranks_on_this_machine_count_as_the_run_not_as_others() -> None:
+    rank0 = summarize(readings(60.0, 80.0), cpus=2, machine_cpus=8)
+    alone = rank0.others_cpu_pct
+    ranks = [
+        RankCpu("node-a", 80.0, frozenset({0, 1})),
+        RankCpu("node-a", 90.0, frozenset({1, 2, 3})),
+        RankCpu("node-b", 100.0, frozenset({0, 1})),  # another machine: its CPUs are not this one's
+    ]
+    job = job_summary(rank0, ranks, host="node-a")
+    assert (job.process_cpu_mean_pct, job.cpus) == (170.0, 4)
+    assert job.others_cpu_pct == 60.0 - 170.0 / 8 < alone
+    assert job_summary(rank0, ranks[:1], host="node-a") == rank0  # one process: nothing to add
+    no_affinity = [RankCpu("node-a", 80.0, None), RankCpu("node-a", 90.0, None)]
+    assert job_summary(rank0, no_affinity, host="node-a").cpus == 8

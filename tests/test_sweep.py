@@ -419,7 +419,7 @@ def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() 
     epoch = EpochRecord(1, 0.5, val, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})
     result = RunResult("r", "id", "cpu", "CPU", "fp32", "x", 10, 10, 1.0, epochs=[epoch], breakdown=steps)
     assert sweep.objective(result, "throughput/samples_per_s") == 1800.0  # what Optuna maximises: the job's
-    assert "1,800 samples/s in the last epoch (steady state, all ranks; rank 0 900;" in format_summary(result)
+    assert "1,800 samples/s in 1 epoch (steady state, all ranks; rank 0 900;" in format_summary(result)
     alone = dataclasses.replace(result, epochs=[dataclasses.replace(epoch, ranks={})])
     assert sweep.objective(alone, "throughput/samples_per_s") == 900.0
     assert sweep.objective(result, "primary") == 0.9 and sweep.objective(result, "val/loss") == 0.4

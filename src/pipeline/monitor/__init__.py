@@ -12,18 +12,33 @@ import torch
 
 from pipeline.config import MonitorConfig
 from pipeline.monitor.gpu import GpuTarget, open_backend
-from pipeline.monitor.sampler import CLOCK_KEY, Sample, Sampler, UtilSummary, summarize, system_metrics
+from pipeline.monitor.sampler import (
+    BUSY_OTHERS_PCT,
+    CLOCK_KEY,
+    RankCpu,
+    Sample,
+    Sampler,
+    UtilSummary,
+    job_summary,
+    rank_cpu,
+    summarize,
+    system_metrics,
+)
 
 __all__ = [
+    "BUSY_OTHERS_PCT",
     "CLOCK_KEY",
     "GpuTarget",
     "NullSampler",
+    "RankCpu",
     "Sample",
     "Sampler",
     "UtilSummary",
     "allocator_metrics",
     "gpu_targets",
+    "job_summary",
     "open_sampler",
+    "rank_cpu",
     "summarize",
     "system_metrics",
 ]

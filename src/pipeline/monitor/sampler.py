@@ -7,15 +7,22 @@ since the run started; timestamps are wall clock). A resumed run's readings cont
 steps its earlier processes recorded (``after_step``), so each step holds one point and the
 timeline runs on. The thread writes through the tracker's explicit run id, never MLflow's
 thread-local active run.
+
+Two CPU figures, kept apart: the machine's (``cpu_pct``, psutil's share of *all* the machine's CPUs) and the run's
+own (``process_cpu_pct``: its process and loader workers, 100 = one core). ``UtilSummary`` states the run's as a
+share of the CPUs it may use (``usable_cpus``) and what other processes took (``others_cpu_pct``, over the machine's
+CPUs), which says whether the machine was busy (``BUSY_OTHERS_PCT``) and its speed figures not comparable.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 
@@ -24,6 +31,12 @@ from pipeline.monitor.gpu import GpuBackend, GpuReading, NoGpu
 log = logging.getLogger(__name__)
 
 CLOCK_KEY = "system/cpu_utilization_percentage"  # logged at every reading: its last step is the sampler's last tick
+# Other processes' mean share of the machine's CPUs from which the machine counts as busy. Below it is the usual
+# background (a shell, an editor, the tracking server: a few %); a quarter of the CPUs is a whole core of a 4-CPU
+# machine taken from the run and its loader (half of a 2-CPU one), and on bigger machines a share of the memory
+# bandwidth and caches the run needs too. Lower, a quiet laptop's bursts (an update, an indexer) would mark many
+# runs; higher, a neighbour's full core on a 4-CPU machine would go unsaid.
+BUSY_OTHERS_PCT = 25.0
 
 
 @dataclass(frozen=True)
@@ -45,10 +58,42 @@ class UtilSummary:
     gpu_util_mean_pct: float | None
     gpu_util_p95_pct: float | None
     gpu_mem_peak_mb: float | None
+    process_cpu_mean_pct: float | None = None  # the run's processes (loader workers included); 100 = one core
+    cpus: int = 0  # CPUs the run may use (``usable_cpus``); under DDP, the job's on this machine (``job_summary``)
+    machine_cpus: int = 0  # CPUs the machine has: what ``cpu_mean_pct`` is a share of
+
+    @property
+    def run_cpu_pct(self) -> float | None:
+        """The run's own CPU use as a share of the CPUs it may use (100 = all of them, all the time)."""
+        if self.process_cpu_mean_pct is None or not self.cpus:
+            return None
+        return self.process_cpu_mean_pct / self.cpus
+
+    @property
+    def others_cpu_pct(self) -> float | None:
+        """Other processes' share of the machine's CPUs: the machine's less the run's, both over all its CPUs. Never
+        below 0: the two are read at slightly different moments, so the run's can come out a little higher."""
+        if self.cpu_mean_pct is None or self.process_cpu_mean_pct is None or not self.machine_cpus:
+            return None
+        return max(self.cpu_mean_pct - self.process_cpu_mean_pct / self.machine_cpus, 0.0)
+
+    @property
+    def busy(self) -> bool:
+        """Other processes used ``BUSY_OTHERS_PCT`` or more of the machine's CPUs on average."""
+        others = self.others_cpu_pct
+        return others is not None and others >= BUSY_OTHERS_PCT
+
+    def tags(self) -> dict[str, str]:
+        """``machine.busy`` (true/false) and ``machine.others_cpu_pct``; none without CPU readings."""
+        others = self.others_cpu_pct
+        if others is None:
+            return {}
+        return {"machine.busy": str(self.busy).lower(), "machine.others_cpu_pct": f"{others:.0f}"}
 
     def metrics(self) -> dict[str, float]:
         values = {
             "cpu/util_mean_pct": self.cpu_mean_pct,
+            "cpu/run_util_mean_pct": self.run_cpu_pct,
             "gpu/util_mean_pct": self.gpu_util_mean_pct,
             "gpu/util_p95_pct": self.gpu_util_p95_pct,
             "gpu/mem_peak_mb": self.gpu_mem_peak_mb,
@@ -193,7 +238,22 @@ class Sampler:
         return summarize(window)
 
 
-def summarize(window: list[Sample]) -> UtilSummary:
+def cpu_ids() -> frozenset[int] | None:
+    """The CPUs this process may run on (Linux: taskset, cgroup cpusets, SLURM's binding); None where the OS has no
+    affinity call (macOS, Windows). A CPU quota (cgroups' ``cpu.max``) is not an affinity and is not seen."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return frozenset(getaffinity(0)) if getaffinity is not None else None
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may use: its affinity's, else the machine's."""
+    ids = cpu_ids()
+    return len(ids) if ids else os.cpu_count() or 1
+
+
+def summarize(window: list[Sample], *, cpus: int | None = None, machine_cpus: int | None = None) -> UtilSummary:
+    """Means, the GPU's p95 and peak over ``window``; ``cpus`` and ``machine_cpus`` default to this process's usable
+    CPUs and the machine's."""
     if not window:
         return UtilSummary(0, None, None, None, None)
     utils = sorted(g.util_pct for s in window for g in s.gpus if g.util_pct is not None)
@@ -204,7 +264,43 @@ def summarize(window: list[Sample]) -> UtilSummary:
         gpu_util_mean_pct=sum(utils) / len(utils) if utils else None,
         gpu_util_p95_pct=utils[min(len(utils) - 1, round(0.95 * (len(utils) - 1)))] if utils else None,
         gpu_mem_peak_mb=max(mems) if mems else None,
+        process_cpu_mean_pct=sum(s.process_cpu_pct for s in window) / len(window),
+        cpus=cpus or usable_cpus(),
+        machine_cpus=machine_cpus or os.cpu_count() or 1,
     )
+
+
+@dataclass(frozen=True)
+class RankCpu:
+    """What one rank of a DDP job says of its CPU use, for ``job_summary``."""
+
+    host: str
+    process_cpu_mean_pct: float | None  # 100 = one core
+    cpu_ids: frozenset[int] | None  # its affinity; None where the OS has none
+
+
+def rank_cpu(summary: UtilSummary) -> RankCpu:
+    return RankCpu(socket.gethostname(), summary.process_cpu_mean_pct, cpu_ids())
+
+
+def job_summary(summary: UtilSummary, ranks: list[RankCpu], *, host: str | None = None) -> UtilSummary:
+    """This rank's summary with the job's other ranks on the same machine counted as the run's own, not as others.
+
+    Each rank samples only its own process, so without this a 2-rank job on 2 CPUs would read as a machine half
+    used by others. The run's CPUs become the union of those ranks' affinities (the machine's where one has none).
+
+    Args:
+        summary: this rank's summary over the run.
+        ranks: every rank's ``rank_cpu`` (``group.gather``); one entry for a single process.
+        host: this machine's name (default: ``socket.gethostname()``).
+    """
+    here = host or socket.gethostname()
+    local = [r for r in ranks if r.host == here and r.process_cpu_mean_pct is not None]
+    if len(local) <= 1 or summary.process_cpu_mean_pct is None:
+        return summary
+    affinities = [r.cpu_ids for r in local]
+    cpus = len(frozenset().union(*affinities)) if all(affinities) else summary.machine_cpus
+    return replace(summary, process_cpu_mean_pct=sum(r.process_cpu_mean_pct or 0.0 for r in local), cpus=cpus)
 
 
 def system_metrics(sample: Sample) -> dict[str, float]:

@@ -19,11 +19,12 @@ from pipeline.engine.memory import batchnorm_note
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
 from pipeline.engine.resume import Resumed
-from pipeline.engine.timing import Breakdown, combine
+from pipeline.engine.timing import Breakdown
+from pipeline.monitor import job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import ModelCard
 from pipeline.report.plots import step_breakdown, utilisation_timeline
-from pipeline.report.summary import EpochRecord, RunResult
+from pipeline.report.summary import EpochRecord, RunResult, busy_words, device_speed, run_breakdown
 from pipeline.report.verdict import Mfu, judge
 
 
@@ -73,8 +74,11 @@ def conclude(
     total_s: float,
 ) -> RunResult:
     """The run's verdict, pictures and record, once the sampler has stopped."""
-    breakdown = combine([e.breakdown for e in epochs])
+    breakdown = run_breakdown(epochs)
     utilisation = sampler.summary()
+    # Every rank concludes, so every rank takes part in this gather; it makes the job's other ranks on this machine
+    # count as the run's own CPU use, not as other processes keeping the machine busy.
+    utilisation = job_summary(utilisation, setup.group.gather(rank_cpu(utilisation)))
     verdict = judge(
         setup.cfg,
         device_type=setup.device.type,
@@ -83,11 +87,12 @@ def conclude(
         overhead_pct=breakdown.overhead_pct,
         gpu_util_pct=utilisation.gpu_util_mean_pct,
         precision=setup.policy.label,
-        mfu=run_mfu(setup, breakdown.samples_per_s),
+        mfu=run_mfu(setup, device_speed(epochs)),
         amp_check=setup.amp_probe,
         convolutional=has_convolutions(setup.state.model),
+        busy=busy_words(utilisation) if utilisation.busy else "",
     )
-    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message}
+    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message, **utilisation.tags()}
     note = batchnorm_note(setup.state.model, setup.state.micro)
     if note:
         tags["oom.batchnorm"] = note
@@ -158,9 +163,9 @@ def conclude(
     )
 
 
-def run_mfu(setup: Setup, samples_per_s: float) -> Mfu | None:
-    """The run's MFU over its steady steps (every epoch's, as the step-time shares), for the verdict."""
-    pct = setup.model_flops.mfu_pct(samples_per_s)
+def run_mfu(setup: Setup, samples_per_s: float | None) -> Mfu | None:
+    """The run's MFU at the summary's speed (``device_speed``), for the verdict."""
+    pct = setup.model_flops.mfu_pct(samples_per_s) if samples_per_s is not None else None
     return Mfu(pct, setup.model_flops.peak.dtype) if pct is not None else None
 
 

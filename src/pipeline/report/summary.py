@@ -1,4 +1,11 @@
-"""The record a run returns, and the short summary printed (and stored as the run's description)."""
+"""The record a run returns, and the short summary printed (and stored as the run's description).
+
+The summary's ``speed`` is the run's: the median of its epochs' steady-state samples/s with their min–max, over the
+same epochs whose steady steps the ``step time`` shares pool (``steady_epochs``), so both figures describe the same
+steps, and one epoch slowed by something else on the machine does not become the headline. What runs are compared
+and searched by is unchanged: each epoch logs its own ``throughput/samples_per_s``, and ``compare`` and a sweep's
+objective read the last epoch's, as every run they compare does.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.common import stats
 from pipeline.engine.flops import ModelFlops
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.monitor import UtilSummary, summarize
@@ -87,11 +95,28 @@ class RunResult:
         """The last epoch's value of validation metric ``name`` (``val/mae``), NaN when the run has none."""
         return self.epochs[-1].val_metrics.get(name, math.nan) if self.epochs else math.nan
 
+    def speed(self) -> stats.Summary | None:
+        """The run's speed: median, min and max over its ``steady_epochs`` of the job's steady-state samples/s
+        (every rank's together under DDP); None when no epoch timed a steady step."""
+        return stats.summarize(e.job_samples_per_s for e in steady_epochs(self.epochs))
+
+
+def steady_epochs(epochs: list[EpochRecord]) -> list[EpochRecord]:
+    """The epochs that timed a steady step. The summary's speed is the median of their samples/s and its step-time
+    shares are their steady steps pooled (``run_breakdown``): the same steps, weighed differently (the median
+    is the middle epoch; the pooled shares weigh each epoch by its time, a slow epoch more)."""
+    return [e for e in epochs if e.breakdown.steady_steps > 0]
+
+
+def run_breakdown(epochs: list[EpochRecord]) -> Breakdown:
+    """The run's step-time breakdown (``RunResult.breakdown``): its ``steady_epochs``' breakdowns combined."""
+    return combine([e.breakdown for e in steady_epochs(epochs)])
+
 
 def format_summary(result: RunResult) -> str:
     """A few lines: what ran where, how well, how fast, where the time went, where the record is."""
     last = result.epochs[-1] if result.epochs else None
-    b, u = result.breakdown, result.utilisation
+    b = result.breakdown
     lines = [
         f"run {result.run_name}: {len(result.epochs)} epoch(s), {result.steps} steps in {result.total_s:.1f} s",
         f"  device      {result.device} ({result.device_name})",
@@ -107,21 +132,13 @@ def format_summary(result: RunResult) -> str:
         lines += [
             f"  {'accuracy' if result.primary == 'val/acc' else 'validation':<12}{shown} · "
             f"train/epoch_loss {last.train_loss:.4f}",
-            f"  speed       {last.job_samples_per_s:,.0f} samples/s in the last epoch (steady state"
-            + (f", all ranks; rank 0 {last.samples_per_s:,.0f}" if last.ranks else "")
-            + f"; epoch {last.seconds:.2f} s, first step {b.first_step_s:.2f} s)",
-            *([f"  compute     {result.flops.describe(last.samples_per_s)}"] if result.flops is not None else []),
+            speed_line(result),
+            *compute_line(result),
             f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(result.loader.startswith('resident'))} · "
             f"{b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]
-    if u.samples:
-        util = f"  utilisation CPU {u.cpu_mean_pct:.0f}% of the machine"
-        if u.gpu_util_mean_pct is not None:
-            util += f" · GPU {u.gpu_util_mean_pct:.0f}% mean, {u.gpu_util_p95_pct:.0f}% p95"
-        if u.gpu_mem_peak_mb is not None:
-            util += f", {u.gpu_mem_peak_mb:,.0f} MB peak"
-        lines.append(util + f" ({u.samples} {'sample' if u.samples == 1 else 'samples'})")
+    lines += utilisation_lines(result.utilisation)
     if result.oom_events:
         first = result.oom_events[0].micro_batch
         lines.append(
@@ -141,3 +158,56 @@ def format_summary(result: RunResult) -> str:
     lines += [f"  note        {note}" for note in result.notes]
     lines += ["  " + line for line in result.tracking]
     return "\n".join(lines)
+
+
+def speed_line(result: RunResult) -> str:
+    """``speed`` as the median of the steady epochs' samples/s with their range (``RunResult.speed``)."""
+    speed, steady = result.speed(), steady_epochs(result.epochs)
+    if speed is None:
+        return "  speed       no steady step was timed"
+    said = f", median of {speed.n} epochs ({speed.low:,.0f}–{speed.high:,.0f}; " if speed.n > 1 else " in 1 epoch ("
+    ranks = ""
+    if any(e.ranks for e in steady):
+        rank0 = stats.summarize(e.samples_per_s for e in steady)
+        ranks = f", all ranks; rank 0 {rank0.median:,.0f}" if rank0 is not None else ""
+    first = f"first step {result.breakdown.first_step_s:.2f} s"
+    return f"  speed       {speed.median:,.0f} samples/s{said}steady state{ranks}; {first})"
+
+
+def device_speed(epochs: list[EpochRecord]) -> float | None:
+    """This process's median steady samples/s over the epochs the speed line covers: what its device's MFU is read
+    at (rank 0's under DDP, where the speed line gives the job's); None when no steady step was timed."""
+    own = stats.summarize(e.samples_per_s for e in steady_epochs(epochs))
+    return own.median if own is not None else None
+
+
+def compute_line(result: RunResult) -> list[str]:
+    """``compute``: the MFU of this process's device at ``device_speed``."""
+    speed = device_speed(result.epochs)
+    return [f"  compute     {result.flops.describe(speed)}"] if result.flops is not None and speed is not None else []
+
+
+def utilisation_lines(u: UtilSummary) -> list[str]:
+    """The run's own CPU share of the CPUs it may use beside the machine's, the GPU's, and a note when others kept
+    the machine busy."""
+    if not u.samples:
+        return []
+    machine = f"the machine {u.cpu_mean_pct:.0f}%"
+    if u.run_cpu_pct is not None:
+        util = f"  utilisation CPU: this run {u.run_cpu_pct:.0f}% of its {u.cpus} CPU{'s' if u.cpus != 1 else ''}, "
+        util += machine
+    else:
+        util = f"  utilisation CPU: {machine}"
+    if u.gpu_util_mean_pct is not None:
+        util += f" · GPU {u.gpu_util_mean_pct:.0f}% mean, {u.gpu_util_p95_pct:.0f}% p95"
+    if u.gpu_mem_peak_mb is not None:
+        util += f", {u.gpu_mem_peak_mb:,.0f} MB peak"
+    lines = [util + f" ({u.samples} {'sample' if u.samples == 1 else 'samples'})"]
+    if u.busy:
+        lines.append(f"  note        {busy_words(u)}: speed figures are not comparable")
+    return lines
+
+
+def busy_words(u: UtilSummary) -> str:
+    """``the machine was busy (others used 60% of its CPUs)``: what the summary and the verdict say of it."""
+    return f"the machine was busy (others used {u.others_cpu_pct or 0.0:.0f}% of its CPUs)"

@@ -15,6 +15,10 @@ The hint names the overrides to try next, chosen from the run's own loader and d
 judged by its MFU too (``pipeline.engine.flops``): under ``LOW_MFU_PCT`` of the device's peak it gets the changes
 that raise it (amp, channels_last, compile, a larger batch); from ``HIGH_MFU_PCT`` on it is told that the model's
 own arithmetic is the limit at this precision.
+
+No rule reads a CPU utilisation: the machine's figure counts every process on it, so it says nothing of this run.
+When other processes kept the machine busy (``pipeline.monitor.BUSY_OTHERS_PCT``), the evidence says so: the shares
+then measure the contention as much as the run.
 """
 
 from __future__ import annotations
@@ -75,10 +79,12 @@ def judge(
     amp_check: AmpProbe | None = None,
     convolutional: bool = True,
     mfu: Mfu | None = None,
+    busy: str = "",
 ) -> Verdict:
     """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
     ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``); ``mfu``: the run's model
-    FLOPs utilisation, when it has one."""
+    FLOPs utilisation, when it has one; ``busy``: how busy other processes kept the machine
+    (``pipeline.report.summary.busy_words``), "" when they did not."""
     kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
     evidence = f"{data_wait_pct:.0f}% of step time {data_wait_words(cfg.loader.resident)}, {h2d_pct:.0f}% copying it"
     if gpu_util_pct is not None:
@@ -89,6 +95,8 @@ def judge(
         bookkeeping = f"; to cut that, raise trainer.log_every_n_steps (now {cfg.trainer.log_every_n_steps})" + (
             f" or checkpoint.every_n_steps (now {cfg.checkpoint.every_n_steps})" if cfg.checkpoint.every_n_steps else ""
         )
+    if busy:
+        evidence += f"; {busy}, so this evidence is unreliable"
     if kind == "input":
         hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
     elif kind == "compute":

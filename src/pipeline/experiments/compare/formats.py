@@ -18,6 +18,7 @@ from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
 from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
+BUSY_MARK = "†"  # after a row's samples/s when some of its runs ran on a busy machine (tag machine.busy)
 
 
 def number(x: float | None) -> str:
@@ -40,6 +41,23 @@ def _spread(s: Summary | None) -> str:
     if s is None or s.n < 2 or s.spread is None:
         return "–"
     return f"{s.spread:.0%}" + (" noisy" if s.noisy else "")
+
+
+def busy_mark(row: Row) -> str:
+    return BUSY_MARK if row.busy_runs else ""
+
+
+def busy_note(table: Table) -> str | None:
+    """The note under both tables that explains ``BUSY_MARK``; None when no row has it."""
+    rows = [line.row for line in table.lines if line.row.busy_runs]
+    if not rows:
+        return None
+    which = ", ".join(f"{row.name} ({row.busy_runs} of {row.n} runs)" for row in rows[:3])
+    return (
+        f"{BUSY_MARK} some of the row's runs ran on a busy machine (other processes used a large share of its CPUs: "
+        "tag machine.busy, and machine.others_cpu_pct how much), so their samples/s and the speed-ups from them are "
+        f"not comparable; rerun them on a quieter machine. Rows: {which}" + (" …" if len(rows) > 3 else ".")
+    )
 
 
 def step_cell(row: Row) -> str:
@@ -103,7 +121,7 @@ def _cells(table: Table, line: Line) -> list[str]:
         *(row.param(k) for k in table.diff_keys),
         *(_provenance(row, t) for t in table.provenance),
         _range(row.stat(EPOCH_S), "¹" if row.single_epoch else ""),
-        _range(row.speed()),
+        _range(row.speed(), busy_mark(row)),
         _spread(row.speed()),
         "1.00× (baseline)" if is_base else line.vs_baseline.cell(),
         "baseline" if is_base else line.vs_baseline.reason,
@@ -185,7 +203,7 @@ def compact_markdown(table: Table) -> str:
             [
                 line.row.name,
                 str(line.row.n),
-                number(speed.median) if speed else "–",
+                (number(speed.median) if speed else "–") + busy_mark(line.row),
                 "1.00× (baseline)" if base else line.vs_baseline.cell(),
                 "baseline" if base else line.vs_baseline.reason,
                 "baseline" if base else line.step_change or "–",
@@ -196,7 +214,8 @@ def compact_markdown(table: Table) -> str:
         "The whole table (every key that differs, epoch time, accuracy, GPU use, memory, the footnotes) is in "
         "this run's artifacts: compare/compare.md, compare.csv and compare.png."
     )
-    return "\n".join([*above(table), "", *markdown_table(headers, body), "", *wrap(whole)]) + "\n"
+    busy = wrap(note) if (note := busy_note(table)) else []
+    return "\n".join([*above(table), "", *markdown_table(headers, body), "", *busy, *wrap(whole)]) + "\n"
 
 
 def _drift(table: Table) -> str:
@@ -237,6 +256,8 @@ def _footnotes(table: Table) -> list[str]:
         )
     if any(line.row.peak_mb()[1] for line in table.lines):
         notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
+    if busy := busy_note(table):
+        notes.append(busy)
     if power := power_note(table):
         notes.append(power)
     return [wrapped for note in notes for wrapped in wrap(note)] + gaps(table)
@@ -271,7 +292,7 @@ def table_csv(table: Table) -> str:
     header += ["spread_iqr_over_median", *_speedup_header(""), *_speedup_header("vs_previous_")]
     header += [f"step_{p.replace(' ', '_')}_ms" for p in STEP_PARTS] + ["step_vs_baseline"]
     header += ["gpu_util_mean_pct", "mfu_pct", "mfu_peak", "peak_mb", "peak_mb_source", "bottleneck", "oom_events"]
-    header += ["single_epoch"]
+    header += ["single_epoch", "busy_runs"]  # busy_runs: runs of the row tagged machine.busy=true
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(header)
@@ -307,6 +328,7 @@ def table_csv(table: Table) -> str:
                 row.tag("bottleneck"),
                 row.oom_events,
                 _flag(row.single_epoch),
+                row.busy_runs,
             ]
         )
     if table.ladder and table.total is not None:

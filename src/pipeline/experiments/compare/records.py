@@ -30,6 +30,7 @@ DEVICE_PEAK_MB = "gpu/mem_peak_mb"  # NVML's reading of the whole device: shown 
 OOM_EVENTS = "oom/events"  # a running count, logged only at an event: missing = none
 CORE = (EPOCH_S, THROUGHPUT)  # a run lacking one of these, or its leading metric, is listed under the table
 
+BUSY = "machine.busy"  # "true": other processes kept the machine busy during the run (pipeline.monitor.sampler)
 ROLE, PARENT = "sweep.role", "parent"  # the tag (set by the sweep callback) that marks a sweep's parent run
 
 
@@ -72,6 +73,11 @@ class RunRecord:
         """Steady-state samples/s of the whole job: every rank's under DDP, else the run's; None if not recorded."""
         value = self.metrics.get(GLOBAL_THROUGHPUT, self.metrics.get(THROUGHPUT))
         return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def busy(self) -> bool:
+        """Other processes kept the machine busy while it ran (tag ``machine.busy``): its speed is not comparable."""
+        return self.tags.get(BUSY) == "true"
 
     @property
     def quality(self) -> str:

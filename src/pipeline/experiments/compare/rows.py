@@ -138,6 +138,11 @@ class Row:
         return sum(int(r.metrics.get(OOM_EVENTS, 0)) for r in self.runs)
 
     @property
+    def busy_runs(self) -> int:
+        """How many of its runs ran on a busy machine (``RunRecord.busy``)."""
+        return sum(r.busy for r in self.runs)
+
+    @property
     def status(self) -> str:
         counts = Counter(r.status for r in self.runs)
         return "FINISHED" if set(counts) == {"FINISHED"} else ", ".join(f"{c} {s}" for s, c in counts.items())

@@ -4,7 +4,8 @@ characters; every other column, the ranges and the tests' numbers stay in ``comp
     row  n  [keys]  samples/s  speed-up [95% CI]  verdict  [vs previous]  val/acc  MFU %  step ms
 
 [keys]: the config keys that differ between rows beyond the batch size, workers and the like that run names
-carry, as many as leave the name room; [vs previous]: ladders only.
+carry, as many as leave the name room; [vs previous]: ladders only. samples/s is marked ``†`` where runs of the
+row ran on a busy machine (tag ``machine.busy``), with a note below.
 
 A row's name is cut in its middle (``…``) where the other columns leave it no room: sweeps name their runs
 with the swept values first and the provenance last, so both ends are kept.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import textwrap
 
-from pipeline.experiments.compare.formats import above, gaps, mfu_cell, number, step_cell, wrap
+from pipeline.experiments.compare.formats import above, busy_mark, busy_note, gaps, mfu_cell, number, step_cell, wrap
 from pipeline.experiments.compare.table import Line, Table, power_note
 
 MAX_WIDTH = 160  # a terminal's width at most: no line of the view is longer
@@ -52,7 +53,9 @@ def _columns(table: Table, keys: list[str]) -> tuple[list[str], list[list[str]]]
 def _cells(table: Table, line: Line, keys: list[str]) -> list[str]:
     row, base = line.row, line.row is table.baseline
     speed, quality = row.speed(), row.stat(table.quality)
-    cells = [row.name, str(row.n), *(row.param(k) for k in keys), number(speed.median) if speed else "–"]
+    marked = any(other.row.busy_runs for other in table.lines)  # then unmarked numbers keep the digits aligned
+    mark = busy_mark(row) or (" " if marked else "")
+    cells = [row.name, str(row.n), *(row.param(k) for k in keys), (number(speed.median) if speed else "–") + mark]
     cells += ["1.00× (baseline)" if base else line.vs_baseline.estimate(), line.vs_baseline.verdict()]
     if table.ladder:
         previous = line.vs_previous
@@ -102,4 +105,6 @@ def _notes(table: Table) -> list[str]:
     ]
     if power := power_note(table):
         notes.append(power)
+    if busy := busy_note(table):
+        notes.append(busy)
     return [wrapped for note in notes for wrapped in wrap(note)]
