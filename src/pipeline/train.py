@@ -117,6 +117,7 @@ def _train(
                 run_id=resumed.run_id if resumed else None,
                 secret_values=hidden,
             ) as tracker,
+            setup.profiler.recording(tracker),  # trainer.profile: where the profiled steps are recorded
         ):
             if resumed is not None and not resumed.fork:
                 tracker.log_only_new_steps()  # steps trained again after the checkpoint keep their first points
@@ -224,7 +225,8 @@ def run_epochs(
     epoch marks). Raises ``Stopped`` after writing a checkpoint when a stop request ended an epoch.
     ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``).
     """
-    cfg, timer = setup.cfg, make_timer(setup.device)
+    cfg = setup.cfg
+    timer = setup.profiler.wrap(make_timer(setup.device), step=lambda: setup.state.step)  # profile=false: as it is
     t = cfg.trainer
     total = steps_to_train(
         epochs=t.epochs,

@@ -44,6 +44,7 @@ from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_ta
 from pipeline.engine.models import BUILTIN, build_model, count_parameters
 from pipeline.engine.optim import build_optimizer, build_scheduler
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
+from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import run_name
 from pipeline.engine.tasks import Task, make_task
 from pipeline.parallel.distributed import Group, Solo
@@ -72,6 +73,7 @@ class Setup:
     run_name: str
     amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
+    profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.profiling)
 
     @property
     def device(self) -> torch.device:
@@ -165,6 +167,7 @@ def build(
         run_name=cfg.tracking.run_name or run_name(cfg, device_type=device.type, precision=policy.label),
         amp_probe=amp_probe,
         group=group,
+        profiler=make_profiler(t, device),
     )
     log.info(
         "run %s: %s on %s, %s train / %s val samples, %s parameters",

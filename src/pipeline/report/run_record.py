@@ -122,6 +122,7 @@ def conclude(
         },
         step=len(epochs),
     )
+    profile = setup.profiler.record()  # trainer.profile: the trace, the top operators (None when not profiled)
     return RunResult(
         run_name=setup.run_name,
         run_id=tracker.run_id,
@@ -149,6 +150,7 @@ def conclude(
         amp_probe=setup.amp_probe,
         notes=notes,
         distributed=setup.group.describe(setup.cfg.loader.batch_size),
+        profile=profile,
     )
 
 
