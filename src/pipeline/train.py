@@ -118,6 +118,7 @@ def _train(
                 secret_values=hidden,
             ) as tracker,
             setup.profiler.recording(tracker),  # trainer.profile: where the profiled steps are recorded
+            setup.snapshot.recording(tracker),  # trainer.memory_snapshot=on_oom: the allocator history, kept at an OOM
         ):
             if resumed is not None and not resumed.fork:
                 tracker.log_only_new_steps()  # steps trained again after the checkpoint keep their first points

@@ -46,6 +46,7 @@ from pipeline.engine.optim import build_optimizer, build_scheduler
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import run_name
+from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
 from pipeline.engine.tasks import Task, make_task
 from pipeline.parallel.distributed import Group, Solo
 
@@ -74,6 +75,7 @@ class Setup:
     amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
     profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.profiling)
+    snapshot: OomSnapshot | NoSnapshot = NO_SNAPSHOT  # trainer.memory_snapshot (pipeline.engine.snapshot)
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +141,7 @@ def build(
     optimizer = build_optimizer(cfg.optimizer, group.unwrap(model).parameters())
     batch = cfg.loader.batch_size
     train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
+    snapshot = make_snapshot(t, device)  # called by both micro-batchers at an out-of-memory error
     scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(t, len(train_batches)))
     setup = Setup(
         cfg=cfg,
@@ -152,13 +155,13 @@ def build(
             model,
             optimizer,
             policy.make_scaler(),
-            MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1),
+            MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1, on_oom=snapshot),
             compiles=CompileWatch.start() if t.compile else NO_COMPILE,
             scheduler=scheduler,
             task=task,
             split=_splitter(data),
         ),
-        eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
+        eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled, on_oom=snapshot),
         parameters=parameters,
         train_batches=train_batches,
         val_batches=val_batches,
@@ -168,6 +171,7 @@ def build(
         amp_probe=amp_probe,
         group=group,
         profiler=make_profiler(t, device),
+        snapshot=snapshot,
     )
     log.info(
         "run %s: %s on %s, %s train / %s val samples, %s parameters",
