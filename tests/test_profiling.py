@@ -93,8 +93,10 @@ def test_profiling_starts_after_the_first_step_and_its_steps_and_costs_stay_out_
     clock: StepClock,
 ) -> None:
     profiler, made, step = fake_profiler(clock)
-    b = run_epoch(profiler.wrap(WallTimer(), step=lambda: step[0]), [False] * 8, step, clock)
-    assert profiler.labels == ["step 2", "step 3", "step 4"]
+    apart: list[int] = []  # the run's time estimate hears of each profiled step too
+    timer = profiler.wrap(WallTimer(), step=lambda: step[0], apart=lambda: apart.append(step[0]))
+    b = run_epoch(timer, [False] * 8, step, clock)
+    assert profiler.labels == ["step 2", "step 3", "step 4"] and apart == [2, 3, 4]
     assert [(p.started, p.stopped) for p in made] == [(1, 1)]
     # steps 5-8 are the steady state, at 0.1 s each; the profiler's 2 s start and 3 s stop are the profiled steps'
     assert (b.steady_steps, b.profiled_steps, b.compile_steps) == (4, 3, 0)

@@ -227,7 +227,6 @@ def run_epochs(
     ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``).
     """
     cfg = setup.cfg
-    timer = setup.profiler.wrap(make_timer(setup.device), step=lambda: setup.state.step)  # profile=false: as it is
     t = cfg.trainer
     total = steps_to_train(
         epochs=t.epochs,
@@ -243,6 +242,8 @@ def run_epochs(
         reference=amp_reference(setup.amp_probe),
         speak=setup.group.is_main,
     )
+    step, apart = (lambda: setup.state.step), run_progress.set_apart  # profile=false: the timer as it is
+    timer = setup.profiler.wrap(make_timer(setup.device), step=step, apart=apart)
     epochs: list[EpochRecord] = []
     epoch_starts: list[float] = []
     for epoch in range(start.epoch, cfg.trainer.epochs + 1):

@@ -56,6 +56,10 @@ _END = object()
 _IDLE = contextlib.nullcontext()
 
 
+def _pass() -> None:
+    pass
+
+
 def write_trace(profiler: Any, folder: Path) -> Path:
     """The profiler's Chrome trace (JSON), gzipped, in ``folder``."""
     raw, packed = folder / "trace.json", folder / "trace.json.gz"
@@ -88,10 +92,13 @@ class StepProfiler:
         self._tracker: Tracker | None = None
         self.report: ProfileReport | None = None
 
-    def wrap(self, timer: WallTimer | EventTimer, *, step: Callable[[], int]) -> ProfiledTimer:
-        """``timer`` with the profiler on its marks; ``step()`` is the run's number of the step last done."""
+    def wrap(
+        self, timer: WallTimer | EventTimer, *, step: Callable[[], int], apart: Callable[[], None] = _pass
+    ) -> ProfiledTimer:
+        """``timer`` with the profiler on its marks; ``step()`` is the run's number of the step last done, and
+        ``apart()`` hears of each profiled step (the run's time estimate leaves them out too)."""
         self._step = step
-        return ProfiledTimer(timer, self)
+        return ProfiledTimer(timer, self, apart)
 
     @contextlib.contextmanager
     def recording(self, tracker: Tracker) -> Iterator[None]:
@@ -203,7 +210,9 @@ class NoProfiler:
 
     report: ProfileReport | None = None
 
-    def wrap(self, timer: WallTimer | EventTimer, *, step: Callable[[], int]) -> WallTimer | EventTimer:
+    def wrap(
+        self, timer: WallTimer | EventTimer, *, step: Callable[[], int], apart: Callable[[], None] = _pass
+    ) -> WallTimer | EventTimer:
         return timer
 
     def recording(self, tracker: Tracker) -> contextlib.AbstractContextManager[None]:
@@ -219,8 +228,8 @@ NO_PROFILER = NoProfiler()
 class ProfiledTimer:
     """A step timer with the profiler on its marks (``StepProfiler.wrap``): the loop uses it as any timer."""
 
-    def __init__(self, timer: WallTimer | EventTimer, profiler: StepProfiler) -> None:
-        self.timer, self.profiler = timer, profiler
+    def __init__(self, timer: WallTimer | EventTimer, profiler: StepProfiler, apart: Callable[[], None]) -> None:
+        self.timer, self.profiler, self.apart = timer, profiler, apart
 
     def start(self) -> None:
         self.timer.start()
@@ -246,6 +255,7 @@ class ProfiledTimer:
         self.timer.done(samples, compiled=compiled)
         if profiled:
             self.timer.profiled()
+            self.apart()
         self.profiler.step_marked(compiled)
 
     def finish(self) -> Breakdown:
@@ -263,7 +273,3 @@ def _torch_profiler(device: torch.device) -> Any:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     return torch.profiler.profile(activities=activities)  # no shapes or stacks: they cost more than the ops
-
-
-def _pass() -> None:
-    pass
