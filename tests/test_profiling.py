@@ -310,7 +310,9 @@ def test_on_cuda_the_gpus_busy_and_idle_time_is_recorded_and_the_window_is_synch
     assert report.describe()[-1] == "top self CUDA: aten::addmm 50.0% · aten::relu 12.5%"
 
 
-def test_a_run_that_ends_with_an_error_inside_the_window_stops_the_profiler(clock: StepClock) -> None:
+def test_a_run_that_ends_with_an_error_inside_the_window_stops_the_profiler(
+    clock: StepClock, caplog: pytest.LogCaptureFixture
+) -> None:
     profiler, made, step = fake_profiler(clock)
     timer = profiler.wrap(WallTimer(), step=lambda: step[0])
     with pytest.raises(RuntimeError, match="a step failed"), profiler.recording(FakeTracker()):
@@ -321,3 +323,14 @@ def test_a_run_that_ends_with_an_error_inside_the_window_stops_the_profiler(cloc
             step[0] += 1
             timer.done(8)
     assert [(p.started, p.stopped) for p in made] == [(1, 1)] and profiler.report is None
+    assert "no step was profiled" not in caplog.text  # the error says what happened; no advice about max_steps
+
+
+def test_a_run_stopped_after_its_window_still_records_it(clock: StepClock) -> None:
+    """SIGTERM after the profiled steps: the run never concludes, the profile is recorded as it closes."""
+    fake = FakeCudaProfiler()
+    profiler, step, tracker = StepProfiler(2, torch.device("cpu"), make=lambda: fake), [0], FakeTracker()
+    with pytest.raises(KeyboardInterrupt), profiler.recording(tracker):
+        run_epoch(profiler.wrap(WallTimer(), step=lambda: step[0]), [False] * 4, step, clock)
+        raise KeyboardInterrupt
+    assert profiler.report is not None and profiler.report.steps == 2 and "profile/trace.json.gz" in tracker.files

@@ -112,11 +112,12 @@ class StepProfiler:
                 if self._range is not None:
                     self._close_range(kept=False)
                 self._profiler.stop()
-                self._profiler, self._stage = None, "waiting"
-            try:
-                self.record()
-            except Exception as err:  # the run's own outcome wins: a trace is never worth its error
-                log.warning("the profile was not recorded: %s: %s", type(err).__name__, err)
+                self._profiler, self._stage = None, "recorded"
+            if self._stage == "stopped":  # the run ended (a stop, an error) before recording a complete window
+                try:
+                    self.record()
+                except Exception as err:  # the run's own outcome wins: a trace is never worth its error
+                    log.warning("the profile was not recorded: %s: %s", type(err).__name__, err)
             self._tracker = None
 
     def record(self) -> ProfileReport | None:
