@@ -334,3 +334,19 @@ def test_a_run_stopped_after_its_window_still_records_it(clock: StepClock) -> No
         run_epoch(profiler.wrap(WallTimer(), step=lambda: step[0]), [False] * 4, step, clock)
         raise KeyboardInterrupt
     assert profiler.report is not None and profiler.report.steps == 2 and "profile/trace.json.gz" in tracker.files
+
+
+def test_a_trace_that_cannot_be_written_costs_the_trace_not_the_run(
+    clock: StepClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class FullDisk(FakeCudaProfiler):
+        def export_chrome_trace(self, path: str) -> None:
+            raise OSError(28, "No space left on device")
+
+    profiler, step, tracker = StepProfiler(2, torch.device("cpu"), make=FullDisk), [0], FakeTracker()
+    with profiler.recording(tracker):
+        run_epoch(profiler.wrap(WallTimer(), step=lambda: step[0]), [False] * 4, step, clock)
+        report = profiler.record()
+    assert report.trace == "" and tracker.files == {} and tracker.metrics[0][0]["profile/steps"] == 2.0
+    assert "no trace (it could not be written: No space left on device)" in report.describe()[0]
+    assert "the profile's trace was not kept: OSError" in caplog.text

@@ -144,7 +144,8 @@ class ProfileReport:
     clock: str  # "CPU" or "CUDA": whose self time ranks the operators
     operators: list[Operator]
     gpu: GpuBusy | None  # on CUDA
-    trace: str = ""  # the trace's artifact path; "" when the run records nothing
+    trace: str = ""  # the trace's artifact path; "" when it is not in the run's record
+    why_no_trace: str = "tracking off"  # then, why
 
     def metrics(self) -> dict[str, float]:
         gpu = self.gpu.metrics() if self.gpu is not None else {}
@@ -171,7 +172,7 @@ class ProfileReport:
     def describe(self, rows: int = SUMMARY_ROWS) -> list[str]:
         """The summary's lines: the steps profiled and where the trace is, the GPU's time, the top operators."""
         short = f", {self.steps} of the {self.asked} asked: the epoch ended" if self.steps < self.asked else ""
-        where = f"trace {self.trace} (ui.perfetto.dev opens it)" if self.trace else "trace not kept (tracking off)"
+        where = f"trace {self.trace} (ui.perfetto.dev opens it)" if self.trace else f"no trace ({self.why_no_trace})"
         lines = [
             f"steps {self.first}-{self.first + self.steps - 1} under torch.profiler{short}, {self.step_ms:.2f} ms a "
             f"step, left out of samples/s; {where}"

@@ -133,15 +133,19 @@ class StepProfiler:
             return self.report
         profiler, self._profiler, self._stage = self._profiler, None, "recorded"
         tracker = self._tracker
-        kept = tracker is not None and tracker.run_id is not None
         report = analyse(
             profiler, labels=self.labels, asked=self.steps, first=self._first, on_device=self.device.type == "cuda"
         )
-        self.report = report = dataclasses.replace(report, trace=TRACE if kept else "")
-        if tracker is not None:
-            if kept:
+        if tracker is not None and tracker.run_id is not None:
+            try:
                 with tempfile.TemporaryDirectory(prefix="pipeline-profile-") as folder:
                     tracker.log_file(write_trace(profiler, Path(folder)), "profile")
+                report = dataclasses.replace(report, trace=TRACE)
+            except OSError as err:  # a full disk costs the trace, not the run
+                log.warning("the profile's trace was not kept: %s: %s", type(err).__name__, err)
+                report = dataclasses.replace(report, why_no_trace=f"it could not be written: {err.strerror or err}")
+        self.report = report
+        if tracker is not None:
             tracker.log_text(report.table(), TABLE)
             tracker.log_metrics(report.metrics(), step=self._last)
         return report
