@@ -77,6 +77,8 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "autotune's claimed gain, reproduced in real runs",
         "CPU amp check, the same config",
         "torch.compile, batch dimension static / dynamic up front",
+        "trainer.profile=false / bare loop, MLP, batch 64",
+        "trainer.profile=true / false, steady samples/s, MLP, batch 64",
         "compare / search_runs, 40 runs (10 rows), fresh processes",
         "compare / search_runs with the collector paused, 40 runs (10 rows), fresh processes",
     ):

@@ -119,6 +119,16 @@ def test_tracking_uri_environment_variable_beats_the_default_but_not_an_explicit
         (["+loader.bogus=1"], r"loader\.bogus=1 .* one of the loader keys: batch_size"),
         (["+surprise=1"], r"surprise=1 .* top-level keys"),
         (["data=synthetic", "data.shape=[28,28]"], r"data\.shape=\[28, 28\] .* \[channels, height, width\]"),
+        (["trainer.profile=true", "trainer.profile_steps=0"], r"trainer\.profile_steps=0 .* an integer >= 1$"),
+        (
+            ["trainer.profile_steps=5"],
+            r"trainer\.profile_steps=5 .* 3 while trainer\.profile=false \(add trainer\.profile",
+        ),
+        (["trainer.memory_snapshot=always"], r"trainer\.memory_snapshot='always' .* one of 'off', 'on_oom'$"),
+        (
+            ["device=cuda", "tracking=none", "trainer.memory_snapshot=on_oom"],
+            r"trainer\.memory_snapshot='on_oom' .* off while tracking\.enabled=false \(the snapshot is kept as an",
+        ),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_what_is_allowed(overrides: list[str], match: str) -> None:

@@ -45,6 +45,7 @@ DRY_SKIPPED = {  # row key -> the reason's start: what has no meaning on a CPU, 
     "gputil_read_cost": "dry run: no GPU is read",
     "nvml_busy_util": "dry run: no GPU is read",
     "gputil_busy_util": "dry run: no GPU is read",
+    "memory_snapshot": "trainer.memory_snapshot acts on CUDA GPUs only",
 }
 MEASURED = ["mlp", "resnet50_fp32", "resnet50_bf16", "resnet50_bf16_channels_last", "input_vs_synthetic"]
 
@@ -110,6 +111,10 @@ def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
     assert oom["raw"]["steps"] == 6 and oom["value"] == pytest.approx(oom["raw"]["samples_per_s"])
     assert "micro-batch 16 -> 8 -> 4 after 2 out-of-memory event(s)" in oom["detail"]
 
+    profiled = rows["profile_trace"]  # a functional goal: the trace holds the profiled steps (no GPU: no busy %)
+    assert profiled["status"] == "PASS" and profiled["value"] is None
+    assert profiled["raw"]["metrics"]["profile/steps"] == 2 and "ranges step 2, step 3" in profiled["detail"]
+
     doctor = rows["doctor"]
     failed = sum(check["status"] == "FAIL" for check in doctor["raw"]["checks"])
     assert doctor["value"] == failed and doctor["status"] == ("PASS" if failed == 0 else "FAIL")
@@ -169,9 +174,22 @@ def test_missing_packages_are_named_with_the_pip_command_before_anything_runs(
     assert captured.err.splitlines() == [
         "error: the GPU check needs hydra-core, omegaconf: pip install hydra-core omegaconf",
         "note: rows skipped for want of GPUtil (GPUtil): pip install GPUtil",
-        "note: mlflow is not installed, and not needed: the check records nothing (tracking=none)",
+        "note: mlflow is not installed: the profile rows, which read a run's artifacts back, are skipped; the other "
+        "runs record nothing (tracking=none)",
     ]
     assert captured.out == "" and not out.exists()
+
+
+def test_without_mlflow_the_profile_rows_are_skipped_saying_why(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.diagnostics import gpu_profile
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    rows = gpu_profile.step_profile(gpu_plan.Context(gpu_plan.GPU_PLAN, "default", tmp_path))
+    assert [(row.key, row.status) for row in rows] == [("profile_trace", "SKIP"), ("memory_snapshot", "SKIP")]
+    assert all(row.detail.startswith("mlflow is not installed") for row in rows)
 
 
 def test_torch_missing_points_at_the_build_for_the_machines_cuda(gpu_check: ModuleType) -> None:
@@ -266,7 +284,7 @@ def test_with_only_torch_installed_the_shell_entry_names_what_to_install(tmp_pat
     first = done.stderr.splitlines()[0]
     needed = "hydra-core, omegaconf, psutil, pyyaml"
     assert first == f"error: the GPU check needs {needed}: pip install {needed.replace(',', '')}"
-    assert "note: mlflow is not installed, and not needed" in done.stderr
+    assert "note: mlflow is not installed: the profile rows" in done.stderr
 
 
 class FakeNvml:

@@ -450,3 +450,100 @@ def test_a_stop_during_the_out_of_memory_fallback_abandons_the_step_instead_of_r
     assert saved["position"] == Position(epoch=1, batch=4, step=4)  # step 5 is not counted: a resume replays it
     saved_weights = torch.cat([t.double().flatten() for t in saved["model"].values()])
     assert torch.equal(saved_weights, weights(reference.model))  # nothing of the abandoned step was applied
+
+
+# --- trainer.memory_snapshot=on_oom: the allocator's snapshot at the first out-of-memory error ---
+
+
+class FakeHistory:
+    """Stands in for ``torch.cuda.memory``'s history recorder and snapshot (a CPU has neither)."""
+
+    def __init__(self) -> None:
+        self.recording: list[dict] = []
+        self.taken = 0
+
+    def record(self, **kwargs) -> None:
+        self.recording.append(kwargs)
+
+    def take(self, device=None) -> dict:
+        self.taken += 1
+        return {"segments": [{"total_size": 2**20, "blocks": []}], "device_traces": [[{"action": "oom"}]]}
+
+
+class FilesTracker:
+    run_id = "r1"
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def log_file(self, path, artifact_dir: str) -> None:
+        self.files[f"{artifact_dir}/{path.name}"] = path.read_bytes()
+
+
+def test_the_first_out_of_memory_error_keeps_the_allocators_snapshot_once_and_the_fallback_still_recovers() -> None:
+    import pickle
+
+    from pipeline.engine.snapshot import MAX_ENTRIES, OomSnapshot
+
+    allocator, tracker = FakeHistory(), FilesTracker()
+    snapshot = OomSnapshot(torch.device("cuda", 0), record=allocator.record, take=allocator.take)
+    micro = MicroBatcher(batch_size=64, micro_batch=64, on_oom=snapshot)
+    cpu = torch.device("cpu")
+    with snapshot.recording(tracker):
+        assert micro.diagnose(RuntimeError("CUDA error: device-side assert triggered"), cpu) is None
+        assert allocator.taken == 0  # not an out-of-memory error: nothing taken
+        for _ in range(2):
+            failure = micro.diagnose(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), cpu)
+            micro.recover(failure, step=1, optimizer=None, scaler=None, device=cpu)
+    assert allocator.taken == 1 and micro.micro_batch == 16  # one snapshot; the fallback halved twice as before
+    assert pickle.loads(tracker.files["memory/snapshot.pickle"])["device_traces"] == [[{"action": "oom"}]]
+    assert allocator.recording == [
+        {"enabled": "all", "context": "all", "stacks": "python", "max_entries": MAX_ENTRIES, "device": snapshot.device},
+        {"enabled": None, "device": snapshot.device},  # recording stops with the run
+    ]
+
+
+def test_a_run_with_memory_snapshot_on_oom_keeps_the_snapshot_in_its_record_and_recovers(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path
+) -> None:
+    """The whole path on the CPU: the loop's out-of-memory error reaches the snapshot through the micro-batcher, and
+    the snapshot (a fake allocator's: validation refuses on_oom off CUDA) lands in the run's artifacts."""
+    import pickle
+
+    from pipeline.engine import snapshot as snapshot_module
+
+    allocator = FakeHistory()
+
+    def make(trainer, device):
+        return snapshot_module.OomSnapshot(device, record=allocator.record, take=allocator.take)
+
+    monkeypatch.setattr(build_module, "make_snapshot", make)
+    with_hook(monkeypatch, oom_above(16))
+    result = train(make_cfg("loader.batch_size=64", "trainer.max_steps=4", "monitor.plots=false"), echo=False)
+    assert [e.micro_batch for e in result.oom_events] == [64, 32] and result.micro_batch == 16
+    assert allocator.taken == 1
+    client = MlflowClient(store_uri)
+    kept = client.download_artifacts(result.run_id, "memory/snapshot.pickle", str(tmp_path))
+    with open(kept, "rb") as file:
+        assert pickle.load(file)["segments"][0]["total_size"] == 2**20
+    assert allocator.recording[-1] == {"enabled": None, "device": torch.device("cpu")}
+
+
+def test_with_the_fallback_off_the_snapshot_is_kept_before_the_run_fails(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    from pipeline.engine import snapshot as snapshot_module
+
+    allocator = FakeHistory()
+    monkeypatch.setattr(
+        build_module,
+        "make_snapshot",
+        lambda trainer, device: snapshot_module.OomSnapshot(device, record=allocator.record, take=allocator.take),
+    )
+    with_hook(monkeypatch, oom_above(16))
+    with pytest.raises(OutOfMemory):
+        train(make_cfg("oom.enabled=false", "monitor.plots=false"), echo=False)
+    client = MlflowClient(store_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("pipeline").experiment_id])
+    assert run.info.status == "FAILED" and allocator.taken == 1
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "memory")] == ["memory/snapshot.pickle"]

@@ -60,11 +60,17 @@ CUDA_ONLY = [
         r"trainer\.compile_mode='reduce-overhead' is not allowed: expected default, max-autotune or "
         r"max-autotune-no-cudagraphs on {device}: reduce-overhead adds CUDA graphs",
     ),
+    (
+        ["trainer.memory_snapshot=on_oom"],
+        r"trainer\.memory_snapshot='on_oom' is not allowed: expected off on {device}: the allocator's history is "
+        r"recorded only on CUDA GPUs",
+    ),
 ]
+CUDA_ONLY_IDS = ["cudnn_benchmark", "reduce-overhead", "memory_snapshot"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "mps"])
-@pytest.mark.parametrize(("overrides", "match"), CUDA_ONLY, ids=["cudnn_benchmark", "reduce-overhead"])
+@pytest.mark.parametrize(("overrides", "match"), CUDA_ONLY, ids=CUDA_ONLY_IDS)
 def test_a_cuda_only_switch_is_refused_on_an_explicit_other_device(
     device: str, overrides: list[str], match: str
 ) -> None:
@@ -72,7 +78,7 @@ def test_a_cuda_only_switch_is_refused_on_an_explicit_other_device(
         load([f"device={device}", *overrides])
 
 
-@pytest.mark.parametrize(("overrides", "match"), CUDA_ONLY, ids=["cudnn_benchmark", "reduce-overhead"])
+@pytest.mark.parametrize(("overrides", "match"), CUDA_ONLY, ids=CUDA_ONLY_IDS)
 def test_a_cuda_only_switch_is_refused_once_device_auto_chose_the_cpu_before_any_run_exists(
     make_cfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, overrides: list[str], match: str
 ) -> None:

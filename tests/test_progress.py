@@ -72,6 +72,23 @@ def test_the_estimate_is_one_line_after_the_first_steady_steps(caplog: pytest.Lo
     assert messages(caplog, logging.WARNING) == []  # no reference: nothing to call slow
 
 
+def test_steps_run_under_the_profiler_are_left_out_of_the_estimate(caplog: pytest.LogCaptureFixture) -> None:
+    """trainer.profile=true: steps 2-4 run 10x slower under the profiler, which tells the estimate so
+    (``set_apart`` before each is counted): the estimate is of steps 5-7, not of the profiled ones."""
+    clock = FakeClock()
+    progress = RunProgress(total_steps=115, clock=clock, periodic=False)
+    progress.start_epoch(1, 5)
+    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+        run_steps(progress, clock, [60.0])
+        for _ in range(3):
+            progress.set_apart()
+            run_steps(progress, clock, [140.0])
+        run_steps(progress, clock, [14.0] * 3)
+    assert messages(caplog, logging.INFO) == [
+        "this run: about 27 min of training: 14.0 s a step × 115 steps (evaluation not included)"
+    ]
+
+
 def test_an_epoch_boundary_starts_the_steady_span_again(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     progress = RunProgress(total_steps=20, clock=clock, periodic=False)

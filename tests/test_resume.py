@@ -577,8 +577,19 @@ def test_a_checkpoint_from_before_a_key_existed_compares_as_that_keys_old_behavi
     older = {"loader.batch_size": 64}
     now = {"loader.batch_size": 64, "data.augment": "none", "data.augment_padding": 4}
     now["loader.prefetch_to_device"] = "auto"
+    now.update({"trainer.profile": False, "trainer.profile_steps": 3, "trainer.memory_snapshot": "off"})
     assert config_changes(older, now) == {}
     assert config_changes(older, {**now, "data.augment": "crop_flip"}) == {"data.augment": ("none", "crop_flip")}
+
+
+def test_a_resume_may_profile_or_keep_a_memory_snapshot_where_the_run_did_not() -> None:
+    from pipeline.engine.resume import check_resumable, config_changes
+
+    before = {"trainer.profile": False, "trainer.profile_steps": 3, "trainer.memory_snapshot": "off"}
+    now = {"trainer.profile": True, "trainer.profile_steps": 10, "trainer.memory_snapshot": "on_oom"}
+    changes = config_changes(before, now)
+    assert len(changes) == 3
+    check_resumable(changes, fork=False, run="r1")  # how the run is measured, not what it computes: allowed
 
 
 class _WritesAMarker:

@@ -47,6 +47,44 @@ def test_a_step_that_compiled_is_left_out_of_the_steady_state_like_the_first() -
     assert combine([b, b]).compile_steps == 2
 
 
+def test_steps_run_under_the_profiler_are_left_out_of_the_steady_state_and_counted_apart() -> None:
+    """trainer.profile=true: steps 2 and 3 of five ran under torch.profiler, 10x slower; the steady state is steps 4
+    and 5, as fast as they are, and the profiled steps' time is reported on its own."""
+    marks = [
+        (0.0, 0.0, 0.0, 5.0),
+        (5.0, 5.0, 5.0, 6.0),
+        (6.0, 6.0, 6.0, 7.0),
+        (7.0, 7.0, 7.0, 7.1),
+        (7.1,) * 3 + (7.2,),
+    ]
+    b = _breakdown(0.0, marks, [64] * 5, [False] * 5, profiled={1, 2})
+    assert (b.steady_steps, b.steady_samples) == (2, 128) and b.step_s == pytest.approx(0.2)
+    assert b.samples_per_s == pytest.approx(640.0)
+    assert (b.profiled_steps, b.profiled_steps_s) == (2, pytest.approx(2.0)) and b.compile_steps == 0
+    assert (combine([b, b]).profiled_steps, combine([b, b]).profiled_steps_s) == (4, pytest.approx(4.0))
+
+
+def test_the_timer_leaves_out_the_steps_it_is_told_ran_under_the_profiler(clock: StepClock) -> None:
+    timer = WallTimer()
+    timer.start()
+    for step in range(5):
+        timer.fetch()
+        timer.ready()
+        timer.copied()
+        clock.spend(1.0 if step in (1, 2) else 0.1)
+        timer.done(8)
+        if step in (1, 2):
+            timer.profiled()
+    b = timer.finish()
+    assert (b.steady_steps, b.profiled_steps, b.step_s, b.profiled_steps_s) == (2, 2, pytest.approx(0.2), 2.0)
+    timer.start()  # a new epoch forgets which steps were profiled
+    for _ in range(3):
+        timer.fetch()
+        clock.spend(0.1)
+        timer.done(8)
+    assert (timer.finish().steady_steps, timer.finish().profiled_steps) == (2, 0)
+
+
 def test_combine_adds_epochs_and_keeps_the_runs_first_step() -> None:
     one = Breakdown(1.0, 0.0, 3.0, 2, 20, 0.5, 3, 30, overhead_s=1.0)
     two = Breakdown(3.0, 0.0, 1.0, 2, 20, 0.1, 3, 30, overhead_s=1.0)

@@ -117,6 +117,8 @@ def _train(
                 run_id=resumed.run_id if resumed else None,
                 secret_values=hidden,
             ) as tracker,
+            setup.profiler.recording(tracker),  # trainer.profile: where the profiled steps are recorded
+            setup.snapshot.recording(tracker),  # trainer.memory_snapshot=on_oom: the allocator history, kept at an OOM
         ):
             if resumed is not None and not resumed.fork:
                 tracker.log_only_new_steps()  # steps trained again after the checkpoint keep their first points
@@ -224,7 +226,7 @@ def run_epochs(
     epoch marks). Raises ``Stopped`` after writing a checkpoint when a stop request ended an epoch.
     ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``).
     """
-    cfg, timer = setup.cfg, make_timer(setup.device)
+    cfg = setup.cfg
     t = cfg.trainer
     total = steps_to_train(
         epochs=t.epochs,
@@ -240,6 +242,8 @@ def run_epochs(
         reference=amp_reference(setup.amp_probe),
         speak=setup.group.is_main,
     )
+    step, apart = (lambda: setup.state.step), run_progress.set_apart  # profile=false: the timer as it is
+    timer = setup.profiler.wrap(make_timer(setup.device), step=step, apart=apart)
     epochs: list[EpochRecord] = []
     epoch_starts: list[float] = []
     for epoch in range(start.epoch, cfg.trainer.epochs + 1):

@@ -41,6 +41,9 @@ MAX_TAG_VALUE = 8000  # MAX_TAG_VAL_LENGTH: MLflow cuts a longer value, with a w
 TAGS_PREFIX = "tracking.tags."
 
 
+PROFILE_STEPS = 3  # trainer.profile_steps' default (conf/trainer/default.yaml says the same)
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     name: Literal["auto", "cpu", "cuda", "mps"]
@@ -137,8 +140,19 @@ class TrainerConfig:
     compile: bool
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
     progress: bool | Literal["auto"]
+    profile: bool = False  # torch.profiler over a few steady steps (pipeline.engine.profiling)
+    profile_steps: int = PROFILE_STEPS
+    memory_snapshot: Literal["off", "on_oom"] = "off"  # the allocator's history, dumped at an out-of-memory error
 
     def check(self) -> None:
+        if self.profile_steps < 1:
+            raise ConfigError("trainer.profile_steps", self.profile_steps, "an integer >= 1")
+        if self.profile_steps != PROFILE_STEPS and not self.profile:
+            raise ConfigError(
+                "trainer.profile_steps",
+                self.profile_steps,
+                f"{PROFILE_STEPS} while trainer.profile=false (add trainer.profile=true to profile that many steps)",
+            )
         if self.compile_mode != "default" and not self.compile:
             raise ConfigError(
                 "trainer.compile_mode",
@@ -155,13 +169,16 @@ class TrainerConfig:
             raise ConfigError("trainer.seed", self.seed, "an integer from 0 to 4294967295 (2**32 - 1)")
 
     def cuda_only(self) -> dict[str, object]:
-        """The switches set here that only a CUDA device acts on: cuDNN's autotuner, and CUDA graphs (what
-        ``compile_mode=reduce-overhead`` adds to the default mode). Elsewhere they would be silent no-ops."""
+        """The switches set here that only a CUDA device acts on: cuDNN's autotuner, CUDA graphs (what
+        ``compile_mode=reduce-overhead`` adds to the default mode) and the CUDA allocator's history
+        (``memory_snapshot``). Elsewhere they would be silent no-ops."""
         switches: dict[str, object] = {}
         if self.cudnn_benchmark:
             switches["trainer.cudnn_benchmark"] = True
         if self.compile_mode == "reduce-overhead":
             switches["trainer.compile_mode"] = self.compile_mode
+        if self.memory_snapshot != "off":
+            switches["trainer.memory_snapshot"] = self.memory_snapshot
         return switches
 
 
@@ -279,6 +296,12 @@ class RunConfig:
             raise ConfigError(
                 "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"
             )
+        if self.trainer.memory_snapshot != "off" and not self.tracking.enabled:
+            raise ConfigError(
+                "trainer.memory_snapshot",
+                self.trainer.memory_snapshot,
+                "off while tracking.enabled=false (the snapshot is kept as an artifact of the run's record)",
+            )
         cuda_only = self.trainer.cuda_only()
         if cuda_only and self.device.name in ("cpu", "mps"):  # device=auto: checked once it has chosen (precision.py)
             key, value = next(iter(cuda_only.items()))
@@ -325,6 +348,8 @@ def cuda_only_expected(key: str, device_type: str) -> str:
     """What a CUDA-only trainer switch must be on ``device_type``, and why: the end of its ``ConfigError``."""
     if key == "trainer.cudnn_benchmark":
         return f"false on {device_type}: cuDNN's autotuner exists only on CUDA GPUs (device=cuda)"
+    if key == "trainer.memory_snapshot":
+        return f"off on {device_type}: the allocator's history is recorded only on CUDA GPUs (device=cuda)"
     return (
         f"default, max-autotune or max-autotune-no-cudagraphs on {device_type}: reduce-overhead adds CUDA graphs, "
         "which exist only on CUDA GPUs (device=cuda)"

@@ -346,6 +346,7 @@ BENCHES = {
     "amp": lambda sizes, work: _module("bench_amp").bench_amp(sizes, work),
     "amp_check": lambda sizes, work: _module("bench_claims").bench_amp_check(sizes),
     "compile": lambda sizes, work: _module("bench_claims").bench_compile(sizes),
+    "profile": lambda sizes, work: _module("bench_claims").bench_profile(sizes, work),
     "autotune": lambda sizes, work: _module("bench_claims").bench_autotune(sizes, work),
     "ddp": lambda sizes, work: _module("bench_ddp").bench_ddp(sizes, work),
     "compare": lambda sizes, work: _module("bench_compare").bench_compare(sizes, work),

@@ -1,12 +1,14 @@
 """Benchmarks of the pipeline's own claims: does what it tells a user hold up when measured again?
 
-    python -m pipeline.bench --only autotune,amp_check,compile
+    python -m pipeline.bench --only autotune,amp_check,compile,profile
 
 - ``autotune``: the loader tuner's suggestion and the gain it claims, then real training runs of the suggested
   command against the current one, interleaved: the claim should reproduce within 1.5× of its gain, never slower.
 - ``amp_check``: the CPU amp check run again and again on one model: one verdict, ratios within ±15%.
 - ``compile``: torch.compile with the batch dimension static (the last, smaller batch recompiles once and is
   left out of the steady state) against ``dynamic=True`` up front (no recompile, a dynamic graph for every step).
+- ``profile``: ``trainer.profile=false`` against the bare loop (off, nothing is added to a step), and the steady
+  samples/s of ``trainer.profile=true`` against false's (its profiled steps are left out of the steady state).
 
 ``bench`` registers them (``BENCHES``); the numbers go to BENCHMARKS.md, never into a test.
 """
@@ -182,4 +184,60 @@ def bench_compile(sizes: Sizes) -> list[Row]:
             + (" (noisy)" if spread and spread.noisy else "")
             + "; above 1: the pipeline's choice (static, the recompiling step left out) runs faster",
         )
+    ]
+
+
+def bench_profile(sizes: Sizes, work: Path) -> list[Row]:
+    """``trainer.profile``: off, the pipeline's MLP epoch against the bare loop (off adds nothing to a step: the timer
+    is not wrapped); on, its steady samples/s against off's (the profiled steps are left out of the steady state)."""
+    from pipeline.config import DataConfig, load
+    from pipeline.data.sources import load_data
+    from pipeline.diagnostics.harness import bare_epoch
+    from pipeline.train import train
+
+    samples = sizes.samples
+    images, labels = load_data(
+        DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=samples, val_samples=500)
+    ).train.tensors
+    base = ["device=cpu", "data=synthetic", f"data.num_samples={samples}", "data.val_samples=500", "loader=resident"]
+    base += ["loader.batch_size=64", "trainer.epochs=1", "tracking=none", "monitor.enabled=false"]
+    base += ["trainer.progress=false", f"checkpoint.dir={work / 'checkpoints'}"]
+    steady: dict[bool, list[float]] = {False: [], True: []}  # samples/s, warm-up rounds included
+
+    def epoch(profile: bool) -> float:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = train(load([*base, f"trainer.profile={str(profile).lower()}"]), echo=False, quiet=True)
+        steady[profile].append(result.breakdown.samples_per_s)
+        return result.epochs[0].seconds
+
+    t = interleaved(
+        {"bare": lambda: bare_epoch(images, labels, batch=64), "off": lambda: epoch(False), "on": lambda: epoch(True)},
+        sizes,
+    )
+    off, on = steady[False][sizes.warmup :], steady[True][sizes.warmup :]
+    overhead, kept_out = paired_ratio(t["bare"], t["off"]), paired_ratio(on, off)
+
+    def spread(numerators: list[float], denominators: list[float]) -> str:
+        ratios = [n / d for n, d in zip(numerators, denominators, strict=True)]
+        return f"{min(ratios):.3f}–{max(ratios):.3f} over {len(ratios)} rounds"
+
+    return [
+        Row(
+            "trainer.profile=false / bare loop, MLP, batch 64",
+            f"{overhead:.3f}",
+            ">= 0.98",
+            overhead >= 0.98,
+            f"{spread(t['bare'], t['off'])}; median epoch {statistics.median(t['off']):.2f} s vs "
+            f"{statistics.median(t['bare']):.2f} s ({samples:,} samples, resident; tracking and the sampler off): the "
+            "loop as it was, no profiler made",
+        ),
+        Row(
+            "trainer.profile=true / false, steady samples/s, MLP, batch 64",
+            f"{kept_out:.3f}",
+            ">= 0.98",
+            kept_out >= 0.98,
+            f"{spread(on, off)}; {statistics.median(on):,.0f} vs {statistics.median(off):,.0f} samples/s: the 3 "
+            f"profiled steps are left out; the epoch's wall time, which holds them, "
+            f"{paired_ratio(t['on'], t['off']):.2f}x off's",
+        ),
     ]

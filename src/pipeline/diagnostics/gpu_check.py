@@ -10,9 +10,10 @@
 Python has torch.
 It needs torch and torchvision (any CUDA build) and, from the pipeline's own dependencies, only hydra-core,
 omegaconf, psutil, pyyaml, tqdm and numpy; whatever is missing is named with the ``pip install`` that adds it.
-nvidia-ml-py and GPUtil are optional (their rows are skipped without them). MLflow is not needed: every run is
-``tracking=none``, writes no checkpoint, and trains on synthetic data made in memory, so nothing is downloaded
-and nothing is left behind but the JSON file.
+nvidia-ml-py and GPUtil are optional (their rows are skipped without them). MLflow is needed only by the
+``profile`` step, whose two runs record into a store in the check's temporary folder to read their artifacts back
+(its rows are skipped without it); every other run is ``tracking=none``. No run writes a checkpoint, and all train on
+synthetic data made in memory, so nothing is downloaded and nothing is left behind but the JSON file.
 
 The runs are ``pipeline.train.train`` in this process, with configs from ``pipeline.config.load`` and
 ``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``:
@@ -48,6 +49,7 @@ from pipeline.diagnostics.gpu_plan import (
     Context,
     Row,
 )
+from pipeline.diagnostics.gpu_profile import step_profile
 from pipeline.diagnostics.gpu_runs import (
     step_doctor,
     step_mlp,
@@ -76,6 +78,7 @@ STEPS = {
     "resnet": ("ResNet-50 in fp32, TF32, AMP bf16, AMP fp16 and + channels_last", 60),
     "input": ("uint8 images augmented on the device against a ready batch", 40),
     "oom": ("a batch too large for the card", 40),
+    "profile": ("torch.profiler on ResNet-50 steps; the allocator's snapshot at an out-of-memory error", 40),
     "sampler": ("NVML against GPUtil", 15),
     "overhead": ("the pipeline against a bare loop", 60),
     "compile": ("ResNet-50 AMP bf16 + channels_last + torch.compile (compiling takes minutes)", 150),
@@ -96,7 +99,7 @@ def missing_dependencies() -> tuple[list[str], list[str]]:
 
 def dependency_message(required: list[str], optional: list[str], *, mlflow: bool = True) -> str:
     """What to install, as commands to copy: a line for what the check cannot run without, one for what only
-    some rows need, and (``mlflow=False``) a word that MLflow, missing, is not needed."""
+    some rows need, and (``mlflow=False``) a word that MLflow, missing, costs only the profile step's rows."""
     lines = []
     if required:
         torch_note = (
@@ -109,7 +112,10 @@ def dependency_message(required: list[str], optional: list[str], *, mlflow: bool
         rows = ", ".join(f"{pip} ({OPTIONAL_ROWS[pip]})" for pip in optional)
         lines.append(f"note: rows skipped for want of {rows}: pip install {' '.join(optional)}")
     if not mlflow:
-        lines.append("note: mlflow is not installed, and not needed: the check records nothing (tracking=none)")
+        lines.append(
+            "note: mlflow is not installed: the profile rows, which read a run's artifacts back, are skipped; the "
+            "other runs record nothing (tracking=none)"
+        )
     return "\n".join(lines)
 
 
@@ -127,6 +133,7 @@ RUNNERS: dict[str, Callable[[Context], list[Row]]] = {
     "resnet": step_resnet,
     "input": step_input,
     "oom": step_oom,
+    "profile": step_profile,
     "sampler": step_sampler,
     "overhead": step_overhead,
     "compile": lambda ctx: step_resnet(ctx, compiled=True),
@@ -144,6 +151,8 @@ ROW_ORDER = [  # the table's order: the issue's
     "input_vs_synthetic",
     "input_gpu_util",
     "oom_fallback",
+    "profile_trace",
+    "memory_snapshot",
     "nvml_read_cost",
     "gputil_read_cost",
     "nvml_busy_util",
@@ -155,6 +164,7 @@ ROW_ORDER = [  # the table's order: the issue's
 def in_table_order(rows: list[Row]) -> list[Row]:
     """Rows in ``ROW_ORDER``; a step skipped whole (its key is the step's) where its first row would be."""
     first_row = {"resnet": "resnet50_fp32", "input": "input_vs_synthetic", "oom": "oom_fallback"}
+    first_row["profile"] = "profile_trace"
     first_row.update(
         sampler="nvml_read_cost", overhead="pipeline_vs_bare", compile="resnet50_bf16_channels_last_compile"
     )

@@ -81,6 +81,8 @@ GOALS = {
     "doctor": Goal("==", 0, "0 FAIL", functional=True),
     "oom_fallback": Goal(">=", 1, "survives", functional=True),
     "mfu": Goal(">=", 0.01, "> 0: the card is in the table", functional=True),
+    "profile_trace": Goal("==", 1, "trace + busy % recorded", functional=True),
+    "memory_snapshot": Goal("==", 1, "kept, run recovered", functional=True),
     "pipeline_vs_bare": Goal(">=", 0.98, ">= 0.98"),
 }
 

@@ -45,7 +45,9 @@ from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_ta
 from pipeline.engine.models import BUILTIN, build_model, count_parameters
 from pipeline.engine.optim import build_optimizer, build_scheduler
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
+from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import run_name
+from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
 from pipeline.engine.tasks import Task, make_task
 from pipeline.monitor.peaks import device_peak, run_dtype
 from pipeline.parallel.distributed import Group, Solo
@@ -75,6 +77,8 @@ class Setup:
     amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
     model_flops: flops.ModelFlops  # model FLOPs per sample and the device's peak: each epoch's TFLOP/s and MFU
+    profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.profiling)
+    snapshot: OomSnapshot | NoSnapshot = NO_SNAPSHOT  # trainer.memory_snapshot (pipeline.engine.snapshot)
 
     @property
     def device(self) -> torch.device:
@@ -145,6 +149,7 @@ def build(
     optimizer = build_optimizer(cfg.optimizer, group.unwrap(model).parameters())
     batch = cfg.loader.batch_size
     train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
+    snapshot = make_snapshot(t, device)  # called by both micro-batchers at an out-of-memory error
     scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(t, len(train_batches)))
     setup = Setup(
         cfg=cfg,
@@ -158,13 +163,13 @@ def build(
             model,
             optimizer,
             policy.make_scaler(),
-            MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1),
+            MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1, on_oom=snapshot),
             compiles=CompileWatch.start() if t.compile else NO_COMPILE,
             scheduler=scheduler,
             task=task,
             split=_splitter(data),
         ),
-        eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled),
+        eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled, on_oom=snapshot),
         parameters=parameters,
         train_batches=train_batches,
         val_batches=val_batches,
@@ -174,6 +179,8 @@ def build(
         amp_probe=amp_probe,
         group=group,
         model_flops=model_flops,
+        profiler=make_profiler(t, device),
+        snapshot=snapshot,
     )
     log.info(
         "run %s: %s on %s, %s train / %s val samples, %s parameters",

@@ -22,13 +22,14 @@ from pipeline.engine.losses import LossWindow
 from pipeline.engine.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
 from pipeline.engine.optim import NoSchedule, Schedule, current_lr
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.profiling import ProfiledTimer
 from pipeline.engine.tasks import Classification, Task
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
 from pipeline.parallel.distributed import Group, Solo
 
 logger = logging.getLogger(__name__)
 
-StepTimer = WallTimer | EventTimer
+StepTimer = WallTimer | EventTimer | ProfiledTimer  # the last: trainer.profile=true (pipeline.engine.profiling)
 SOLO = Solo()  # a plain run: every collective is free
 
 LogFn = Callable[[dict[str, float], int], None]

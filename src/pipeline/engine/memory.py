@@ -22,7 +22,7 @@ import gc
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -136,6 +136,8 @@ class MicroBatcher:
         micro_batch: the size to start with (``batch_size`` = no accumulation).
         min_micro_batch: below this, give up.
         enabled: false = every OOM is raised as is.
+        on_oom: called at each out-of-memory error, while the failed step's memory is held, whether or not the
+            fallback then acts (``trainer.memory_snapshot=on_oom``: ``pipeline.engine.snapshot``); default nothing.
     """
 
     batch_size: int
@@ -144,17 +146,25 @@ class MicroBatcher:
     enabled: bool = True
     events: list[OomEvent] = field(default_factory=list)
     found: bool = False  # a training step has completed at this micro-batch size (DDP may then overlap its all-reduce)
+    on_oom: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
 
     @classmethod
-    def from_config(cls, cfg: OomConfig, *, batch_size: int, least: int = 1) -> MicroBatcher:
+    def from_config(
+        cls, cfg: OomConfig, *, batch_size: int, least: int = 1, on_oom: Callable[[], None] = lambda: None
+    ) -> MicroBatcher:
         """``least``: the fewest samples the model can train on (2 with BatchNorm), a floor under
         ``oom.min_micro_batch``."""
-        return cls(batch_size, cfg.micro_batch_size or batch_size, max(cfg.min_micro_batch, least), cfg.enabled)
+        micro, least = cfg.micro_batch_size or batch_size, max(cfg.min_micro_batch, least)
+        return cls(batch_size, micro, least, cfg.enabled, on_oom=on_oom)
 
     def diagnose(self, err: BaseException, device: torch.device) -> OomFailure | None:
         """The failure to recover from, or None when ``err`` must be raised. Call inside the ``except`` block,
-        where the failed step's memory is still held, so the figures are those of the failure."""
-        if not self.enabled or not is_oom(err, nearly_full=nearly_full(device)):
+        where the failed step's memory is still held, so the figures are those of the failure (and ``on_oom``'s
+        snapshot is of it)."""
+        if not is_oom(err, nearly_full=nearly_full(device)):
+            return None
+        self.on_oom()
+        if not self.enabled:
             return None
         lines = str(err).splitlines() or [type(err).__name__]
         return OomFailure(lines[0][:300], memory_at_failure_mb(device))

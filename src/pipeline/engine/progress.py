@@ -188,6 +188,7 @@ class RunProgress:
         self._clock = clock or CLOCK
         self.done = 0
         self._epoch, self._epochs, self._in_epoch = 1, 1, 0
+        self._anchor = 1  # the step of the epoch after which the steady span starts
         self._estimated = False
         self._span_start, self._span_samples = 0.0, 0
         self._line_at, self._line_done, self._line_samples = self._clock(), 0, 0
@@ -195,21 +196,26 @@ class RunProgress:
     def start_epoch(self, epoch: int, epochs: int) -> None:
         """An epoch begins: its first step warms up again (workers, evaluation before it), so the steady span
         restarts after it."""
-        self._epoch, self._epochs, self._in_epoch = epoch, epochs, 0
+        self._epoch, self._epochs, self._in_epoch, self._anchor = epoch, epochs, 0, 1
 
     def step(self, samples: int) -> None:
         """One training step of ``samples`` samples has ended."""
         now = self._clock()
         self.done, self._in_epoch, self._line_samples = self.done + 1, self._in_epoch + 1, self._line_samples + samples
-        if self._in_epoch == 1:
+        if self._in_epoch == self._anchor:
             self._span_start, self._span_samples = now, 0
         else:
             self._span_samples += samples
-            if self._in_epoch == 1 + ESTIMATE_STEPS and not self._estimated:
+            if self._in_epoch == self._anchor + ESTIMATE_STEPS and not self._estimated:
                 self._estimated = True
                 self._estimate((now - self._span_start) / ESTIMATE_STEPS, self._span_samples / ESTIMATE_STEPS)
         if self.periodic and now - self._line_at >= LOG_EVERY_S:
             self._line(now)
+
+    def set_apart(self) -> None:
+        """The step about to be counted is no steady one (it ran under the profiler): the estimate's steady span
+        starts after it."""
+        self._anchor = self._in_epoch + 1
 
     def _estimate(self, step_s: float, samples: float) -> None:
         if not self.speak:

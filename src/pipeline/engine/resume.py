@@ -44,6 +44,8 @@ RUNTIME = (
     "trainer.max_steps",
     "trainer.progress",
     "trainer.log_every_n_steps",
+    "trainer.profile",  # and trainer.profile_steps: what is measured, not what is computed
+    "trainer.memory_snapshot",
     "monitor.",
     "checkpoint.",
     "loader.num_workers",
@@ -70,6 +72,9 @@ ADDED_LATER = {
     "loader.prefetch_to_device": "auto",
     "loader.multiprocessing_context": "auto",
     "trainer.compile_mode": "default",
+    "trainer.profile": False,
+    "trainer.profile_steps": 3,
+    "trainer.memory_snapshot": "off",
 }
 
 

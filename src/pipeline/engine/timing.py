@@ -14,7 +14,8 @@ asynchronous work wherever the host happens to wait for it (on MPS, typically wh
 the next batch) and call a compute-bound run input-bound. ``finish()`` is the epoch's one sync.
 
 The first step of an epoch (warm-up, cuDNN autotuning, compilation, worker start-up) is kept
-out of the shares and of the steady-state throughput and reported on its own.
+out of the shares and of the steady-state throughput and reported on its own; so are the steps that
+compiled and, with ``trainer.profile=true``, the steps run under the profiler (``profiled()``).
 
 With a device prefetcher (``pipeline.data.prefetch``) batch k+1 is copied on a side stream while
 batch k computes. The prefetcher marks ``ready`` itself, just before it makes the training stream
@@ -27,7 +28,7 @@ fully overlapped). The copy's own duration, timed by events on its stream, is re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,6 +53,8 @@ class Breakdown:
     copy_s: float = 0.0  # copying on a prefetcher's side stream, overlapped with the above: not in step_s
     compile_steps: int = 0  # steps after the first that compiled (torch.compile met a new shape): left out, too
     compile_steps_s: float = 0.0  # their time
+    profiled_steps: int = 0  # steps run under torch.profiler (trainer.profile=true): left out, too
+    profiled_steps_s: float = 0.0  # their time, the profiler's start and stop included
 
     @property
     def step_s(self) -> float:
@@ -102,6 +105,7 @@ class _Marks:
         self._marks: list[tuple[Any, Any, Any, Any]] = []
         self._sizes: list[int] = []
         self._compiled: list[bool] = []
+        self._profiled: set[int] = set()  # the steps run under the profiler, by index
         self._start: Any = None
         self._fetch: Any = None
         self._ready: Any = None
@@ -115,6 +119,7 @@ class _Marks:
         self._marks.clear()
         self._sizes.clear()
         self._compiled.clear()
+        self._profiled.clear()
         self._copies.clear()
         self._start = self._mark()
 
@@ -132,6 +137,11 @@ class _Marks:
         self._marks.append((self._fetch, self._ready, self._copied, self._mark()))
         self._sizes.append(samples)
         self._compiled.append(compiled)
+
+    def profiled(self) -> None:
+        """The step just marked ran under the profiler: no steady step either. Called by the profiler's timer
+        (``pipeline.engine.profiling``) alone, so a run that does not profile pays nothing for it."""
+        self._profiled.add(len(self._marks) - 1)
 
     def copy_took(self, seconds: Callable[[], float]) -> None:
         """This step's batch was copied on a side stream; ``seconds()`` says how long that took. Called by a
@@ -156,10 +166,12 @@ class _Marks:
             yield item
 
     def _copy_seconds(self) -> float:
-        """The steady steps' side-stream copy time (the first step and compiling ones left out, as ``_breakdown``
-        leaves them out)."""
+        """The steady steps' side-stream copy time (the first step, compiling and profiled ones left out, as
+        ``_breakdown`` leaves them out)."""
         first = 1 if len(self._marks) > 1 else 0
-        steady = [first <= i and not (i and self._compiled[i]) for i in range(len(self._marks))]
+        steady = [
+            first <= i and not (i and self._compiled[i]) and i not in self._profiled for i in range(len(self._marks))
+        ]
         return sum(seconds() for index, seconds in self._copies if index < len(self._marks) and steady[index])
 
 
@@ -170,7 +182,9 @@ class WallTimer(_Marks):
         return time.perf_counter()
 
     def finish(self) -> Breakdown:
-        return _breakdown(self._start, self._marks, self._sizes, self._compiled, copy_s=self._copy_seconds())
+        return _breakdown(
+            self._start, self._marks, self._sizes, self._compiled, copy_s=self._copy_seconds(), profiled=self._profiled
+        )
 
 
 class EventTimer(_Marks):
@@ -205,7 +219,8 @@ class EventTimer(_Marks):
         self._marks[-1][3].synchronize()  # the epoch's only wait for the device
         start = self._start
         marks = [tuple(start.elapsed_time(event) / 1e3 for event in step) for step in self._marks]
-        return _breakdown(0.0, marks, self._sizes, self._compiled, copy_s=self._copy_seconds())  # copies synced too
+        copy_s = self._copy_seconds()  # the copies' events are synced too
+        return _breakdown(0.0, marks, self._sizes, self._compiled, copy_s=copy_s, profiled=self._profiled)
 
 
 def make_timer(device: torch.device) -> WallTimer | EventTimer:
@@ -219,16 +234,23 @@ def make_timer(device: torch.device) -> WallTimer | EventTimer:
 
 
 def _breakdown(
-    start: float, marks: list[tuple[float, ...]], sizes: list[int], compiled: list[bool], *, copy_s: float = 0.0
+    start: float,
+    marks: list[tuple[float, ...]],
+    sizes: list[int],
+    compiled: list[bool],
+    *,
+    copy_s: float = 0.0,
+    profiled: Collection[int] = (),
 ) -> Breakdown:
     """Sum the parts of steps 2..N from (fetch, ready, copied, done) times; step 1 is reported alone, and so are
-    the later steps that compiled (``compiled``). ``copy_s`` is the steady steps' side-stream copy time."""
+    the later steps that compiled (``compiled``) and those run under the profiler (``profiled``: their indices).
+    ``copy_s`` is the steady steps' side-stream copy time."""
     if not marks:
         return Breakdown(0.0, 0.0, 0.0, 0, 0, 0.0, 0, 0)
     first_step_s = marks[0][3] - start
     previous_done = marks[0][3] if len(marks) > 1 else start
-    overhead = wait = h2d = compute = compile_s = 0.0
-    steady_steps = steady_samples = compile_steps = 0
+    overhead = wait = h2d = compute = compile_s = profiled_s = 0.0
+    steady_steps = steady_samples = compile_steps = profiled_steps = 0
     for index, (fetch, ready, copied, done) in enumerate(marks):
         if index == 0 and len(marks) > 1:
             continue
@@ -241,6 +263,9 @@ def _breakdown(
         previous_done = done
         if index and compiled[index] and len(marks) > 1:
             compile_steps, compile_s = compile_steps + 1, compile_s + sum(step)
+            continue
+        if index in profiled:
+            profiled_steps, profiled_s = profiled_steps + 1, profiled_s + sum(step)
             continue
         overhead, wait, h2d, compute = overhead + step[0], wait + step[1], h2d + step[2], compute + step[3]
         steady_steps, steady_samples = steady_steps + 1, steady_samples + sizes[index]
@@ -257,6 +282,8 @@ def _breakdown(
         copy_s=copy_s,
         compile_steps=compile_steps,
         compile_steps_s=compile_s,
+        profiled_steps=profiled_steps,
+        profiled_steps_s=profiled_s,
     )
 
 
@@ -277,6 +304,8 @@ def combine(breakdowns: list[Breakdown]) -> Breakdown:
         copy_s=sum(b.copy_s for b in breakdowns),
         compile_steps=sum(b.compile_steps for b in breakdowns),
         compile_steps_s=sum(b.compile_steps_s for b in breakdowns),
+        profiled_steps=sum(b.profiled_steps for b in breakdowns),
+        profiled_steps_s=sum(b.profiled_steps_s for b in breakdowns),
     )
 
 

@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.common.errors import ConfigError, Interruption
@@ -39,6 +40,7 @@ class Tracker(Protocol):
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_file(self, path: Path, artifact_dir: str) -> None: ...
     def log_dataset(self, spec: DataSpec, context: str) -> None: ...
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
     def log_model(self, model: Any, card: ModelCard) -> str | None: ...
@@ -66,6 +68,9 @@ class NullTracker:
         pass
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_file(self, path: Path, artifact_dir: str) -> None:
         pass
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:

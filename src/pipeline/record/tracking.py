@@ -105,8 +105,7 @@ class MlflowTracker:
         self.background_write_s = 0.0  # seconds the writer thread spent writing
 
     def start(self) -> MlflowTracker:
-        """Start the writer thread and the heartbeat (daemons: a process that must exit is never held by a hung
-        write)."""
+        """Start the writer thread and the heartbeat (daemons: a hung write never holds a process that must exit)."""
         self._writer = threading.Thread(target=self._run, name="pipeline-tracking-writer", daemon=True)
         self._writer.start()
         self._heartbeat.start()
@@ -295,6 +294,9 @@ class MlflowTracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         self._send_artifact(lambda: self.client.log_text(self.run_id, self.mask(text), artifact_file), artifact_file)
 
+    def log_file(self, path: Path, artifact_dir: str) -> None:  # a gzipped trace, a pickle: sent as it is, unmasked
+        self._send_artifact(lambda: self.client.log_artifact(self.run_id, str(path), artifact_dir), path.name)
+
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
         """Draw the figure ``make()`` returns, its texts masked (the run's name is a title), as a PNG artifact."""
         import matplotlib.pyplot as plt
@@ -324,8 +326,7 @@ class MlflowTracker:
                 *self._why(err),
             )
 
-    def _why(self, err: BaseException) -> tuple[str, str]:
-        """The URI and the error for a warning, both masked."""
+    def _why(self, err: BaseException) -> tuple[str, str]:  # the URI and the error for a warning, both masked
         return self.mask(self.uri), self.mask(f"{type(err).__name__}: {err}")[:300]
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:

@@ -132,6 +132,7 @@ def conclude(
         },
         step=len(epochs),
     )
+    profile = setup.profiler.record()  # trainer.profile: the trace, the top operators (None when not profiled)
     return RunResult(
         run_name=setup.run_name,
         run_id=tracker.run_id,
@@ -160,6 +161,7 @@ def conclude(
         notes=notes,
         flops=setup.model_flops,
         distributed=setup.group.describe(setup.cfg.loader.batch_size),
+        profile=profile,
     )
 
 

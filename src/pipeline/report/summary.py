@@ -82,6 +82,7 @@ class RunResult:
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
     primary: str = "val/acc"  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
     logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
+    profile: Any = None  # pipeline.engine.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
 
     @property
     def val_acc(self) -> float:
@@ -151,6 +152,8 @@ def format_summary(result: RunResult) -> str:
         )
     if result.amp_probe is not None:
         lines.append(f"  amp check   {result.amp_probe.describe()}")
+    if result.profile is not None:
+        lines += [f"  profile     {line}" for line in result.profile.describe()]
     if result.verdict:
         lines.append(f"  bottleneck  {result.verdict}")
     if result.logged_model:

@@ -1,0 +1,280 @@
+"""``trainer.profile=true``: torch.profiler over a few steady training steps, a trace to open and the operators that
+took the time.
+
+    python -m pipeline trainer.profile=true                                        # 3 steps after warm-up
+    python -m pipeline model=resnet50 trainer.profile=true trainer.profile_steps=10 trainer.max_steps=30
+
+The profiler rides on the step timer (``StepProfiler.wrap``). It starts at the end of the epoch's first step that did
+not compile (an eager run's first step, its warm-up; a compiled run's first step after those that compiled), runs over
+``trainer.profile_steps`` steps, each a ``step N`` range in the trace (N the run's step) with the loop's wait for its
+batch a ``data wait`` range, and stops just before the last one's end is marked. So the profiler's start, its stop
+and whatever it slows down land in the profiled steps, which the timer keeps out of the steady state
+(``Breakdown.profiled_steps``) as it keeps out the steps that compiled. On CUDA the device is synchronised at the
+window's two ends, so the window holds its own steps' kernels and no others. An epoch that ends first profiles what
+it had (a warning and the summary say so); one that ends before any step was profiled leaves it to the next epoch.
+Once per run.
+
+``record()`` (by ``pipeline.report.run_record.conclude``, or as the run ends early) writes it to the run:
+
+- ``profile/trace.json.gz``: the Chrome trace, gzipped, which https://ui.perfetto.dev and chrome://tracing open;
+- ``profile/operators.md``: the top operators by self time (CPU self time on the CPU; on CUDA, the time of the
+  kernels each launched) and their share of the profiled steps' time; the summary shows the first five;
+- metrics ``profile/steps``, ``profile/step_ms`` and, on CUDA, ``perf/gpu_busy_pct``, ``perf/gpu_idle_host_pct``
+  and ``perf/gpu_idle_data_pct`` (``pipeline.engine.profile_report``, which reads the profiler).
+
+With ``trainer.profile=false`` a run has ``NO_PROFILER``, whose ``wrap`` hands the timer back as it is: no profiler
+object and nothing added to any step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from pipeline.engine.profile_report import WAIT, ProfileReport, analyse
+from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
+
+if TYPE_CHECKING:
+    from pipeline.record.lifecycle import Tracker
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TRACE = "profile/trace.json.gz"
+TABLE = "profile/operators.md"
+_END = object()
+_IDLE = contextlib.nullcontext()
+
+
+def _pass() -> None:
+    pass
+
+
+def write_trace(profiler: Any, folder: Path) -> Path:
+    """The profiler's Chrome trace (JSON), gzipped, in ``folder``."""
+    raw, packed = folder / "trace.json", folder / "trace.json.gz"
+    profiler.export_chrome_trace(str(raw))
+    with raw.open("rb") as source, gzip.open(packed, "wb", compresslevel=6) as target:
+        shutil.copyfileobj(source, target)
+    return packed
+
+
+class StepProfiler:
+    """torch.profiler over ``steps`` steady steps of a run, once (``trainer.profile=true``).
+
+    Args:
+        steps: how many steps to profile (``trainer.profile_steps``).
+        device: the training device; on CUDA kernels are traced too and the device is synchronised at the window's
+            two ends.
+        make: makes the profiler (default ``torch.profiler.profile`` for the device's activities).
+    """
+
+    def __init__(self, steps: int, device: torch.device, *, make: Callable[[], Any] | None = None) -> None:
+        self.steps, self.device = steps, device
+        self._make = make or (lambda: _torch_profiler(device))
+        self._sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _pass
+        self._stage = "waiting"  # -> active -> stopped -> recorded
+        self._profiler: Any = None
+        self._range: Any = None  # the open ``step N`` range
+        self.labels: list[str] = []  # the ranges of the steps profiled so far: "step N"
+        self._first = self._last = 0  # the first and last profiled steps' numbers
+        self._step: Callable[[], int] = lambda: 0
+        self._tracker: Tracker | None = None
+        self.report: ProfileReport | None = None
+
+    def wrap(
+        self, timer: WallTimer | EventTimer, *, step: Callable[[], int], apart: Callable[[], None] = _pass
+    ) -> ProfiledTimer:
+        """``timer`` with the profiler on its marks; ``step()`` is the run's number of the step last done, and
+        ``apart()`` hears of each profiled step (the run's time estimate leaves them out too)."""
+        self._step = step
+        return ProfiledTimer(timer, self, apart)
+
+    @contextlib.contextmanager
+    def recording(self, tracker: Tracker) -> Iterator[None]:
+        """The run's stretch in which ``record`` writes to ``tracker``; a run that ends early (a stop, an error)
+        still records a window that was complete, and never leaves the profiler running."""
+        self._tracker = tracker
+        try:
+            yield
+        finally:
+            if self._stage == "active":  # an error ended the epoch inside the window: its steps may be half done
+                if self._range is not None:
+                    self._close_range(kept=False)
+                self._profiler.stop()
+                self._profiler, self._stage = None, "recorded"
+            if self._stage == "stopped":  # the run ended (a stop, an error) before recording a complete window
+                try:
+                    self.record()
+                except Exception as err:  # the run's own outcome wins: a trace is never worth its error
+                    log.warning("the profile was not recorded: %s: %s", type(err).__name__, err)
+            self._tracker = None
+
+    def record(self) -> ProfileReport | None:
+        """Write the profiled steps to the run (once): the trace, the table and the metrics; returns the report
+        (None when nothing was profiled)."""
+        if self._stage == "waiting":  # the run ends with no step profiled
+            self._stage = "recorded"
+            log.warning(
+                "trainer.profile=true, but no step was profiled: profiling starts after an epoch's first step and any "
+                "that compiled, and no epoch of this run had a step after those (raise trainer.max_steps)"
+            )
+        if self._stage != "stopped":
+            return self.report
+        profiler, self._profiler, self._stage = self._profiler, None, "recorded"
+        tracker = self._tracker
+        report = analyse(
+            profiler, labels=self.labels, asked=self.steps, first=self._first, on_device=self.device.type == "cuda"
+        )
+        if tracker is not None and tracker.run_id is not None:
+            try:
+                with tempfile.TemporaryDirectory(prefix="pipeline-profile-") as folder:
+                    tracker.log_file(write_trace(profiler, Path(folder)), "profile")
+                report = dataclasses.replace(report, trace=TRACE)
+            except OSError as err:  # a full disk costs the trace, not the run
+                log.warning("the profile's trace was not kept: %s: %s", type(err).__name__, err)
+                report = dataclasses.replace(report, why_no_trace=f"it could not be written: {err.strerror or err}")
+        self.report = report
+        if tracker is not None:
+            tracker.log_text(report.table(), TABLE)
+            tracker.log_metrics(report.metrics(), step=self._last)
+        return report
+
+    # what the timer calls
+
+    def waiting_for_data(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.profiler.record_function(WAIT) if self._stage == "active" else _IDLE
+
+    def step_ended(self) -> bool:
+        """Before a step's end is marked: whether it ran under the profiler. The window's last step stops it here,
+        its device work finished first, so the stop is that step's cost."""
+        if self._stage != "active":
+            return False
+        done = len(self.labels) + 1 == self.steps
+        if done:
+            self._sync()
+        self._close_range(kept=True)
+        self._last = self._step()
+        if done:
+            self._stop()
+        return True
+
+    def step_marked(self, compiled: bool) -> None:
+        """After a step's end is marked: the profiler starts once a step has not compiled (its start is the next
+        step's cost, and that step is profiled), and each profiled step's range opens."""
+        if self._stage == "waiting" and not compiled:
+            self._sync()  # the window starts with nothing queued: its kernels are its steps' own
+            self._profiler = self._make()
+            self._profiler.start()
+            self._stage = "active"
+        if self._stage == "active":
+            self._range = torch.profiler.record_function(f"step {self._step() + 1}")
+            self._range.__enter__()
+
+    def epoch_ended(self) -> None:
+        """The epoch ended in the window: what was profiled is kept (none: the next epoch tries again)."""
+        if self._stage != "active":
+            return
+        self._close_range(kept=False)  # opened for a step that never came
+        if self.labels:
+            self._stop()
+            log.warning(
+                "trainer.profile_steps=%d, but the epoch ended after %d profiled step(s): those are kept",
+                self.steps,
+                len(self.labels),
+            )
+            return
+        self._profiler.stop()
+        self._profiler, self._stage = None, "waiting"
+
+    def _close_range(self, *, kept: bool) -> None:
+        self._range.__exit__(None, None, None)
+        if kept:
+            if not self.labels:
+                self._first = int(self._range.name.split()[-1])
+            self.labels.append(self._range.name)
+        self._range = None
+
+    def _stop(self) -> None:
+        self._profiler.stop()
+        self._stage = "stopped"
+
+
+class NoProfiler:
+    """``trainer.profile=false``: the timer as it is, nothing recorded."""
+
+    report: ProfileReport | None = None
+
+    def wrap(
+        self, timer: WallTimer | EventTimer, *, step: Callable[[], int], apart: Callable[[], None] = _pass
+    ) -> WallTimer | EventTimer:
+        return timer
+
+    def recording(self, tracker: Tracker) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def record(self) -> None:
+        return None
+
+
+NO_PROFILER = NoProfiler()
+
+
+class ProfiledTimer:
+    """A step timer with the profiler on its marks (``StepProfiler.wrap``): the loop uses it as any timer."""
+
+    def __init__(self, timer: WallTimer | EventTimer, profiler: StepProfiler, apart: Callable[[], None]) -> None:
+        self.timer, self.profiler, self.apart = timer, profiler, apart
+
+    def start(self) -> None:
+        self.timer.start()
+
+    def batches(self, iterable: Iterable[T]) -> Iterator[T]:
+        """The timer's batches, each wait for one a ``data wait`` range while profiling."""
+        items = self.timer.batches(iterable)
+        try:
+            while True:
+                with self.profiler.waiting_for_data():
+                    item = next(items, _END)
+                if item is _END:
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            items.close()
+
+    def copied(self) -> None:
+        self.timer.copied()
+
+    def done(self, samples: int, *, compiled: bool = False) -> None:
+        profiled = self.profiler.step_ended()
+        self.timer.done(samples, compiled=compiled)
+        if profiled:
+            self.timer.profiled()
+            self.apart()
+        self.profiler.step_marked(compiled)
+
+    def finish(self) -> Breakdown:
+        self.profiler.epoch_ended()
+        return self.timer.finish()
+
+
+def make_profiler(trainer: Any, device: torch.device) -> StepProfiler | NoProfiler:
+    """The run's profiler: ``trainer.profile`` over ``trainer.profile_steps`` steps, or none."""
+    return StepProfiler(trainer.profile_steps, device) if trainer.profile else NO_PROFILER
+
+
+def _torch_profiler(device: torch.device) -> Any:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)  # no shapes or stacks: they cost more than the ops
