@@ -81,6 +81,7 @@ def test_quick_suite_prints_every_benchmark_row(capsys: pytest.CaptureFixture[st
         "trainer.profile=true / false, steady samples/s, MLP, batch 64",
         "compare / search_runs, 40 runs (10 rows), fresh processes",
         "compare / search_runs with the collector paused, 40 runs (10 rows), fresh processes",
+        "MFU, 784-2048-2048-10 at batch 256 / the recipe's 784-512-10 at batch 64",
     ):
         assert f"| {name}" in out, name
 
