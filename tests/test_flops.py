@@ -19,6 +19,7 @@ from pipeline.monitor import peaks
 from pipeline.monitor.peaks import Peak
 from pipeline.train import train
 
+CPU = "a test CPU"  # the model name a measured peak is kept under
 MLP_FORWARD = 2 * (784 * 512 + 512 * 10)  # multiply-adds of the 784-512-10 MLP, biases aside, twice
 
 
@@ -132,12 +133,12 @@ def test_the_cpu_peak_is_measured_once_then_read_from_the_cache(
     measured: list[torch.dtype] = []
     monkeypatch.setattr(peaks, "measure_cpu_matmul", lambda dtype: measured.append(dtype) or 1.25)
     cache = tmp_path / "cpu_peaks.json"
-    first = peaks.cpu_peak("fp32", cache=cache)
-    again = peaks.cpu_peak("fp32", cache=cache)
+    first = peaks.cpu_peak("fp32", cpu=CPU, cache=cache)
+    again = peaks.cpu_peak("fp32", cpu=CPU, cache=cache)
     assert first.tflops == again.tflops == 1.25 and measured == [torch.float32]
-    assert json.loads(cache.read_text()) == {peaks.machine_key("fp32"): 1.25}
-    peaks.cpu_peak("bf16", cache=cache)
-    peaks.cpu_peak("fp32", cache=cache, refresh=True)  # what the doctor does
+    assert json.loads(cache.read_text()) == {peaks.machine_key("fp32", CPU): 1.25}
+    peaks.cpu_peak("bf16", cpu=CPU, cache=cache)
+    peaks.cpu_peak("fp32", cpu=CPU, cache=cache, refresh=True)  # what the doctor does
     assert measured == [torch.float32, torch.bfloat16, torch.float32]
 
 
@@ -145,10 +146,10 @@ def test_the_cached_peak_belongs_to_the_thread_count_it_was_measured_at(monkeypa
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = peaks.machine_key("fp32")
+        one = peaks.machine_key("fp32", CPU)
     finally:
         torch.set_num_threads(threads)
-    assert one != peaks.machine_key("fp32") or threads == 1
+    assert one != peaks.machine_key("fp32", CPU) or threads == 1
     assert "1 threads" in one and torch.__version__ in one
 
 
@@ -201,11 +202,12 @@ def test_the_doctor_measures_the_cpu_peak_again_and_says_what_runs_read_mfu_agai
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from pipeline.diagnostics import doctor
+    from pipeline.engine.devices import cpu_name
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cache of this test's own
     measured: list[torch.dtype] = []
     monkeypatch.setattr(peaks, "measure_cpu_matmul", lambda dtype: measured.append(dtype) or 0.5)
-    peaks.cpu_peak("fp32")  # cached before: the doctor measures again all the same
+    peaks.cpu_peak("fp32", cpu=cpu_name())  # cached before: the doctor measures again all the same
     found = doctor.report(smoke=True)
     assert found["facts"]["cpu_peak_tflops"] == {"fp32": 0.5, "bf16": 0.5}
     assert measured == [torch.float32, torch.float32, torch.bfloat16]

@@ -179,9 +179,10 @@ def gather_speed(facts: Facts) -> Facts:
 
 def cpu_peaks() -> dict[str, float]:
     """The CPU's matmul peaks that runs read MFU against, measured again (about 0.7 s) and cached for them."""
+    from pipeline.engine.devices import cpu_name
     from pipeline.monitor.peaks import cpu_peak
 
-    measured = {dtype: cpu_peak(dtype, refresh=True).tflops for dtype in ("fp32", "bf16")}
+    measured = {dtype: cpu_peak(dtype, cpu=cpu_name(), refresh=True).tflops for dtype in ("fp32", "bf16")}
     return {dtype: tflops for dtype, tflops in measured.items() if tflops is not None}
 
 

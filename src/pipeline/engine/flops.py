@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -73,7 +73,6 @@ class ModelFlops:
 
     per_sample: float | None
     peak: Peak
-    reason: str = field(default="")  # why there is no MFU, when per_sample or the peak is missing
 
     def tflops(self, samples_per_s: float) -> float | None:
         return self.per_sample * samples_per_s / 1e12 if self.per_sample is not None else None
@@ -102,7 +101,7 @@ class ModelFlops:
     def why_none(self) -> str:
         """Why the run has no MFU ("" when it has one)."""
         if self.per_sample is None:
-            return self.reason or "no MFU: the FLOP counter found no matmul or convolution in the model's forward"
+            return "no MFU: the FLOP counter found no matmul or convolution in the model's forward"
         return self.peak.reason if not self.peak.tflops else ""
 
     def describe(self, samples_per_s: float) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +60,11 @@ def run_dtype(device: torch.device, autocast_dtype: torch.dtype | None) -> str:
 
 
 def device_peak(device: torch.device, dtype: str, *, device_name: str = "") -> Peak:
-    """The peak of ``device`` in ``dtype``: a GPU's datasheet figure, a CPU's measured (or cached) one."""
+    """The peak of ``device`` in ``dtype``: a GPU's datasheet figure, a CPU's measured (or cached) one. ``device_name``
+    is the device's as ``pipeline.engine.devices`` names it (a CPU's model name: what its cached peak is kept under);
+    for a GPU, default ``torch.cuda.get_device_name``."""
     if device.type == "cpu":
-        return cpu_peak(dtype)
+        return cpu_peak(dtype, cpu=device_name)
     if device.type == "cuda":
         name = device_name or torch.cuda.get_device_name(device)
         entry = gpu_peak(name)
@@ -76,13 +77,14 @@ def device_peak(device: torch.device, dtype: str, *, device_name: str = "") -> P
     return Peak(dtype, None, reason=f"no MFU on {device.type}: no table of its peaks and no measurement of it yet")
 
 
-def cpu_peak(dtype: str, *, refresh: bool = False, cache: Path | None = None) -> Peak:
+def cpu_peak(dtype: str, *, cpu: str, refresh: bool = False, cache: Path | None = None) -> Peak:
     """This CPU's measured matmul peak in ``dtype`` at torch's current thread count, from the cache unless
-    ``refresh`` (or not cached yet), which measures and stores it."""
+    ``refresh`` (or not cached yet), which measures and stores it; ``cpu``: its model name
+    (``pipeline.engine.devices.cpu_name``)."""
     if dtype not in CPU_DTYPES:
         return Peak(dtype, None, reason=f"no MFU: {dtype} is not measured on a CPU")
     path = cache or cache_file()
-    key = machine_key(dtype)
+    key = machine_key(dtype, cpu)
     stored = _read(path)
     tflops = None if refresh else stored.get(key)
     if tflops is None:
@@ -108,19 +110,9 @@ def measure_cpu_matmul(dtype: torch.dtype, *, n: int = CPU_MATMUL_N, budget_s: f
     return 2 * n**3 / max(best, 1e-9) / 1e12
 
 
-def machine_key(dtype: str) -> str:
+def machine_key(dtype: str, cpu: str) -> str:
     """What a measured CPU peak holds for: the CPU model, its logical CPUs, torch's version and thread count."""
-    return f"{cpu_model()}|{os.cpu_count()} cpus|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return f"{cpu}|{os.cpu_count()} cpus|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}"
 
 
 def cache_file() -> Path:

@@ -169,10 +169,8 @@ def speed_line(result: RunResult) -> str:
     if speed is None:
         return "  speed       no steady step was timed"
     said = f", median of {speed.n} epochs ({speed.low:,.0f}–{speed.high:,.0f}; " if speed.n > 1 else " in 1 epoch ("
-    ranks = ""
-    if any(e.ranks for e in steady):
-        rank0 = stats.summarize(e.samples_per_s for e in steady)
-        ranks = f", all ranks; rank 0 {rank0.median:,.0f}" if rank0 is not None else ""
+    own = device_speed(result.epochs) if any(e.ranks for e in steady) else None
+    ranks = f", all ranks; rank 0 {own:,.0f}" if own is not None else ""
     first = f"first step {result.breakdown.first_step_s:.2f} s"
     return f"  speed       {speed.median:,.0f} samples/s{said}steady state{ranks}; {first})"
 
