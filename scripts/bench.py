@@ -5,7 +5,7 @@ The same as ``python -m pipeline.bench``; see BENCHMARKS.md for what it measures
 
 import sys
 
-from pipeline.diagnostics.bench import main
+from pipeline.benchmarks.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

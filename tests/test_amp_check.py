@@ -180,8 +180,8 @@ def test_a_check_timed_below_the_runs_batch_says_which_question_it_answered() ->
 
 
 def test_the_doctors_bf16_figure_says_it_is_one_large_op_not_the_model() -> None:
-    from pipeline.diagnostics.doctor_facts import Facts
-    from pipeline.diagnostics.doctor_host import cpu_bf16_check
+    from pipeline.machine.facts import Facts
+    from pipeline.machine.host_checks import cpu_bf16_check
 
     evidence = cpu_bf16_check(Facts(cpu_bf16_matmul_speed=2.31, cpu_bf16_conv_speed=1.5)).evidence
     assert "2.31x float32 for a single 1024x1024 matmul" in evidence and "times the run's own model" in evidence

@@ -12,11 +12,11 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from pipeline import autotune
+from pipeline.autotune import Candidate, Machine, Settings, candidates, format_report, override_line, tune
 from pipeline.common.errors import PipelineError
 from pipeline.config import RunConfig, load
 from pipeline.data import DataSpec
-from pipeline.experiments import autotune
-from pipeline.experiments.autotune import Candidate, Machine, Settings, candidates, format_report, override_line, tune
 
 DEFAULT = load([]).loader  # conf/loader/default.yaml, as a run composes it
 CPU4 = Machine(device_type="cpu", max_workers=4, resident_fits=False)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.benchmarks.bench import BENCHES, main
+from pipeline.benchmarks.harness import Row, Sizes, interleaved, table
 from pipeline.common.stats import paired_ratio
-from pipeline.diagnostics.bench import BENCHES, main
-from pipeline.diagnostics.harness import Row, Sizes, interleaved, table
 
 
 def test_interleaving_alternates_order_drops_warmup_and_pairs_rounds() -> None:
@@ -90,8 +90,8 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its rounds, as each rank runs them (here a job of one rank joining and leaving twice), and the row."""
-    from pipeline.diagnostics import bench_ddp
-    from pipeline.diagnostics.harness import QUICK
+    from pipeline.benchmarks import bench_ddp
+    from pipeline.benchmarks.harness import QUICK
     from servers import free_port
 
     for name, value in {
@@ -123,8 +123,8 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
 
 def test_a_claimed_gain_holds_only_when_the_real_estimate_is_within_1_5x_of_it() -> None:
     """BENCHMARKS.md's row claimed +37% against +19% real and passed because the intervals overlapped."""
+    from pipeline.benchmarks.bench_claims import claim_holds
     from pipeline.common.stats import compare
-    from pipeline.diagnostics.bench_claims import claim_holds
 
     def real(ratio: float):
         base = [100.0, 102.0, 98.0, 101.0, 99.0, 100.0, 103.0]

@@ -13,16 +13,17 @@ from types import SimpleNamespace
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.diagnostics import bench, doctor
-from pipeline.experiments.autotune import cli as autotune_cli
+from pipeline.autotune import cli as autotune_cli
+from pipeline.benchmarks import bench
 from pipeline.experiments.compare import cli as compare_cli
+from pipeline.machine import doctor
 from pipeline.record import outbox, stale
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check() -> Callable[[list[str]], int]:
-    from pipeline.diagnostics.gpu_check import main
+    from pipeline.benchmarks.gpu_check import main
 
     return main
 
@@ -205,7 +206,7 @@ def test_an_out_of_memory_error_autotune_does_not_handle_ends_it_in_one_line(
     def exhausted(self: object) -> None:
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory: you tried")
 
-    monkeypatch.setattr("pipeline.experiments.autotune.cli.Trials.probe", exhausted)
+    monkeypatch.setattr("pipeline.autotune.cli.Trials.probe", exhausted)
     monkeypatch.chdir(tmp_path)
     assert exit_code(autotune_cli.main, ["device=cpu", "--no-track"]) == 2
     err = stderr(capsys)
@@ -247,35 +248,40 @@ def test_sigterm_ends_a_command_in_one_line_with_the_signals_exit_status(
     assert signal.getsignal(signal.SIGTERM) is before  # put back
 
 
-ENTRY_MODULES = {
-    "gpu_check": "pipeline.diagnostics.gpu_check",
-    "compare": "pipeline.experiments.compare.cli",
-    "autotune": "pipeline.experiments.autotune.cli",
-    "doctor": "pipeline.diagnostics.doctor",
-    "stale": "pipeline.record.stale",
-    "outbox": "pipeline.record.outbox",
-    "bench": "pipeline.diagnostics.bench",
-    "launch": "pipeline.parallel.launch",
+ENTRY_MODULES = {  # python -m pipeline.<command>: the module it runs, and the implementation whose main that calls
+    "gpu_check": ("pipeline.gpu_check", "pipeline.benchmarks.gpu_check"),
+    "compare": ("pipeline.compare", "pipeline.experiments.compare.cli"),
+    "autotune": ("pipeline.autotune.__main__", "pipeline.autotune.cli"),  # a package: python -m runs its __main__
+    "doctor": ("pipeline.doctor", "pipeline.machine.doctor"),
+    "stale": ("pipeline.stale", "pipeline.record.stale"),
+    "outbox": ("pipeline.outbox", "pipeline.record.outbox"),
+    "bench": ("pipeline.bench", "pipeline.benchmarks.bench"),
+    "launch": ("pipeline.launch", "pipeline.parallel.launch"),
 }
 
 
-def test_every_command_is_a_thin_module_found_as_pipeline_dot_its_name() -> None:
-    """``python -m pipeline.<command>`` finds ``commands/<command>.py``, which runs its implementation's ``main``:
-    no copy, and nothing else in the folder."""
+def test_every_command_is_a_thin_module_loaded_once_from_its_own_file() -> None:
+    """``python -m pipeline.<command>`` runs a real file of the package (``pipeline/doctor.py``; a package's
+    ``__main__.py``), found without a folder added to the package's search path, loaded as one module object, and
+    calling its implementation's ``main``: no copy."""
     import importlib
     import importlib.util
     from pathlib import Path
 
     import pipeline
 
-    folder = Path(pipeline.__file__).parent / "commands"
-    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(ENTRY_MODULES)
-    for name, implementation in ENTRY_MODULES.items():
+    folder = Path(pipeline.__file__).parent
+    assert [Path(p) for p in pipeline.__path__] == [folder]
+    for name, (module, implementation) in ENTRY_MODULES.items():
         spec = importlib.util.find_spec(f"pipeline.{name}")
-        assert spec is not None and Path(spec.origin) == folder / f"{name}.py"
-        thin = importlib.import_module(f"pipeline.{name}")
+        assert spec is not None and spec.origin is not None
+        runs = f"pipeline.{name}.__main__" if spec.submodule_search_locations else f"pipeline.{name}"  # as runpy does
+        assert runs == module
+        thin = importlib.import_module(module)
+        assert Path(thin.__file__).is_relative_to(folder) and Path(thin.__file__).parent in (folder, folder / name)
+        assert [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == thin.__file__] == [thin]
         assert thin.main is importlib.import_module(implementation).main
-        assert len(Path(spec.origin).read_text().splitlines()) <= 12
+        assert len(Path(thin.__file__).read_text().splitlines()) <= 12
 
 
 @pytest.mark.slow

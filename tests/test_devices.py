@@ -100,7 +100,7 @@ def test_a_run_asking_for_a_missing_gpu_says_the_doctors_finding(
     monkeypatch: pytest.MonkeyPatch, make_cfg: Any
 ) -> None:
     """The engine never imports the doctor: the entry point hands its finding to ``build``."""
-    from pipeline.diagnostics import doctor
+    from pipeline.machine import doctor
     from pipeline.train import train
 
     fake_gpus(monkeypatch)

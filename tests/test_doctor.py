@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from pipeline.config import DeviceConfig
-from pipeline.diagnostics import doctor
-from pipeline.diagnostics.doctor import checks, main, main_finding, render, report
-from pipeline.diagnostics.doctor_facts import (
+from pipeline.engine import amp_check
+from pipeline.engine.devices import DeviceError, resolve_device
+from pipeline.machine import doctor
+from pipeline.machine.doctor import checks, main, main_finding, render, report
+from pipeline.machine.facts import (
     Check,
     Facts,
     NvidiaGpu,
@@ -24,8 +26,6 @@ from pipeline.diagnostics.doctor_facts import (
     kernel_for,
     wheel_for,
 )
-from pipeline.engine import amp_check
-from pipeline.engine.devices import DeviceError, resolve_device
 
 T4 = NvidiaGpu(0, "Tesla T4", "GPU-aaaa", 15360)
 
@@ -122,7 +122,7 @@ def test_devices_do_not_depend_on_the_doctor() -> None:
     tree = ast.parse(inspect.getsource(pipeline.engine.devices))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "pipeline.diagnostics.doctor" not in imported and "pipeline.config" in imported
+    assert "pipeline.machine.doctor" not in imported and "pipeline.config" in imported
 
 
 def test_the_doctor_reads_the_start_method_without_fixing_it(monkeypatch: pytest.MonkeyPatch) -> None:

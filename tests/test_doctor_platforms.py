@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.diagnostics.doctor import checks, main, report
-from pipeline.diagnostics.doctor_facts import Check, Facts, NvidiaGpu, gather
-from pipeline.diagnostics.platforms import (
+from pipeline.machine.doctor import checks, main, report
+from pipeline.machine.facts import Check, Facts, NvidiaGpu, gather
+from pipeline.machine.platforms import (
     Probe,
     Ran,
     cudnn_file_version,

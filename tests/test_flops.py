@@ -201,8 +201,8 @@ def test_a_cpu_run_at_high_mfu_is_told_the_arithmetic_is_the_limit_there(make_cf
 def test_the_doctor_measures_the_cpu_peak_again_and_says_what_runs_read_mfu_against(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from pipeline.diagnostics import doctor
     from pipeline.engine.devices import cpu_name
+    from pipeline.machine import doctor
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cache of this test's own
     measured: list[torch.dtype] = []

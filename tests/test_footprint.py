@@ -14,11 +14,11 @@ from torch import nn
 
 import pipeline.engine.build as build_module
 import pipeline.engine.footprint as footprint
+from pipeline import autotune
 from pipeline.config import DataConfig, RunConfig
 from pipeline.data import load_data
 from pipeline.engine.footprint import DoesNotFit, Free, estimate
 from pipeline.engine.memory import OutOfMemory
-from pipeline.experiments import autotune
 from pipeline.train import train
 from test_cli import run_main
 

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from pipeline.diagnostics import gpu_input, gpu_plan, gpu_runs
+from pipeline.benchmarks import gpu_goals, gpu_overheads, gpu_training
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"  # a fresh GPU machine's entry: python -m pipeline.gpu_check
@@ -53,9 +53,9 @@ MEASURED = ["mlp", "resnet50_fp32", "resnet50_bf16", "resnet50_bf16_channels_las
 @pytest.fixture(scope="module")
 def gpu_check() -> ModuleType:
     """``python -m pipeline.gpu_check``'s module, so that main() runs in this process."""
-    import pipeline.diagnostics.gpu_check
+    import pipeline.benchmarks.gpu_check
 
-    return pipeline.diagnostics.gpu_check
+    return pipeline.benchmarks.gpu_check
 
 
 def rows_by_key(document: dict) -> dict[str, dict]:
@@ -137,20 +137,20 @@ def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
 def test_speed_goals_are_judged_on_the_gpu_sizes_only_and_functional_goals_everywhere(
     gpu_check: ModuleType, plan: str, key: str, value: float | None, expected: str
 ) -> None:
-    assert getattr(gpu_plan, plan).judge(value, gpu_plan.GOALS[key]) == expected
+    assert getattr(gpu_goals, plan).judge(value, gpu_goals.GOALS[key]) == expected
 
 
 def test_a_failing_measurement_is_an_error_row_and_the_others_still_run(
     gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = gpu_runs.train_run
+    real = gpu_training.train_run
 
     def failing_for_the_mlp(overrides: list[str]):
         if "model=mlp" in overrides:
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
         return real(overrides)
 
-    monkeypatch.setattr(gpu_runs, "train_run", failing_for_the_mlp)
+    monkeypatch.setattr(gpu_training, "train_run", failing_for_the_mlp)
     out = tmp_path / "check.json"
     assert gpu_check.main(["--dry-run", "--only", "mlp,oom", "--out", str(out)]) == 1  # an ERROR row fails the check
     rows = rows_by_key(json.loads(out.read_text()))
@@ -183,11 +183,11 @@ def test_missing_packages_are_named_with_the_pip_command_before_anything_runs(
 def test_without_mlflow_the_profile_rows_are_skipped_saying_why(
     gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.diagnostics import gpu_profile
+    from pipeline.benchmarks import gpu_profile
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    rows = gpu_profile.step_profile(gpu_plan.Context(gpu_plan.GPU_PLAN, "default", tmp_path))
+    rows = gpu_profile.step_profile(gpu_goals.Context(gpu_goals.GPU_PLAN, "default", tmp_path))
     assert [(row.key, row.status) for row in rows] == [("profile_trace", "SKIP"), ("memory_snapshot", "SKIP")]
     assert all(row.detail.startswith("mlflow is not installed") for row in rows)
 
@@ -305,7 +305,7 @@ class FakeNvml:
 
 
 def test_a_poller_keeps_its_backends_utilisation_readings_until_stopped(gpu_check: ModuleType) -> None:
-    with gpu_input.Poller(FakeNvml(87.5), interval_s=0.01) as poller:
+    with gpu_overheads.Poller(FakeNvml(87.5), interval_s=0.01) as poller:
         for _ in range(500):  # until a reading arrives (at most 5 s on a very busy machine)
             if poller.values:
                 break
@@ -318,9 +318,9 @@ def test_a_poller_keeps_its_backends_utilisation_readings_until_stopped(gpu_chec
 def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisation(
     gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The GPU path without a GPU: pipeline.diagnostics.bench's readings and the busy loop's pollers are stood in
+    """The GPU path without a GPU: pipeline.benchmarks.bench's readings and the busy loop's pollers are stood in
     for."""
-    from pipeline.diagnostics import bench
+    from pipeline.benchmarks import bench
 
     monkeypatch.setattr(
         bench,
@@ -355,9 +355,9 @@ def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisat
 
 
 def test_a_card_missing_from_the_table_fails_the_mfu_row_with_the_reason(gpu_check: ModuleType) -> None:
-    from pipeline.diagnostics.gpu_runs import mfu_row
+    from pipeline.benchmarks.gpu_training import mfu_row
 
-    ctx = gpu_plan.Context(gpu_plan.GPU_PLAN, "default", Path("."))
+    ctx = gpu_goals.Context(gpu_goals.GPU_PLAN, "default", Path("."))
     ctx.mfu["resnet50_bf16_channels_last"] = (None, "no MFU: 'NVIDIA Some Future GPU' is not in pipeline's table")
     row = mfu_row(ctx)
     assert (row.value, row.status) == (0.0, "FAIL") and row.detail.startswith("no MFU: 'NVIDIA Some Future GPU'")
@@ -368,7 +368,7 @@ def test_a_card_missing_from_the_table_fails_the_mfu_row_with_the_reason(gpu_che
 def test_the_snapshot_row_reads_the_pickles_strings_without_unpickling_it() -> None:
     import pickle
 
-    from pipeline.diagnostics.gpu_profile import pickled_strings
+    from pipeline.benchmarks.gpu_profile import pickled_strings
 
     class Trap:
         def __reduce__(self):  # type: ignore[no-untyped-def]

@@ -39,7 +39,7 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"pipeline/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert expected <= names and "pipeline/conf/config.yaml" in names and "pipeline/__main__.py" in names
-    assert "pipeline/commands/doctor.py" in names  # python -m pipeline.doctor from the installed wheel
+    assert {"pipeline/doctor.py", "pipeline/autotune/__main__.py"} <= names  # python -m pipeline.doctor, .autotune
     assert "hydra_plugins/pipeline_sweeper/interleaved_sweeper.py" in names  # the default sweeper (conf/design/)
 
     site = tmp_path / "site"

@@ -164,9 +164,9 @@ def test_there_is_one_statistics_module() -> None:
     ]
     assert found == []
     users = [
-        "diagnostics/bench.py",
-        "diagnostics/bench_claims.py",
-        "experiments/autotune/report.py",
+        "benchmarks/bench.py",
+        "benchmarks/bench_claims.py",
+        "autotune/report.py",
         "experiments/compare/table.py",
         "engine/amp_check.py",
     ]

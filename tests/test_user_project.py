@@ -168,8 +168,8 @@ def test_a_checkpoint_holds_plain_values_only(project: Path, make_cfg: MakeCfg, 
 def test_autotune_times_the_users_own_loader_in_the_real_step(project: Path, make_cfg: MakeCfg) -> None:
     import dataclasses
 
-    from pipeline.experiments.autotune.candidates import Candidate
-    from pipeline.experiments.autotune.trials import Trials
+    from pipeline.autotune.candidates import Candidate
+    from pipeline.autotune.trials import Trials
 
     cfg = make_cfg(*REGRESSION, "tracking=none")
     trials = Trials(cfg)
@@ -187,9 +187,9 @@ def test_autotune_times_the_users_own_loader_in_the_real_step(project: Path, mak
 def test_autotune_offers_resident_only_for_map_style_tensors_and_searches_an_iterable_dataset(
     project: Path, make_cfg: MakeCfg, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from pipeline import autotune
+    from pipeline.autotune.candidates import resident_fits
     from pipeline.data import load_data
-    from pipeline.experiments import autotune
-    from pipeline.experiments.autotune.candidates import resident_fits
 
     cpu = torch.device("cpu")
     keyed = load_data(make_cfg(*KEYED).data).spec  # 512 samples of 8 + 1 float32 features and a float32 target

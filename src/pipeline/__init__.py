@@ -2,15 +2,12 @@
 
 Run it with ``python -m pipeline`` (see the README and docs/); ``pipeline.train.train`` is the library entry.
 
-The package's layers, from the bottom (docs/development.md; ``make test`` enforces them): ``common``, ``record``,
-``config``, ``engine`` with ``parallel``, ``data`` and ``monitor``, ``report``, ``experiments`` and
-``diagnostics``, then ``train`` (one run, start to end) and the entry points: ``__main__`` and ``commands``.
+One package per layer (docs/development.md; ``make test`` enforces them with import-linter), from the bottom:
+``common``; ``config``; ``data``, ``monitor`` and ``parallel`` (independent of each other); ``record``; ``engine``;
+``machine`` (the doctor); ``report``; ``train``, ``autotune`` and ``experiments`` (independent of each other);
+``benchmarks``; then the entry points: ``__main__`` (``python -m pipeline``) and one thin module per command
+(``python -m pipeline.doctor``, ``.compare``, ``.stale``, ``.outbox``, ``.bench``, ``.gpu_check``, ``.launch``;
+``.autotune`` is ``autotune/__main__.py``).
 """
 
-import os
-
 __version__ = "0.1.0"
-
-# python -m pipeline.<command> (doctor, compare, autotune, stale, outbox, bench, gpu_check, launch): the thin modules in
-# commands/ are found as pipeline.<command>, so the top of the package shows its layers, not one file per command
-__path__.append(os.path.join(os.path.dirname(__file__), "commands"))

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.config import RunConfig
 from pipeline.data.workers import LoaderError, deaths_expected_while, worker_faults
-from pipeline.diagnostics import doctor
 from pipeline.engine import checkpoint, compilation, continuation, resume
 from pipeline.engine.build import Setup, build
 from pipeline.engine.loop import evaluate, train_epoch
@@ -27,6 +26,7 @@ from pipeline.engine.provenance import run_tags, sweep_run_name, with_overrides
 from pipeline.engine.restore import restore
 from pipeline.engine.stopping import Stopped, StopRequests, signal_name
 from pipeline.engine.timing import launch_metrics, make_timer
+from pipeline.machine import doctor
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler
 from pipeline.parallel import distributed
 from pipeline.record.lifecycle import Tracker, open_tracker

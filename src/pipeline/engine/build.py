@@ -93,7 +93,7 @@ def build(
     Under DDP (``group``, joined already), the device is the rank's own (``cuda:LOCAL_RANK``), the model is
     wrapped in DistributedDataParallel and each loader reads this rank's share. ``explain_missing_gpu`` adds a
     diagnosis to the error when CUDA was asked for and is unusable (the caller's:
-    ``pipeline.diagnostics.doctor.main_finding``
+    ``pipeline.machine.doctor.main_finding``
     from the entry points; the engine never imports the diagnostics).
     """
     group = group or Solo()

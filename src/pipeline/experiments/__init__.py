@@ -1,3 +1,3 @@
-"""Several runs at once: sweeps and their parent run (``sweep``), comparing runs (``compare``) and tuning the
-loader (``autotune``).
+"""Several runs at once: sweeps, their parent run and their files (``sweep``, ``sweep_parent``, ``sweep_files``)
+and comparing runs (``compare``).
 """

@@ -13,13 +13,13 @@ from typing import Any
 import yaml
 
 from pipeline.config import flatten
-from pipeline.diagnostics import doctor
 from pipeline.engine.build import Setup
 from pipeline.engine.memory import batchnorm_note
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
 from pipeline.engine.resume import Resumed
 from pipeline.engine.timing import Breakdown
+from pipeline.machine import doctor
 from pipeline.monitor import job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import ModelCard

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from pipeline.diagnostics.gpu_plan import (
+from pipeline.benchmarks.gpu_goals import (
     AUGMENT,
     BF16_CL,
     DRY_GPU,
@@ -21,7 +21,7 @@ from pipeline.diagnostics.gpu_plan import (
     Row,
     guarded,
 )
-from pipeline.diagnostics.gpu_runs import (
+from pipeline.benchmarks.gpu_training import (
     resnet_overrides,
     steady,
     train_run,
@@ -201,11 +201,11 @@ def step_input(ctx: Context) -> list[Row]:
 
 
 def step_sampler(ctx: Context) -> list[Row]:
-    """What one reading costs through NVML and through GPUtil (``pipeline.diagnostics.bench``'s sampler benchmark),
+    """What one reading costs through NVML and through GPUtil (``pipeline.benchmarks.bench``'s sampler benchmark),
     and the mean
     utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
-    from pipeline.diagnostics.bench import bench_sampler_backends
-    from pipeline.diagnostics.harness import Sizes
+    from pipeline.benchmarks.bench import bench_sampler_backends
+    from pipeline.benchmarks.harness import Sizes
 
     plan = ctx.plan
     rows: list[Row] = []
@@ -259,18 +259,18 @@ def step_sampler(ctx: Context) -> list[Row]:
 
 def step_overhead(ctx: Context) -> list[Row]:
     """The whole pipeline (timing, sampler, loss checks) against a hand-written loop, MLP epochs on resident
-    MNIST-shaped data, interleaved rounds: ``pipeline.diagnostics.bench``'s comparison, on this check's device."""
+    MNIST-shaped data, interleaved rounds: ``pipeline.benchmarks.bench``'s comparison, on this check's device."""
     plan = ctx.plan
     name = f"pipeline / bare loop, MLP, batch 64, {plan.overhead_samples:,} samples, {plan.device}"
 
     def make() -> Row:
         from statistics import median
 
+        from pipeline.benchmarks.bench import pipeline_epoch
+        from pipeline.benchmarks.harness import Sizes, bare_epoch, interleaved
         from pipeline.common.stats import paired_ratio
         from pipeline.config import DataConfig
         from pipeline.data.sources import load_data
-        from pipeline.diagnostics.bench import pipeline_epoch
-        from pipeline.diagnostics.harness import Sizes, bare_epoch, interleaved
 
         sizes = Sizes(samples=plan.overhead_samples, repeats=plan.overhead_repeats, warmup=0 if plan.dry else 1)
         bundle = load_data(

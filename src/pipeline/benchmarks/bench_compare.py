@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from pipeline.benchmarks.harness import QUICK, Row, Sizes, interleaved
 from pipeline.common.stats import paired_ratio
-from pipeline.diagnostics.harness import QUICK, Row, Sizes, interleaved
 
 GOAL = 1.2  # compare / search_runs, fresh processes
 CONFIGS, SEEDS = 250, 4

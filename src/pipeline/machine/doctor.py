@@ -4,9 +4,9 @@ Each check is PASS, WARN, FAIL or INFO, with its evidence and, for WARN and FAIL
 command or a setting. The exit status is 1 when any check FAILs. Facts come from torch, NVML
 (nvidia-ml-py), ``nvidia-smi``, ``nvcc`` and the OS's own list of display adapters (Windows:
 Win32_VideoController, macOS: system_profiler, Linux: ``/sys/class/drm``), read through
-``pipeline.diagnostics.platforms``; each source may be missing, and its absence is itself evidence. Nothing
-here imports MLflow or Hydra, so it answers in seconds. The facts are gathered by ``doctor_facts``; the checks of
-the GPU and its software stack are here, those of the machine around it in ``doctor_host``.
+``pipeline.machine.platforms``; each source may be missing, and its absence is itself evidence. Nothing
+here imports MLflow or Hydra, so it answers in seconds. The facts are gathered by ``facts``; the checks of
+the GPU and its software stack are here, those of the machine around it in ``host_checks``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.common.cli import Parser, command
-from pipeline.diagnostics.doctor_facts import (
+from pipeline.machine.facts import (
     Check,
     Facts,
     gather,
@@ -28,7 +28,7 @@ from pipeline.diagnostics.doctor_facts import (
     version_tuple,
     wheel_for,
 )
-from pipeline.diagnostics.doctor_host import (
+from pipeline.machine.host_checks import (
     cpu_bf16_check,
     cpu_peak_check,
     hybrid_check,
@@ -36,7 +36,7 @@ from pipeline.diagnostics.doctor_host import (
     monitoring_checks,
     mps_check,
 )
-from pipeline.diagnostics.platforms import (
+from pipeline.machine.platforms import (
     cudnn_text,
 )
 from pipeline.monitor.gpu import normalize_uuid

@@ -12,14 +12,14 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 
-from pipeline.common.stats import paired_ratio
-from pipeline.diagnostics.bench import pipeline_epoch
-from pipeline.diagnostics.harness import (
+from pipeline.benchmarks.bench import pipeline_epoch
+from pipeline.benchmarks.harness import (
     QUICK,
     Row,
     Sizes,
     interleaved,
 )
+from pipeline.common.stats import paired_ratio
 
 
 def bench_amp(sizes: Sizes, work: Path) -> list[Row]:

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.diagnostics.gpu_plan import (
+from pipeline.benchmarks.gpu_goals import (
     BF16,
     BF16_CL,
     COMMON,
@@ -88,7 +88,7 @@ def step_doctor(ctx: Context) -> list[Row]:
     """``python -m pipeline.doctor``'s checks, as one row: how many failed, and which warned or failed."""
 
     def make() -> Row:
-        from pipeline.diagnostics import doctor
+        from pipeline.machine import doctor
 
         report = doctor.report(smoke=True)
         counts = Counter(c["status"] for c in report["checks"])
@@ -317,7 +317,7 @@ def step_oom(ctx: Context) -> list[Row]:
             if peak is None:  # run alone (--only oom): measure the fitting batch's peak first
                 train_run([*resnet_overrides(plan, *precision, epochs=1, samples=samples), "trainer.max_steps=2"])
                 peak = peak_mb(plan)
-                from pipeline.diagnostics.harness import release  # torch: once the check may run
+                from pipeline.benchmarks.harness import release  # torch: once the check may run
 
                 release()
             total = torch.cuda.get_device_properties(0).total_memory / 1e6

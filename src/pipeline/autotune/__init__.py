@@ -38,7 +38,7 @@ and ``cli`` (``main``; ``__main__`` runs it).
 
 from __future__ import annotations
 
-from pipeline.experiments.autotune.candidates import (
+from pipeline.autotune.candidates import (
     RESIDENT_SHARE,
     Candidate,
     Machine,
@@ -49,8 +49,8 @@ from pipeline.experiments.autotune.candidates import (
     worker_ladder,
     worker_limit,
 )
-from pipeline.experiments.autotune.cli import main, parse_args
-from pipeline.experiments.autotune.report import (
+from pipeline.autotune.cli import main, parse_args
+from pipeline.autotune.report import (
     confirmed_gain,
     format_report,
     gain,
@@ -62,7 +62,7 @@ from pipeline.experiments.autotune.report import (
     verdict,
     workers_figure,
 )
-from pipeline.experiments.autotune.search import (
+from pipeline.autotune.search import (
     BATCH_SEARCH_SHARE,
     CONFIRM_SHARE,
     DROP_BELOW,
@@ -75,7 +75,7 @@ from pipeline.experiments.autotune.search import (
     Trial,
     tune,
 )
-from pipeline.experiments.autotune.trials import Trials, queue_depth
+from pipeline.autotune.trials import Trials, queue_depth
 
 __all__ = [
     "BATCH_SEARCH_SHARE",

@@ -12,7 +12,7 @@ round (the same processes, so no process start-up or placement separates the two
 Each side of a round trains two epochs in the job's one process group (``pipeline.train`` uses a group its caller
 joined) and reports its second (the steady state: buckets rebuilt, caches warm); the claim is the median of
 per-round ratios of global samples/s (``pipeline.common.stats.paired_ratio``). Each rank is a
-``python -m pipeline.diagnostics.bench_ddp`` process that torchrun starts; rank 0 writes every round's seconds to a
+``python -m pipeline.benchmarks.bench_ddp`` process that torchrun starts; rank 0 writes every round's seconds to a
 JSON file
 the parent reads.
 """
@@ -41,9 +41,9 @@ def _tutorial(samples: int) -> tuple[Any, Any, Any, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from pipeline.benchmarks.harness import mlp
     from pipeline.config import DataConfig
     from pipeline.data.sources import load_data
-    from pipeline.diagnostics.harness import mlp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     bundle = load_data(DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=samples, val_samples=64))
@@ -58,7 +58,7 @@ def textbook(samples: int, batch: int, epochs: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from pipeline.diagnostics.harness import bare_step
+    from pipeline.benchmarks.harness import bare_step
 
     model, optimizer, images, labels = _tutorial(samples)
     seconds = 0.0
@@ -113,7 +113,7 @@ def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], flo
     import torch
     import torch.distributed as dist
 
-    from pipeline.diagnostics.harness import bare_step
+    from pipeline.benchmarks.harness import bare_step
     from pipeline.engine.build import build
     from pipeline.engine.loop import train_epoch
     from pipeline.engine.timing import make_timer
@@ -171,7 +171,7 @@ def run_job(sizes, work: Path, *, batch: int = BATCH, epochs: int = 2) -> dict[s
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, as torchrun sets for several ranks (said, not left implicit)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}"]
     rounds = (sizes.samples, sizes.repeats, sizes.warmup, chunk_rounds(sizes))
-    command += ["-m", "pipeline.diagnostics.bench_ddp", *map(str, (*rounds, batch, epochs, out))]
+    command += ["-m", "pipeline.benchmarks.bench_ddp", *map(str, (*rounds, batch, epochs, out))]
     done = subprocess.run(command, env=env, cwd=work, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"the DDP benchmark job failed (exit {done.returncode}): {done.stderr[-2000:]}")
@@ -186,8 +186,8 @@ def chunk_rounds(sizes) -> int:
 def bench_ddp(sizes, work: Path) -> list:
     """The pipeline's global samples/s under DDP as a share of the textbook loop's: its training loop in short
     interleaved chunks, then whole runs (second epochs), rounds interleaved."""
+    from pipeline.benchmarks.harness import Row
     from pipeline.common.stats import paired_ratio
-    from pipeline.diagnostics.harness import Row
 
     both = run_job(sizes, work)
     rows = []
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     starts it). Whole runs first, then the loops in chunks (one warm-up round each)."""
     import torch.distributed as dist
 
-    from pipeline.diagnostics.harness import Sizes, interleaved
+    from pipeline.benchmarks.harness import Sizes, interleaved
 
     samples, repeats, warmup, chunks, batch, epochs = map(int, argv[:6])
     out = Path(argv[6])

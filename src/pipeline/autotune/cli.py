@@ -10,13 +10,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pipeline.autotune.candidates import Machine, resident_fits, worker_limit
+from pipeline.autotune.report import NothingMeasured, format_report, record
+from pipeline.autotune.search import Settings, tune
+from pipeline.autotune.trials import Trials
 from pipeline.common.cli import Parser, command
 from pipeline.common.errors import PipelineError
 from pipeline.engine.memory import out_of_memory_is_an_error
-from pipeline.experiments.autotune.candidates import Machine, resident_fits, worker_limit
-from pipeline.experiments.autotune.report import NothingMeasured, format_report, record
-from pipeline.experiments.autotune.search import Settings, tune
-from pipeline.experiments.autotune.trials import Trials
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

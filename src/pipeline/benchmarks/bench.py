@@ -28,9 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline.common.cli import Parser, command
-from pipeline.common.stats import paired_ratio
-from pipeline.diagnostics.harness import (
+from pipeline.benchmarks.harness import (
     FULL,
     QUICK,
     Row,
@@ -42,6 +40,8 @@ from pipeline.diagnostics.harness import (
     quiet_logs,
     table,
 )
+from pipeline.common.cli import Parser, command
+from pipeline.common.stats import paired_ratio
 
 # ---------------------------------------------------------------------------------------------
 # What is compared
@@ -359,7 +359,7 @@ def _module(name: str) -> Any:
     ``bench_mfu``), imported when its rows are asked for."""
     import importlib
 
-    return importlib.import_module(f"pipeline.diagnostics.{name}")
+    return importlib.import_module(f"pipeline.benchmarks.{name}")
 
 
 @command("python -m pipeline.bench")

@@ -8,11 +8,11 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.autotune.candidates import Candidate, describe
+from pipeline.autotune.search import Outcome, Settings, Tally
 from pipeline.common.errors import PipelineError
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, min_p_paired, summarize
 from pipeline.config import LoaderConfig, RunConfig
-from pipeline.experiments.autotune.candidates import Candidate, describe
-from pipeline.experiments.autotune.search import Outcome, Settings, Tally
 
 
 def gain(a: Tally, b: Tally) -> float:

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from pipeline.config import DeviceConfig
-from pipeline.diagnostics.doctor_facts import Check, Facts, nvidia_adapters, version_tuple
-from pipeline.diagnostics.platforms import (
+from pipeline.engine.devices import resolve_device
+from pipeline.machine.facts import Check, Facts, nvidia_adapters, version_tuple
+from pipeline.machine.platforms import (
     vendor_of,
 )
-from pipeline.engine.devices import resolve_device
 
 # bfloat16 below this fraction of float32's speed makes amp=true on the CPU a slowdown
 CPU_BF16_SLOW = 0.9

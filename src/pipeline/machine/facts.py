@@ -1,6 +1,6 @@
 """What the doctor knows about the machine before it judges anything (``gather``): torch's build, the NVIDIA driver
 through NVML and ``nvidia-smi``, each GPU, the CUDA toolkit, cuDNN, the display adapters the OS lists
-(``pipeline.diagnostics.platforms``), the CPU's flags and, asked for separately, its bfloat16 speed
+(``pipeline.machine.platforms``), the CPU's flags and, asked for separately, its bfloat16 speed
 (``gather_speed``). Each source may be missing; its absence is itself a fact.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from pipeline.diagnostics.platforms import (
+from pipeline.engine.devices import cudnn_version
+from pipeline.machine.platforms import (
     Probe,
     Toolkit,
     display_adapters,
@@ -29,7 +30,6 @@ from pipeline.diagnostics.platforms import (
     shadowing_cudnn,
     vendor_of,
 )
-from pipeline.engine.devices import cudnn_version
 
 # CUDA versions of PyTorch's wheel indexes (download.pytorch.org/whl/cuXYZ), newest last
 WHEEL_CUDA = ["11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0"]

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipeline.autotune.candidates import Candidate, Machine, candidates, prefetch_variant, worker_ladder
 from pipeline.config import LoaderConfig
-from pipeline.experiments.autotune.candidates import Candidate, Machine, candidates, prefetch_variant, worker_ladder
 
 PLATEAU_GAIN = 0.03  # a doubling of the workers that gains less than this ends the ladder
 DROP_BELOW = 0.80  # a candidate whose best round is under this share of the leader's median is dropped ...

@@ -18,7 +18,7 @@ synthetic data made in memory, so nothing is downloaded and nothing is left behi
 The runs are ``pipeline.train.train`` in this process, with configs from ``pipeline.config.load`` and
 ``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``:
 every epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop
-reuse the benchmarks' harness (``pipeline.diagnostics.harness``). Every row is guarded: one that fails is an
+reuse the benchmarks' harness (``pipeline.benchmarks.harness``). Every row is guarded: one that fails is an
 ERROR row and the rest still run.
 The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the check cannot
 start (a missing package, no GPU without ``--dry-run``).
@@ -41,21 +41,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.common.cli import Parser, command
-from pipeline.diagnostics.gpu_input import augment_available, step_input, step_overhead, step_sampler
-from pipeline.diagnostics.gpu_plan import (
+from pipeline.benchmarks.gpu_goals import (
     DRY_PLAN,
     GPU_PLAN,
     Context,
     Row,
 )
-from pipeline.diagnostics.gpu_profile import step_profile
-from pipeline.diagnostics.gpu_runs import (
+from pipeline.benchmarks.gpu_overheads import augment_available, step_input, step_overhead, step_sampler
+from pipeline.benchmarks.gpu_profile import step_profile
+from pipeline.benchmarks.gpu_training import (
     step_doctor,
     step_mlp,
     step_oom,
     step_resnet,
 )
+from pipeline.common.cli import Parser, command
 
 # module -> what to pip install. The pipeline's other dependencies are not imported by these runs.
 REQUIRED = {
@@ -227,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from pipeline.diagnostics.harness import machine_facts, quiet_logs
+    from pipeline.benchmarks.harness import machine_facts, quiet_logs
 
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     if args.budget_s is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     if not plan.dry and not torch.cuda.is_available():
-        from pipeline.diagnostics import doctor
+        from pipeline.machine import doctor
 
         finding = doctor.main_finding()
         print(

@@ -132,6 +132,6 @@ def guarded(key: str, name: str, unit: str, make: Callable[[], Row]) -> Row:
             raw={"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=8)},
         )
     finally:
-        from pipeline.diagnostics.harness import release  # torch: once the check may run
+        from pipeline.benchmarks.harness import release  # torch: once the check may run
 
         release()

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from statistics import median
 
+from pipeline.benchmarks.bench import pipeline_run
+from pipeline.benchmarks.harness import Row, Sizes, interleaved
 from pipeline.common.stats import paired_ratio
-from pipeline.diagnostics.bench import pipeline_run
-from pipeline.diagnostics.harness import Row, Sizes, interleaved
 
 NARROW = ["model=mlp", "model.hidden_sizes=[512]", "loader.batch_size=64"]
 WIDE = ["model=mlp", "model.hidden_sizes=[2048,2048]", "loader.batch_size=256"]

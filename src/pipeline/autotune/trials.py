@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.autotune.candidates import Candidate
 from pipeline.config import LoaderConfig, RunConfig
-from pipeline.experiments.autotune.candidates import Candidate
 
 
 @dataclass
@@ -107,9 +107,9 @@ class Trials:
 
     def _get(self, candidate: Candidate) -> _Live:
         if candidate not in self._live:
-            from pipeline.diagnostics import doctor
             from pipeline.engine.build import build
             from pipeline.engine.timing import make_timer
+            from pipeline.machine import doctor
 
             oom = dataclasses.replace(self.cfg.oom, enabled=self.cfg.oom.enabled and candidate.oom_fallback)
             setup = build(

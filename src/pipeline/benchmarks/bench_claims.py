@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.benchmarks.harness import QUICK, Row, Sizes, interleaved
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, paired_ratio, summarize
-from pipeline.diagnostics.harness import QUICK, Row, Sizes, interleaved
 
 CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
 
@@ -51,8 +51,7 @@ def _quick(sizes: Sizes) -> bool:
 def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
     """``python -m pipeline.autotune`` on MNIST-shaped synthetic data, then its suggestion against the current
     setting in real ``python -m pipeline`` runs (two epochs each, the second's steady samples/s), interleaved."""
-    from pipeline.config import load
-    from pipeline.experiments.autotune import (
+    from pipeline.autotune import (
         Machine,
         Settings,
         Trials,
@@ -63,6 +62,7 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
         tune,
         worker_limit,
     )
+    from pipeline.config import load
 
     samples = 2_000 if _quick(sizes) else 20_000
     base = ["device=cpu", "data=synthetic", f"data.num_samples={samples}", "data.val_samples=500"]
@@ -190,9 +190,9 @@ def bench_compile(sizes: Sizes) -> list[Row]:
 def bench_profile(sizes: Sizes, work: Path) -> list[Row]:
     """``trainer.profile``: off, the pipeline's MLP epoch against the bare loop (off adds nothing to a step: the timer
     is not wrapped); on, its steady samples/s against off's (the profiled steps are left out of the steady state)."""
+    from pipeline.benchmarks.harness import bare_epoch
     from pipeline.config import DataConfig, load
     from pipeline.data.sources import load_data
-    from pipeline.diagnostics.harness import bare_epoch
     from pipeline.train import train
 
     samples = sizes.samples
