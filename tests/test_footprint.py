@@ -12,12 +12,14 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
+import pipeline.common.device_memory as device_memory
 import pipeline.engine.build as build_module
 import pipeline.engine.footprint as footprint
 from pipeline import autotune
+from pipeline.common.device_memory import DoesNotFit, Free
 from pipeline.config import DataConfig, RunConfig
 from pipeline.data import load_data
-from pipeline.engine.footprint import DoesNotFit, Free, estimate
+from pipeline.engine.footprint import estimate
 from pipeline.engine.memory import OutOfMemory
 from pipeline.train import train
 from test_cli import run_main
@@ -31,7 +33,8 @@ def free_gb(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """``free_gb(2)``: the host (and any device) has 2 GB free, whatever this machine has."""
 
     def fake(gb: float) -> None:
-        monkeypatch.setattr(footprint, "free_memory", lambda device: Free(int(gb * GB), "available host memory"))
+        for module in (device_memory, footprint):  # the data's check and the training state's
+            monkeypatch.setattr(module, "free_memory", lambda device: Free(int(gb * GB), "available host memory"))
 
     return fake
 
@@ -73,7 +76,7 @@ def test_an_input_too_large_for_the_model_is_refused_with_the_activations_it_nee
     assert message.startswith("model=resnet18 on 3x20000x20000 inputs needs at least ")
     parts = estimate(cfg, in_shape=(3, 20000, 20000), num_classes=10, samples=1)
     assert parts.batch_bytes > 100 * parts.state_bytes  # the activations of one image, not the 11.7 M parameters
-    assert f"{footprint.size(parts.batch_bytes)} for a micro-batch of 1" in message
+    assert f"{device_memory.size(parts.batch_bytes)} for a micro-batch of 1" in message
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,13 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
+from pipeline.common.device_memory import is_oom
 from pipeline.config import ConfigError, RunConfig
 from pipeline.engine.memory import (
     MicroBatcher,
     OomFailure,
     OutOfMemory,
     OutOfMemoryAtMinimum,
-    is_oom,
     single_sample_tail,
 )
 from pipeline.train import train

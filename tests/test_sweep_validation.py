@@ -124,6 +124,6 @@ def test_an_interval_without_an_optuna_search_is_one_line_naming_hparams_search(
 
 
 def test_an_interval_in_an_optuna_search_is_left_to_optuna() -> None:
-    from hydra_plugins.pipeline_sweeper.interleaved_sweeper import check_search_space
+    from pipeline.config import check_search_space
 
     check_search_space(["hparams_search=accuracy_optuna", "optimizer.lr=interval(0.1,0.2)"])  # raises nothing

@@ -29,7 +29,7 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
 
     from pipeline.common.cli import DEBUG_FLAG
     from pipeline.common.errors import PipelineError
-    from pipeline.config import RunConfig, config_dir, from_dictconfig, load, sweep_jobs
+    from pipeline.config import RunConfig, check_search_space, config_dir, from_dictconfig, load, sweep_jobs
     from pipeline.engine.stopping import Stopped
 except KeyboardInterrupt:
     print(BEFORE_THE_FIRST_STEP, file=sys.stderr, flush=True)
@@ -229,8 +229,6 @@ def check_sweep(args: list[str]) -> None:
         load(own)  # ...and sweeper, which the jobs leave out: a wrong one is one line, not Hydra's listing
     jobs = sweep_jobs(parsed.overrides)
     if jobs is None:  # an interval() or another sweeper: refused here only where the sweeper cannot run it
-        from hydra_plugins.pipeline_sweeper.interleaved_sweeper import check_search_space
-
         check_search_space(parsed.overrides)
     for number, job in enumerate(jobs or [], start=1):
         try:

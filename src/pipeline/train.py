@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
+from pipeline.common.signals import signal_name
 from pipeline.config import RunConfig
 from pipeline.data.workers import LoaderError, deaths_expected_while, worker_faults
 from pipeline.engine import checkpoint, compilation, continuation, resume
@@ -24,7 +25,7 @@ from pipeline.engine.memory import out_of_memory_is_an_error
 from pipeline.engine.progress import NoProgress, ProgressBar, RunProgress, amp_reference, progress_mode, steps_to_train
 from pipeline.engine.provenance import run_tags, sweep_run_name, with_overrides
 from pipeline.engine.restore import restore
-from pipeline.engine.stopping import Stopped, StopRequests, signal_name
+from pipeline.engine.stopping import Stopped, StopRequests
 from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.machine import doctor
 from pipeline.monitor import CLOCK_KEY, allocator_metrics, open_sampler

@@ -74,7 +74,7 @@ class StopSweep:
         self.workers: list[int] = []
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        from pipeline.engine.stopping import signal_name
+        from pipeline.common.signals import signal_name
         from pipeline.experiments import sweep_files
 
         if self.signum is not None:
@@ -104,7 +104,7 @@ class StopSweep:
     def end(self) -> None:
         """Stop loky's workers (idle by now, or dropping a queued job), record the jobs left, end the parent KILLED,
         exit 128 + the signal's number."""
-        from pipeline.engine.stopping import signal_name
+        from pipeline.common.signals import signal_name
         from pipeline.experiments import sweep
 
         assert self.signum is not None

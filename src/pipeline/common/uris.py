@@ -85,3 +85,17 @@ def sqlite_file_uri(path: PurePath) -> str:
     """
     posix = path.as_posix()
     return f"file://{'' if posix.startswith('/') else '/'}{quote(posix, safe='/:')}?mode=ro"
+
+
+def uri_scheme(uri: str) -> str:
+    """``uri``'s scheme in lower case; "" for a plain path, a Windows one included: ``C:\\runs`` parses as scheme
+    ``c``, which MLflow also takes for a drive letter.
+
+    Raises:
+        ValueError: ``uri`` is not a valid URI (urlparse's message: ``Invalid IPv6 URL``, a port that is no number or
+            over 65535); ``pipeline.record.reachability.parse`` names it with the fix.
+    """
+    parsed = urlparse(uri)
+    parsed.port  # noqa: B018 - read to validate: urlparse checks the port only when asked for it
+    scheme = parsed.scheme.lower()
+    return "" if len(scheme) == 1 else scheme

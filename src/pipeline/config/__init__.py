@@ -9,11 +9,12 @@ the rules. ``sweep_jobs`` lists the jobs of a ``-m`` sweep, so each is validated
 one starts.
 
 ``schema`` holds the dataclasses and their rules, ``compose`` the Hydra side and the typed reading of its tree,
-``design`` the order of a sweep's jobs; what the rest of the package uses is named here.
+``design`` the order of a sweep's jobs, ``search_space`` what a sweep's command line lists (its jobs, each key's
+values, the search spaces only Optuna runs); what the rest of the package uses is named here.
 """
 
 from pipeline.common.errors import ConfigError
-from pipeline.config.compose import compose, config_dir, flatten, from_dictconfig, load, sweep_jobs
+from pipeline.config.compose import compose, config_dir, flatten, from_dictconfig, load
 from pipeline.config.data import DataConfig
 from pipeline.config.schema import (
     CheckpointConfig,
@@ -28,6 +29,7 @@ from pipeline.config.schema import (
     cuda_only_expected,
     tree,
 )
+from pipeline.config.search_space import check_search_space, sweep_jobs
 from pipeline.config.targets import (
     ModelConfig,
     OptimizerConfig,
@@ -54,6 +56,7 @@ __all__ = [
     "TaskConfig",
     "TrackingConfig",
     "TrainerConfig",
+    "check_search_space",
     "compose",
     "config_dir",
     "cuda_only_expected",

@@ -94,46 +94,6 @@ def load(overrides: Sequence[str] = ()) -> RunConfig:
     return from_dictconfig(compose(overrides))
 
 
-def sweep_jobs(overrides: Sequence[str]) -> list[list[str]] | None:
-    """The jobs ``python -m pipeline -m ...`` runs, each as its overrides, expanded by Hydra's own parser as its
-    basic sweeper does (comma lists, ``range()``, ``choice()``, ``glob()`` over a group's options), in one
-    order the interleaved sweeper can draw (``pipeline.config.design``, seed 0). ``hydra...``
-    overrides configure Hydra, not a job, and are left out, as the sweeper leaves them out.
-
-    Returns:
-        One list of overrides per job, in launch order; None when the jobs cannot be listed here: a continuous
-        search space (``interval()``) or another sweeper (``hydra/sweeper=...``), whose jobs Hydra decides.
-
-    Raises:
-        OverrideError: an override Hydra cannot parse, or a ``glob()`` over something that is not a group.
-    """
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException, OverrideParseException
-
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())  # glob() lists options
-        try:
-            parsed = parser.parse_overrides(list(overrides))
-        except OverrideParseException as err:
-            raise OverrideError(
-                f"cannot parse the overrides {' '.join(overrides)!r}: {str(err).splitlines()[0]}"
-            ) from None
-        if any(o.key_or_group == "hydra/sweeper" for o in parsed):
-            return None
-        task = [o for o in parsed if not o.is_hydra_override()]
-        if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in task):
-            return None
-        from hydra_plugins.pipeline_sweeper.interleaved_sweeper import axes
-        from pipeline.config.design import interleave
-
-        try:
-            return interleave(axes(task), seed=0).jobs  # every job, each checked; the order the sweep draws may differ
-        except HydraException as err:
-            raise OverrideError(str(err).splitlines()[0]) from None
-
-
 def from_dictconfig(cfg: Any) -> RunConfig:
     """Validate Hydra's composed config and return it typed.
 

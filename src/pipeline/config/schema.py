@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline.common.errors import ConfigError
+from pipeline.common.uris import sqlite_database, uri_scheme
 from pipeline.config.data import DataConfig
 from pipeline.config.targets import (
     ModelConfig,
@@ -209,10 +210,13 @@ class TrackingConfig:
                 raise ConfigError(f"{TAGS_PREFIX}{key}", value, _at_most(MAX_TAG_KEY, "tag keys"))
             if len(str(value)) > MAX_TAG_VALUE:
                 raise ConfigError(f"{TAGS_PREFIX}{key}", f"{str(value)[:40]}...", _at_most(MAX_TAG_VALUE, "tag values"))
-        from pipeline.common.uris import sqlite_database
-        from pipeline.record.reachability import uri_scheme
-
-        if self.enabled and uri_scheme(self.uri) == "sqlite" and sqlite_database(self.uri) is None:
+        try:
+            scheme = uri_scheme(self.uri) if self.enabled else ""
+        except ValueError as err:
+            raise ConfigError(
+                "tracking.uri", self.uri, f"a valid URI ({err}), e.g. sqlite:///mlflow.db or http://127.0.0.1:5000"
+            ) from None
+        if scheme == "sqlite" and sqlite_database(self.uri) is None:
             raise ConfigError(
                 "tracking.uri",
                 self.uri,

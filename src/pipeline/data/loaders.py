@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
 
+from pipeline.common.device_memory import DoesNotFit, check_data, free_memory, size
 from pipeline.common.errors import ConfigError
 from pipeline.config import LoaderConfig
 from pipeline.data import structures
@@ -268,7 +269,7 @@ def materialize(
     ``device``.
 
     Raises:
-        DoesNotFit: the dataset would not fit (``pipeline.engine.footprint``).
+        DoesNotFit: the dataset would not fit (``pipeline.common.device_memory``).
     """
     if isinstance(dataset, TensorDataset):
         images, labels = dataset.tensors
@@ -281,8 +282,6 @@ def materialize(
 
 def _check_resident_room(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, device: Any) -> None:
     """Refuse ``loader.resident=true`` for a dataset whose first samples say it would not fit where it would live."""
-    from pipeline.engine.footprint import check_data, free_memory, size
-
     sample = (collate or default_collate)([dataset[i] for i in range(min(8, len(dataset)))])
     if not structures.only_tensors(sample):
         raise ConfigError(
@@ -296,8 +295,6 @@ def _check_resident_room(dataset: Dataset, collate: Callable[[list[Any]], Any] |
     if device is not None and device.type == "cuda":
         free = free_memory(device)
         if needs > free.bytes:
-            from pipeline.engine.footprint import DoesNotFit
-
             raise DoesNotFit(
                 f"loader.resident=true with {len(dataset):,} samples needs about {size(needs)} on {device}, but "
                 f"{size(free.bytes)} is {free.where}: {fix}"

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from pipeline.common.device_memory import FLOAT32, check_data
 from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, target_label
 from pipeline.data.archives import read_published
 from pipeline.data.images import image_folder
-from pipeline.engine.footprint import FLOAT32, check_data
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def load_data(cfg: DataConfig) -> DataBundle:
 
 def _check_room(cfg: DataConfig) -> None:
     """Refuse data the config makes too large for the host's memory, before it is made
-    (``pipeline.engine.footprint``)."""
+    (``pipeline.common.device_memory``)."""
     if cfg.name == "digits":
         side = cfg.image_size or DIGITS_SIDE
         needs = DIGITS_SAMPLES * side * side * (FLOAT32 + 1)  # the upsampled floats, then the uint8 images

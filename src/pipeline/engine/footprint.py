@@ -4,9 +4,9 @@ A model or input too large for the machine would otherwise end in the allocator'
 (``DefaultCPUAllocator: can't allocate memory``), possibly after minutes of loading. Two checks
 run first and refuse in one line that gives the estimate and the free memory:
 
-- the data (``check_data``, from ``load_data``, before the samples are made): the uint8 images of
-  ``data=digits`` and ``data=synthetic``, whose size the config alone decides (the published datasets
-  have a fixed, small size, and image folders are decoded as they are read);
+- the data (``check_data`` in ``pipeline.common.device_memory``, from ``load_data``, before the samples are
+  made): the uint8 images of ``data=digits`` and ``data=synthetic``, whose size the config alone decides (the
+  published datasets have a fixed, small size, and image folders are decoded as they are read);
 - the training state and one micro-batch (``check_training``, from ``build``, before the model is
   made): parameters, gradients and the optimizer's state, counted on PyTorch's meta device (shapes
   only, nothing allocated), and what one forward pass of the smallest micro-batch the out-of-memory
@@ -25,54 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.common.errors import PipelineError
+from pipeline.common.device_memory import FLOAT32, DoesNotFit, free_memory, size
 from pipeline.config import RunConfig
 
-FLOAT32 = 4  # bytes: parameters, gradients, optimizer state, activations without amp
 HALF = 2  # bytes: activations under amp (float16 or bfloat16)
-
-
-class DoesNotFit(PipelineError):
-    """The estimate of what a run needs exceeds the memory free where it would live."""
-
-
-@dataclass(frozen=True)
-class Free:
-    """Memory free where a run's tensors would live, and how that was read."""
-
-    bytes: int
-    where: str  # "available host memory", "free on cuda:0"
-
-
-def free_memory(device: torch.device) -> Free:
-    """The CUDA device's free memory (as the driver counts it), else the host's available memory (Linux's
-    ``MemAvailable``, through psutil; MPS shares it)."""
-    if device.type == "cuda":
-        return Free(torch.cuda.mem_get_info(device)[0], f"free on {device}")
-    import psutil
-
-    return Free(psutil.virtual_memory().available, "available host memory")
-
-
-def size(n: float) -> str:
-    """Bytes for people: ``1.2 GB``, ``340 MB``, ``1,234,567.9 GB``."""
-    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
-
-
-def check_data(what: str, needs: int, fix: str) -> None:
-    """Refuse data that would take ``needs`` bytes of host memory when less is available.
-
-    Args:
-        what: the data, as the config names it (``data=synthetic with 1,001,000,000 samples of [1, 28, 28]``).
-        needs: bytes the samples take while they are made.
-        fix: the keys to change.
-
-    Raises:
-        DoesNotFit: with the estimate, the free memory and ``fix``.
-    """
-    free = free_memory(torch.device("cpu"))
-    if needs > free.bytes:
-        raise DoesNotFit(f"{what} needs at least {size(needs)}, but the {free.where} is {size(free.bytes)}: {fix}")
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.common.device_memory import is_oom
 from pipeline.common.errors import ConfigError
 from pipeline.common.targets import one_line
 from pipeline.data.structures import call_model, describe, move
-from pipeline.engine.memory import is_oom
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.tasks import OutputMismatch, Task
 

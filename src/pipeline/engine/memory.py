@@ -1,7 +1,7 @@
 """Surviving out-of-memory: shrink the micro-batch, keep the effective batch.
 
-``is_oom(err)`` is the predicate, one pattern per backend; anything else passes through
-untouched. ``MicroBatcher`` owns the current micro-batch size: after an OOM the loop leaves its
+``is_oom(err)`` (``pipeline.common.device_memory``) is the predicate, one pattern per backend; anything else
+passes through untouched. ``MicroBatcher`` owns the current micro-batch size: after an OOM the loop leaves its
 ``except`` block (so the traceback, and with it the failed step's tensors, can be freed), calls
 ``recover()``, and replays the same batch in halves, scaling each half's loss by its share of the
 batch so the gradients — and so the optimizer's step and learning rate — are those of the whole
@@ -27,47 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.common.device_memory import is_oom, nearly_full
 from pipeline.common.errors import PipelineError
 from pipeline.config import OomConfig
 
 log = logging.getLogger(__name__)
-
-OOM_PATTERNS = (
-    "CUDA out of memory",  # the caching allocator (torch.OutOfMemoryError's message)
-    "CUDA error: out of memory",  # a kernel launch or context allocation
-    "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN's own allocation
-    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS handle or workspace
-    "MPS backend out of memory",  # Apple MPS
-    "DefaultCPUAllocator: can't allocate memory",  # the CPU allocator
-)
-# Out of memory only when the device is nearly full: cuDNN also says NOT_SUPPORTED when no algorithm's
-# workspace fits, but more often for a layout or dtype it has no kernel for, where a retry cannot help.
-AMBIGUOUS_PATTERNS = ("CUDNN_STATUS_NOT_SUPPORTED",)
-NEARLY_FULL = 0.10  # less than this share of the device's memory free (as the driver counts it)
-
-
-def is_oom(err: BaseException, *, nearly_full: bool = False) -> bool:
-    """Whether ``err`` means the device ran out of memory (and a smaller micro-batch may fit).
-
-    Args:
-        err: the exception raised by a training or evaluation step.
-        nearly_full: the device had little memory free when it was raised (see ``nearly_full``);
-            the evidence that turns an ambiguous cuDNN error into an out-of-memory one.
-    """
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    if not isinstance(err, RuntimeError):
-        return False
-    text = str(err)
-    return any(p in text for p in OOM_PATTERNS) or (nearly_full and any(p in text for p in AMBIGUOUS_PATTERNS))
-
-
-def nearly_full(device: torch.device) -> bool:
-    """Whether less than ``NEARLY_FULL`` of the CUDA device's memory is free (False elsewhere)."""
-    if device.type != "cuda":
-        return False
-    free, total = torch.cuda.mem_get_info(device)
-    return free < NEARLY_FULL * total
 
 
 def memory_at_failure_mb(device: torch.device) -> float:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 
 from pipeline.common.errors import Interruption
+from pipeline.common.signals import signal_name
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,6 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGBREAK")  # SIGBREAK: Windows' Ctrl-Brea
 def stop_signals() -> tuple[int, ...]:
     """The stop signals this platform's ``signal`` module defines, read when called (not at import)."""
     return tuple(getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name))
-
-
-def signal_name(signum: int) -> str:
-    """``SIGTERM`` for 15: the platform's name for the number, else the number itself."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class Stopped(Interruption):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from pipeline.engine.stopping import signal_name
+from pipeline.common.signals import signal_name
 
 
 def main(argv: Sequence[str] | None = None) -> None:

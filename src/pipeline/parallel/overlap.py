@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.engine.memory import is_oom
-from pipeline.parallel.distributed import DistributedError
+from pipeline.common.device_memory import is_oom
+from pipeline.parallel.ranks import DistributedError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from urllib.parse import ParseResult, unquote, urlparse
 from urllib.request import url2pathname
 
 from pipeline.common.secrets import mask_text
-from pipeline.common.uris import sqlite_file_uri, sqlite_path, sqlite_uri
+from pipeline.common.uris import sqlite_file_uri, sqlite_path, sqlite_uri, uri_scheme
 from pipeline.record.filesystems import sqlite_refusal
 from pipeline.record.store import (
     ARTIFACTS,
@@ -54,7 +54,7 @@ def check_reachable(uri: str, *, timeout_s: float = 5.0) -> None:
     Raises:
         TrackingUnavailable: one line naming the URI (credentials masked) and the fix.
     """
-    parsed = parse(uri)
+    parsed = parse(uri)  # first: a URI no store can be at is refused as one, naming it
     scheme = uri_scheme(uri)
     if scheme in ("http", "https"):
         _check_server(uri, timeout_s=timeout_s)
@@ -103,17 +103,6 @@ def parse(uri: str) -> ParseResult:
             f"{named(uri)} is not a valid URI ({err}): e.g. sqlite:///mlflow.db or http://127.0.0.1:5000"
         ) from None
     return parsed
-
-
-def uri_scheme(uri: str) -> str:
-    """``uri``'s scheme in lower case; "" for a plain path, a Windows one included: ``C:\\runs`` parses as scheme
-    ``c``, which MLflow also takes for a drive letter.
-
-    Raises:
-        TrackingUnavailable: ``uri`` is not a valid URI (``parse``).
-    """
-    scheme = parse(uri).scheme.lower()
-    return "" if len(scheme) == 1 else scheme
 
 
 # the Python module each database driver needs, and the package that holds it
