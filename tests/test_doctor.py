@@ -112,19 +112,6 @@ def test_device_cuda_on_that_machine_fails_with_the_doctors_finding(monkeypatch:
         resolve_device(DeviceConfig("cuda", 0), explain=main_finding)
 
 
-def test_devices_do_not_depend_on_the_doctor() -> None:
-    """The doctor uses devices; devices get the doctor's diagnosis passed in (no import cycle)."""
-    import ast
-    import inspect
-
-    import pipeline.engine.devices
-
-    tree = ast.parse(inspect.getsource(pipeline.engine.devices))
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "pipeline.machine.doctor" not in imported and "pipeline.config" in imported
-
-
 def test_the_doctor_reads_the_start_method_without_fixing_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import multiprocessing.context
 

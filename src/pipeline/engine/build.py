@@ -92,9 +92,8 @@ def build(
 
     Under DDP (``group``, joined already), the device is the rank's own (``cuda:LOCAL_RANK``), the model is
     wrapped in DistributedDataParallel and each loader reads this rank's share. ``explain_missing_gpu`` adds a
-    diagnosis to the error when CUDA was asked for and is unusable (the caller's:
-    ``pipeline.machine.doctor.main_finding``
-    from the entry points; the engine never imports the diagnostics).
+    diagnosis to the error when CUDA was asked for and is unusable (the caller's: ``train`` and ``autotune`` pass
+    ``pipeline.machine.doctor.main_finding``; the engine never imports the doctor, a layer above it).
     """
     group = group or Solo()
     choice = resolve_device(cfg.device, explain=explain_missing_gpu)

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # an annotation only: the record does not import the engine
+if TYPE_CHECKING:  # an annotation only: importing pipeline.data would load torch for a type
     from pipeline.data.sources import DataSpec
 
 

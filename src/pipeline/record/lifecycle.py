@@ -23,7 +23,7 @@ from pipeline.record.runs import create_run
 from pipeline.record.store import connect, retrying
 from pipeline.record.tracking import MlflowTracker
 
-if TYPE_CHECKING:  # an annotation only: the record does not import the engine
+if TYPE_CHECKING:  # an annotation only: importing pipeline.data would load torch for a type
     from pipeline.data.sources import DataSpec
     from pipeline.record.logged_model import ModelCard
 

@@ -55,7 +55,7 @@ from pipeline.record.logged_model import ModelCard
 from pipeline.record.outage import Outage
 from pipeline.record.store import retrying, server_down
 
-if TYPE_CHECKING:  # an annotation only: the record does not import the engine
+if TYPE_CHECKING:  # an annotation only: importing pipeline.data would load torch for a type
     from pipeline.data.sources import DataSpec
 
 log = logging.getLogger(__name__)
