@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.common.errors import ConfigError
+from pipeline.common.errors import ConfigError, brief
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -41,7 +41,7 @@ def make_output_folder(hydra: DictConfig, key: str) -> Path:
     try:
         make_writable(folder)
     except OSError as err:
-        reason = f"{err.strerror or type(err).__name__}: {err.filename or folder}"
+        reason = f"{err.strerror}: {err.filename or folder}" if err.strerror else brief(err)
         raise ConfigError(
             key,
             value,

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.common.errors import brief
 from pipeline.engine.memory import is_oom
 from pipeline.parallel.distributed import DistributedError
 
@@ -273,7 +274,7 @@ def _leave(err: Exception, *, rank: int, step: int, micro: int) -> Exception:
         dist.destroy_process_group()
         return posted
     if is_oom(err):
-        first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        first = brief(err, first_line=True, with_type=False, limit=200)
         failure: Exception = DistributedError(
             f"rank {rank} ran out of memory in the backward of step {step} (micro-batch {micro}) while the other "
             f"ranks were all-reducing its gradients, where a step can no longer be replayed smaller, so the job "
