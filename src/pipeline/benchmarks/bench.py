@@ -41,6 +41,7 @@ from pipeline.benchmarks.harness import (
     table,
 )
 from pipeline.common.cli import Parser, command
+from pipeline.common.messages import brief
 from pipeline.common.stats import paired_ratio
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def bench_sampler_backends(sizes: Sizes) -> list[Row]:
         try:
             backend = make()
         except Exception as err:  # report, do not fail the suite
-            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, f"{type(err).__name__}: {err}"))
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, brief(err)))
             continue
         reads = 20 if name == "gputil" else n
         start = time.perf_counter()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.common.messages import brief
+
 
 @dataclass(frozen=True)
 class Goal:
@@ -120,7 +122,6 @@ def guarded(key: str, name: str, unit: str, make: Callable[[], Row]) -> Row:
     try:
         return make()
     except Exception as err:
-        lines = str(err).strip().splitlines() or [""]
         return Row(
             key,
             name,
@@ -128,8 +129,8 @@ def guarded(key: str, name: str, unit: str, make: Callable[[], Row]) -> Row:
             unit,
             goal=GOALS[key].text if key in GOALS else "",
             status="ERROR",
-            detail=f"{type(err).__name__}: {lines[0][:300]}",
-            raw={"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=8)},
+            detail=brief(err, first_line=True),
+            raw={"error": brief(err, limit=len(str(err))), "traceback": traceback.format_exc(limit=8)},
         )
     finally:
         from pipeline.benchmarks.harness import release  # torch: once the check may run

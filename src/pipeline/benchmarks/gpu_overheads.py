@@ -26,6 +26,7 @@ from pipeline.benchmarks.gpu_training import (
     steady,
     train_run,
 )
+from pipeline.common.messages import brief
 
 
 class Poller:
@@ -67,7 +68,7 @@ def gpu_backends(plan: Plan) -> tuple[dict[str, Any], dict[str, str]]:
         try:
             opened[name] = make()
         except Exception as err:  # a missing package or library: that backend's rows say so
-            why[name] = f"{type(err).__name__}: {err}"
+            why[name] = brief(err)
     return opened, why
 
 
@@ -226,7 +227,7 @@ def step_sampler(ctx: Context) -> list[Row]:
     try:
         found = costs()
     except Exception as err:
-        found, failure = {}, f"{type(err).__name__}: {err}"
+        found, failure = {}, brief(err)
     else:
         failure = ""
     for backend, label in (("nvml", "NVML"), ("gputil", "GPUtil")):

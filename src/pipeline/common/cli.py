@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text
 
 DEBUG_FLAG = "--debug"
@@ -52,9 +53,8 @@ def bug_line(err: BaseException) -> str:
     """A bug (or a fault of the machine) in one line: what, where it was raised, and what to do."""
     frames = traceback.extract_tb(err.__traceback__)
     where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
-    first = one_line(str(err))[:300]
     return (
-        f"internal error: {type(err).__name__}{where}: {mask_text(first)} — not a problem with your input: a bug in "
+        f"internal error: {brief(err, where=where)} — not a problem with your input: a bug in "
         f"pipeline or a fault of the machine; run it again with {DEBUG_FLAG} for the traceback, and report a bug on "
         f"the project's issue tracker with that output"
     )

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 
 TARGET = "_target_"
 PARTIAL = "_partial_"
@@ -76,7 +77,9 @@ def resolve(path: str, *, key: str, namespaces: Sequence[str] = ()) -> Any:
                 ) from err
             continue  # maybe a class attribute: nets.Tiny.make -> module nets
         except Exception as err:  # the user's module itself raised (a syntax error, a bad import-time line)
-            raise FactoryFailed(f"{key}._target_={path}: importing {module_name} failed: {one_line(err)}") from err
+            raise FactoryFailed(
+                f"{key}._target_={path}: importing {module_name} failed: {brief(err, first_line=True)}"
+            ) from err
         for name in parts[cut:]:
             if not hasattr(obj, name):
                 file = getattr(obj, "__file__", None) or module_name
@@ -146,7 +149,9 @@ def call(
     except PipelineError:
         raise
     except Exception as err:
-        raise FactoryFailed(f"{key}._target_={path} raised {one_line(err)} (--debug shows the traceback)") from err
+        raise FactoryFailed(
+            f"{key}._target_={path} raised {brief(err, first_line=True)} (--debug shows the traceback)"
+        ) from err
 
 
 def bind(path: str, keywords: Mapping[str, Any], *, key: str, namespaces: Sequence[str] = ()) -> Callable[..., Any]:
@@ -172,12 +177,6 @@ def nested(value: Any, *, key: str) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(nested(v, key=f"{key}[{i}]") for i, v in enumerate(value))
     return value
-
-
-def one_line(err: BaseException) -> str:
-    """``ValueError: width must be > 0``: the exception's type and its first line."""
-    text = " ".join(str(err).strip().splitlines()[:1]) or "(no message)"
-    return f"{type(err).__name__}: {text[:300]}"
 
 
 def source_file(obj: Any) -> str | None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pipeline.common.errors import DatasetError
+from pipeline.common.messages import brief
 
 Split = tuple[torch.Tensor, torch.Tensor]  # uint8 images [N, C, H, W], int64 labels [N]
 
@@ -223,7 +224,7 @@ def _unpickle(name: str, path: Path, md5: str) -> Any:
     try:
         return pickle.loads(raw, encoding="latin1")  # verified: _check_md5 (CIFAR's pickles are Python 2's)
     except Exception as err:  # unpickling damaged bytes can raise almost any type: all mean "damaged"
-        cause = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        cause = brief(err, limit=200)
         raise _damaged(name, path, f"cannot be unpickled ({cause}): it is truncated or not a CIFAR-10 file") from err
 
 

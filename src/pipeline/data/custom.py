@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from pipeline.common.errors import DatasetError
+from pipeline.common.messages import brief
 from pipeline.common.targets import bind, instantiate, source_file
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import structures
@@ -185,10 +186,11 @@ def _item(dataset: Any, index: int, split: str, path: str) -> Any:
     except DatasetError:
         raise
     except Exception as err:
-        from pipeline.common.targets import FactoryFailed, one_line
+        from pipeline.common.targets import FactoryFailed
 
         raise FactoryFailed(
-            f"data._target_={path}: reading {split} item {index} raised {one_line(err)} (--debug shows the traceback)"
+            f"data._target_={path}: reading {split} item {index} raised {brief(err, first_line=True)} "
+            "(--debug shows the traceback)"
         ) from err
 
 
@@ -300,9 +302,7 @@ def check_picklable(custom: Any, loader: LoaderConfig) -> None:
         try:
             data = pickle.dumps(obj)
         except Exception as err:
-            raise DatasetError(
-                f"the {name} cannot be sent to {method} loader workers ({type(err).__name__}: {err}): {fixes}"
-            ) from err
+            raise DatasetError(f"the {name} cannot be sent to {method} loader workers ({brief(err)}): {fixes}") from err
         main = next((arg for arg in _globals(data) if arg.startswith("__main__ ")), None)
         if main is not None:
             raise DatasetError(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common.errors import DatasetError
+from pipeline.common.messages import brief
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _cause(err: BaseException) -> str:
 
     if isinstance(err, UnidentifiedImageError):  # its message repeats the path as a file object's repr
         return "not in a format Pillow can open"
-    return " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    return brief(err, limit=200)
 
 
 class UndecodableImage(DatasetError):

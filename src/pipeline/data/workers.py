@@ -17,6 +17,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,6 @@ class WatchedLoader(DataLoader):
                     # a worker that died while this process received a batch's shared memory from it: the socket
                     # passing the file descriptor is reset mid-receive, before PyTorch notices the death
                     kill_workers(batches)
-                    lost = f"a loader worker's connection broke mid-batch ({type(err).__name__}: {err})"
+                    lost = f"a loader worker's connection broke mid-batch ({brief(err)})"
                     raise LoaderError(describe_fault(lost, self.timeout)) from err
                 yield batch

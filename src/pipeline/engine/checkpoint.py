@@ -38,6 +38,7 @@ import torch
 
 from pipeline.common.atomic import UnwritableFolder, write_atomic
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text
 from pipeline.common.uris import absolute
 from pipeline.config import CheckpointConfig, RunConfig, TrackingConfig
@@ -96,7 +97,7 @@ def _why(err: BaseException, folder: Path) -> str:
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
-        return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        return brief(err, limit=200)
     return f"the disk is full ({free / 1e6:,.0f} MB free in {folder}): free space or set checkpoint.dir elsewhere"
 
 
@@ -142,7 +143,7 @@ _UNREADABLE = (
 
 
 def _first_sentence(err: BaseException) -> str:
-    return " ".join(str(err).split()).split(". ")[0][:200] or type(err).__name__  # torch's messages run long
+    return brief(err, limit=len(str(err)), with_type=False).split(". ")[0][:200]  # torch's messages run long
 
 
 def read_state(folder: Path) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from pipeline.common.device_memory import is_oom
 from pipeline.common.errors import ConfigError
-from pipeline.common.targets import one_line
+from pipeline.common.messages import brief
 from pipeline.data.structures import call_model, describe, move
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.tasks import OutputMismatch, Task
@@ -56,7 +56,7 @@ def check_first_batch(
         if is_oom(err):  # two samples do not fit: said as the out-of-memory error it is (memory.OutOfMemory)
             raise
         raise OutputMismatch(
-            f"the model's forward on the first batch ({describe(inputs)}) raised {one_line(err)} "
+            f"the model's forward on the first batch ({describe(inputs)}) raised {brief(err, first_line=True)} "
             f"(--debug shows the traceback)"
         ) from err
     finally:

@@ -29,6 +29,7 @@ import torch
 
 from pipeline.common.device_memory import is_oom, nearly_full
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 from pipeline.config import OomConfig
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def out_of_memory_is_an_error() -> Iterator[None]:
     except (RuntimeError, MemoryError) as err:
         if not isinstance(err, MemoryError) and not is_oom(err):
             raise
-        first = (str(err).splitlines() or [""])[0].strip()[:300] or type(err).__name__
+        first = brief(err, first_line=True, with_type=False)
         raise OutOfMemory(
             f"out of memory ({first}): use a smaller model, input size (data.image_size), loader.batch_size or "
             f"dataset, oom.enabled=true to shrink the micro-batch, or a machine with more memory"
@@ -130,8 +131,7 @@ class MicroBatcher:
         self.on_oom()
         if not self.enabled:
             return None
-        lines = str(err).splitlines() or [type(err).__name__]
-        return OomFailure(lines[0][:300], memory_at_failure_mb(device))
+        return OomFailure(brief(err, first_line=True, with_type=False), memory_at_failure_mb(device))
 
     def recover(
         self,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 from pipeline.common.targets import TargetError, instantiate, resolve
 from pipeline.config import ModelConfig
 
@@ -157,7 +158,7 @@ def _pretrained(arch: str, name: str) -> nn.Module:
         file = Path(torch.hub.get_dir()) / "checkpoints" / Path(chosen.url).name
         raise WeightsError(
             f"model.weights={name}: {arch}'s weights are not in the hub cache and could not be downloaded "
-            f"({type(err).__name__}: {err}): put {chosen.url} at {file}, or use model.weights=/path/to/state_dict.pt"
+            f"({brief(err)}): put {chosen.url} at {file}, or use model.weights=/path/to/state_dict.pt"
         ) from err
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.common.errors import ConfigError
+from pipeline.common.messages import brief
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -41,7 +42,7 @@ def make_output_folder(hydra: DictConfig, key: str) -> Path:
     try:
         make_writable(folder)
     except OSError as err:
-        reason = f"{err.strerror or type(err).__name__}: {err.filename or folder}"
+        reason = f"{err.strerror}: {err.filename or folder}" if err.strerror else brief(err)
         raise ConfigError(
             key,
             value,

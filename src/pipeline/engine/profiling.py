@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from pipeline.common.messages import brief
 from pipeline.engine.profile_report import WAIT, ProfileReport, analyse
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
 
@@ -118,7 +119,7 @@ class StepProfiler:
                 try:
                     self.record()
                 except Exception as err:  # the run's own outcome wins: a trace is never worth its error
-                    log.warning("the profile was not recorded: %s: %s", type(err).__name__, err)
+                    log.warning("the profile was not recorded: %s", brief(err))
             self._tracker = None
 
     def record(self) -> ProfileReport | None:
@@ -143,7 +144,7 @@ class StepProfiler:
                     tracker.log_file(write_trace(profiler, Path(folder)), "profile")
                 report = dataclasses.replace(report, trace=TRACE)
             except OSError as err:  # a full disk costs the trace, not the run
-                log.warning("the profile's trace was not kept: %s: %s", type(err).__name__, err)
+                log.warning("the profile's trace was not kept: %s", brief(err))
                 report = dataclasses.replace(report, why_no_trace=f"it could not be written: {err.strerror or err}")
         self.report = report
         if tracker is not None:

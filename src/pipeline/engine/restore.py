@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pipeline.common.messages import brief
 from pipeline.config import OptimizerConfig, flatten
 from pipeline.engine.checkpoint import CheckpointError, set_rng_state
 from pipeline.engine.optim import NoSchedule
@@ -34,7 +35,7 @@ def restore(state: Any, resumed: Resumed, device: torch.device, optimizer_cfg: O
         state.optimizer.load_state_dict(saved["optimizer"])
         state.scheduler.load_state_dict(saved["scheduler"])
     except (RuntimeError, ValueError, KeyError, TypeError) as err:
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        first = brief(err, first_line=True, with_type=False)
         raise CheckpointError(
             f"{resumed.path} does not fit this model, optimizer and schedule ({first}): resume with the config it "
             f"was written with, or start a new run"

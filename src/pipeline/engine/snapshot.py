@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeline.common.messages import brief
+
 if TYPE_CHECKING:
     from pipeline.record.lifecycle import Tracker
 
@@ -81,7 +83,7 @@ class OomSnapshot:
                     pickle.dump(self._take(self.device), file)
                 self._tracker.log_file(path, str(Path(ARTIFACT).parent))
         except Exception as err:  # a diagnosis must never stand in the way of the recovery it explains
-            log.warning("the allocator's snapshot was not kept (%s: %s)", type(err).__name__, err)
+            log.warning("the allocator's snapshot was not kept (%s)", brief(err))
             return
         log.warning(
             "out of memory: the allocator's snapshot is %s in the run's artifacts; open it on "

@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.common.cli import bug_line, debugging
 from pipeline.common.errors import ConfigError, PipelineError
+from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_overrides, mask_text
 from pipeline.experiments.sweep_files import (
     JOBS_DIR,
@@ -221,7 +222,7 @@ def failed(job: SweepJob, err: BaseException, *, exit_code: int, cfg: RunConfig 
         cfg: the job's validated config, or None when it did not validate.
     """
     secrets = _secret_values(cfg)
-    error = mask_text(f"{type(err).__name__}: {err}", secrets)[:5000]
+    error = brief(err, secrets=secrets, limit=5000)
     if exit_code == USER_ERROR:
         print(f"error: sweep {job.describe()}: {err}", file=sys.stderr, flush=True)
     else:
@@ -277,7 +278,7 @@ def stopped(job: SweepJob, stop: BaseException, exit_code: int) -> None:
     """A stop request (SIGTERM, Ctrl-C): record the job. In-process and joblib sweeps end there (``end_unfinished``
     ends the parent KILLED on the way out); under submitit the other jobs run on and the parent ends KILLED after."""
     overrides = mask_overrides(job.overrides)
-    _save_outcome(job, JobOutcome(job.number, overrides, "KILLED", exit_code, f"{type(stop).__name__}: {stop}"))
+    _save_outcome(job, JobOutcome(job.number, overrides, "KILLED", exit_code, brief(stop)))
 
 
 def end_sweep(folder: Path, *, complete: bool = True) -> int:
@@ -347,7 +348,7 @@ def end_unfinished() -> None:
         try:
             end_sweep(folder, complete=False)
         except Exception as err:  # the error that ended the sweep is the one to see; this one is only logged
-            log.warning("sweep in %s could not be closed (%s: %s)", folder, type(err).__name__, mask_text(str(err)))
+            log.warning("sweep in %s could not be closed (%s)", folder, brief(err))
 
 
 def _secret_values(cfg: RunConfig | None) -> frozenset[str]:

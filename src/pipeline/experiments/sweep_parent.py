@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from pipeline.common.errors import ConfigError
+from pipeline.common.messages import best_effort
 from pipeline.common.secrets import mask_overrides, mask_text
 from pipeline.common.uris import run_page, ui_base
 from pipeline.experiments.sweep_files import (
@@ -67,16 +68,13 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
         "sweep.optimized_metric": sweep.metric,
         "sweep.folder": str(sweep_folder(config.hydra)),
     }
-    try:
+    # the jobs can still run and be recorded, only not nested
+    with best_effort(
+        f"the sweep's parent run could not be created in {mask_text(uri)}, its jobs are recorded without one", log
+    ) as attempt:
         client, experiment_id = connect(uri, experiment)
         run = create_run(client, experiment_id, run_name=mask_text(name)[:250], tags=tags)  # once, answer lost or not
-    except Exception as err:  # the jobs can still run and be recorded, only not nested
-        log.warning(
-            "the sweep's parent run could not be created in %s (%s: %s); its jobs are recorded without one",
-            mask_text(uri),
-            type(err).__name__,
-            mask_text(str(err))[:300],
-        )
+    if attempt.failed:
         return sweep
     return replace(sweep, parent_run_id=run.info.run_id, uri=uri, experiment_id=experiment_id)
 
@@ -110,14 +108,12 @@ def close_parent(
     client = MlflowClient(sweep.uri)
     where = f"tags.`mlflow.parentRunId` = '{sweep.parent_run_id}'"
     table = ""
-    try:
+    with best_effort("the sweep's summary could not be logged", log):  # the parent must not stay RUNNING
         children = retrying(
             lambda: client.search_runs([sweep.experiment_id], where, max_results=MAX_CHILDREN), what="reading runs"
         )
         children = sorted(children, key=_typed_order)
         table = summarize_sweep(client, sweep.parent_run_id, children, sweep=sweep)
-    except Exception as err:  # a summary that cannot be made must not leave the parent RUNNING
-        log.warning("the sweep's summary could not be logged (%s: %s)", type(err).__name__, mask_text(str(err))[:300])
     tags = {"sweep.failed": str(len(failures))}
     if design_seed is not None:  # the seed of the rounds' order: known once the sweeper listed the jobs
         tags["sweep.design_seed"] = str(design_seed)
@@ -154,17 +150,13 @@ def _end_parent(sweep: Sweep, status: str, tags: dict[str, str]) -> None:
     from pipeline.record.store import retrying
 
     client = MlflowClient(sweep.uri)
-    try:
+    # the exit status and the failures printed still tell the user
+    unended = (
+        f"the sweep's parent run {sweep.parent_run_id} could not be ended {status}, python -m pipeline.stale finds it"
+    )
+    with best_effort(unended, log):
         retrying(lambda: client.log_batch(sweep.parent_run_id, tags=[RunTag(k, v) for k, v in tags.items()]))
         retrying(lambda: client.set_terminated(sweep.parent_run_id, status))
-    except Exception as err:  # the exit status and the failures printed still tell the user
-        log.warning(
-            "the sweep's parent run %s could not be ended %s (%s: %s); python -m pipeline.stale finds it",
-            sweep.parent_run_id,
-            status,
-            type(err).__name__,
-            mask_text(str(err))[:300],
-        )
 
 
 def failed_run(
@@ -181,7 +173,8 @@ def failed_run(
     from pipeline.record.store import retrying
 
     client = MlflowClient(sweep.uri)
-    try:
+    # the outcome file and the list at the end still record the failure
+    with best_effort(f"sweep {job.describe()}: its failure could not be recorded in MLflow", log, secrets=secrets):
         where = f"tags.`sweep.id` = '{sweep.id}' and tags.`sweep.job` = '{job.number}'"
         found = retrying(lambda: client.search_runs([sweep.experiment_id], where), what="reading runs")
         if found:
@@ -198,15 +191,8 @@ def failed_run(
         }
         run = create_run(client, sweep.experiment_id, run_name=name, tags=tags)
         retrying(lambda: client.set_terminated(run.info.run_id, "FAILED"))
-    except Exception as err:  # the outcome file and the list at the end still record the failure
-        log.warning(
-            "sweep %s: its failure could not be recorded in MLflow (%s: %s)",
-            job.describe(),
-            type(err).__name__,
-            mask_text(str(err), secrets)[:300],
-        )
-        return None, None
-    return run.info.run_id, name
+        return run.info.run_id, name
+    return None, None
 
 
 def job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.common.cli import Parser, command
+from pipeline.common.messages import brief
 from pipeline.machine.facts import (
     Check,
     Facts,
@@ -279,7 +280,7 @@ def _smoke(index: int | None, label: str) -> Check:
         return Check(
             f"compute on {label}",
             "FAIL",
-            f"{type(err).__name__}: {' '.join(str(err).split())[:300]}",
+            brief(err),
             "reinstall the NVIDIA driver and a matching torch build; see the checks above",
         )
     ok = value == 64 * 64 * 64

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pipeline.common.messages import brief
 from pipeline.engine.devices import cudnn_version
 from pipeline.machine.platforms import (
     Probe,
@@ -142,7 +143,7 @@ def gather(probe: Probe | None = None) -> Facts:
     try:
         import GPUtil  # noqa: F401  (1.4.0 imports distutils)
     except Exception as err:  # ModuleNotFoundError: distutils on Python 3.12+, or GPUtil missing
-        facts.gputil_error = f"{type(err).__name__}: {err}"
+        facts.gputil_error = brief(err)
     facts.env = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER") if k in os.environ}
     shm = probe.path("/dev/shm")  # Linux only: Windows and macOS workers share memory without it
     if shm.is_dir():
@@ -208,7 +209,7 @@ def _nvml(facts: Facts) -> None:
 
         pynvml.nvmlInit()
     except Exception as err:  # the library is missing (no driver), or nvidia-ml-py is not installed
-        facts.nvml_error = f"{type(err).__name__}: {err}"
+        facts.nvml_error = brief(err)
         return
     try:
         facts.driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
@@ -225,7 +226,7 @@ def _nvml(facts: Facts) -> None:
                 )
             )
     except Exception as err:
-        facts.nvml_error = f"{type(err).__name__}: {err}"
+        facts.nvml_error = brief(err)
     finally:
         with contextlib.suppress(Exception):  # already failed above; the facts say so
             pynvml.nvmlShutdown()

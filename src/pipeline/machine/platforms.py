@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.common.messages import brief
+
 PCI_VENDORS = {"0x10de": "NVIDIA", "0x1002": "AMD", "0x8086": "Intel"}
 # The words by which each OS names a GPU's maker (Windows' AdapterCompatibility, macOS' spdisplays_vendor)
 VENDOR_WORDS = {
@@ -73,7 +75,7 @@ class Probe:
         except subprocess.TimeoutExpired:
             return Ran(tuple(argv), error=f"timed out after {limit:g} s")
         except (OSError, subprocess.SubprocessError, ValueError) as err:
-            return Ran(tuple(argv), error=f"{type(err).__name__}: {err}")
+            return Ran(tuple(argv), error=brief(err))
         if done.returncode != 0:
             said = " ".join((done.stderr or done.stdout).split())[:200]
             return Ran(tuple(argv), done.stdout, f"exit status {done.returncode}: {said}")

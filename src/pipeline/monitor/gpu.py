@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pipeline.common.messages import brief
+
 log = logging.getLogger(__name__)
 
 
@@ -191,7 +193,7 @@ class GputilBackend:
         try:
             box["gpus"] = self.gputil.getGPUs()
         except Exception as err:  # GPUtil parses nvidia-smi's text: a driver error is a ValueError
-            box["error"] = f"{type(err).__name__}: {err}"
+            box["error"] = brief(err)
 
     def close(self) -> None:
         if self._hung is not None and self._hung.is_alive():
@@ -225,8 +227,6 @@ def open_backend(name: str, targets: list[GpuTarget], *, timeout_s: float) -> Gp
                 return NvmlBackend(targets)
             return GputilBackend(targets, timeout_s=timeout_s)
         except Exception as err:  # ImportError, NVMLError_LibraryNotFound, a distutils-less Python, ...
-            warnings.once(
-                candidate, "GPU monitoring through %s is unavailable (%s: %s)", candidate, type(err).__name__, err
-            )
+            warnings.once(candidate, "GPU monitoring through %s is unavailable (%s)", candidate, brief(err))
     log.warning("GPU utilisation will not be recorded (monitor.backend=%s); CPU and RAM still are", name)
     return NoGpu()

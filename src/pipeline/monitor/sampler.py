@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import psutil
 
+from pipeline.common.messages import brief
 from pipeline.monitor.gpu import GpuBackend, GpuReading, NoGpu
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ class Sampler:
             self.samples.append(sample)
             self.log_metrics(system_metrics(sample), self.after_step + tick)
         except Exception as err:  # never let a reading (or its logging) kill the thread or training
-            log.warning("utilisation sample failed (%s: %s); sampling stops", type(err).__name__, err)
+            log.warning("utilisation sample failed (%s); sampling stops", brief(err))
             self._failed = True
             return False
         return True

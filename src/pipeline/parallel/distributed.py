@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from pipeline.common.messages import brief
 from pipeline.config import DeviceConfig
 from pipeline.parallel.ranks import DistributedError, Launch, cuda_index, launch_from
 
@@ -261,7 +262,7 @@ class Group(Solo):
             try:
                 box[0] = ("ok", fn())
             except Exception as err:
-                dist.broadcast_object_list([("error", f"{type(err).__name__}: {err}")], src=0, group=self._control)
+                dist.broadcast_object_list([("error", brief(err))], src=0, group=self._control)
                 raise
         dist.broadcast_object_list(box, src=0, group=self._control)
         kind, value = box[0]

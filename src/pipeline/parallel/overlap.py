@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from pipeline.common.device_memory import is_oom
+from pipeline.common.messages import brief
 from pipeline.parallel.ranks import DistributedError
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def _leave(err: Exception, *, rank: int, step: int, micro: int) -> Exception:
         dist.destroy_process_group()
         return posted
     if is_oom(err):
-        first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        first = brief(err, first_line=True, with_type=False, limit=200)
         failure: Exception = DistributedError(
             f"rank {rank} ran out of memory in the backward of step {step} (micro-batch {micro}) while the other "
             f"ranks were all-reducing its gradients, where a step can no longer be replayed smaller, so the job "

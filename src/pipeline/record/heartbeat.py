@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.common.secrets import mask_text
+from pipeline.common.messages import brief
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Heartbeat:
         try:
             self.client.set_tag(self.run_id, TAG, value)
         except Exception as err:  # the tracker's own writes warn about a failing store; a beat adds nothing to it
-            log.debug("heartbeat of run %s skipped (%s: %s)", self.run_id, type(err).__name__, mask_text(str(err)))
+            log.debug("heartbeat of run %s skipped (%s)", self.run_id, brief(err))
             return None
         return value
 

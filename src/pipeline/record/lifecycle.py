@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.common.errors import ConfigError, Interruption
+from pipeline.common.messages import brief
 from pipeline.common.secrets import MASK, mask_text, mask_value
 from pipeline.common.uris import absolute
 from pipeline.config import TrackingConfig
@@ -158,7 +159,7 @@ def open_tracker(
         _end_under(tracker, "KILLED")
         raise
     except BaseException as err:
-        _end_under(tracker, "FAILED", tags={"error": tracker.mask(f"{type(err).__name__}: {err}")[:5000]})
+        _end_under(tracker, "FAILED", tags={"error": tracker.mask(brief(err, limit=5000))})
         raise
     tracker.end("FINISHED")  # raises only if the outbox cannot be written: then metrics would be lost
 
@@ -169,8 +170,7 @@ def _end_under(tracker: MlflowTracker, status: str, *, tags: Mapping[str, str] |
         tracker.end(status, tags=tags)
     except Exception as err:  # no traceback: its text could hold a secret value; the run's own error follows
         log.error(
-            "the run's end (%s) could not be recorded (%s: %s); the run's own error follows",
+            "the run's end (%s) could not be recorded (%s); the run's own error follows",
             status,
-            type(err).__name__,
-            tracker.mask(str(err))[:300],
+            tracker.mask(brief(err)),
         )

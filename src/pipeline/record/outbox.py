@@ -33,6 +33,7 @@ from typing import Any
 from pipeline.common import cli
 from pipeline.common.atomic import write_text_atomic
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 from pipeline.common.secrets import MASK, mask_text
 from pipeline.common.uris import absolute
 from pipeline.record.reachability import check_exists, check_reachable
@@ -299,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as err:  # the store refused: say so in one line, the file keeps what is left
         print(
-            f"error: the store refused the import ({type(err).__name__}: {mask_text(str(err))[:500]}); "
+            f"error: the store refused the import ({brief(err, limit=500)}); "
             f"{path} keeps the unsent metrics, run the command again",
             file=sys.stderr,
         )

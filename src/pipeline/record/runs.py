@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.common.messages import brief
 from pipeline.record.store import retrying, server_down
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def create_run(client: Any, experiment_id: str, *, run_name: str, tags: Mapping[
         log.warning(
             "could not look for a second run made by a repeated request (the server stopped answering: %s); "
             "look for runs tagged %s=%s",
-            type(err).__name__,
+            brief(err),
             CREATION_TAG,
             token,
         )

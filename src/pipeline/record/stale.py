@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.common.cli import Parser, command
+from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text
 from pipeline.common.uris import absolute
 from pipeline.record import outbox
@@ -70,7 +71,7 @@ def pid_evidence(tags: dict[str, str]) -> tuple[str | None, str]:
     except (psutil.NoSuchProcess, ValueError):
         return "gone", f"{where}: no such process"
     except psutil.Error as err:
-        return None, f"{where}: {type(err).__name__}"
+        return None, f"{where}: {brief(err)}"
     if abs(started - float(tags.get("process.started", "nan"))) >= 1.0:
         return "gone", f"{where}: that pid is now another, newer process"
     return "alive", f"{where}: still running"

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text, mask_value
 from pipeline.common.uris import run_page, ui_base
 from pipeline.record import outbox
@@ -184,11 +185,9 @@ class MlflowTracker:
             )
         except Exception as err:
             log.warning(
-                "the run's end (%s) could not be written to %s (%s: %s)",
+                "the run's end (%s) could not be written to %s (%s)",
                 status,
-                self.mask(self.uri),
-                type(err).__name__,
-                self.mask(str(err))[:300],
+                *self._why(err),
             )
         else:
             if not unsent:
@@ -265,10 +264,8 @@ class MlflowTracker:
                     raise  # Ctrl-C mid-write: the metrics stay buffered for the run's end (KILLED)
                 if not self._failing:
                     log.warning(
-                        "metrics could not be written to %s (%s: %s); %d kept, retried in %.0f s or at the next flush",
-                        self.mask(self.uri),
-                        type(err).__name__,
-                        self.mask(str(err))[:300],
+                        "metrics could not be written to %s (%s); %d kept, retried in %.0f s or at the next flush",
+                        *self._why(err),
                         kept,
                         WRITE_EVERY_S,
                     )
@@ -327,7 +324,7 @@ class MlflowTracker:
             )
 
     def _why(self, err: BaseException) -> tuple[str, str]:  # the URI and the error for a warning, both masked
-        return self.mask(self.uri), self.mask(f"{type(err).__name__}: {err}")[:300]
+        return self.mask(self.uri), self.mask(brief(err))
 
     def log_dataset(self, spec: DataSpec, context: str) -> None:
         """Record the dataset as a run input, so the runs table's Dataset column names it."""

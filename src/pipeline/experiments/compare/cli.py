@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline.common.cli import Parser, command
 from pipeline.common.errors import PipelineError
+from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text
 from pipeline.common.stats import MIN_EFFECT
 from pipeline.common.uris import UI_URL, absolute, sqlite_path
@@ -112,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {mask_text(str(err))}", file=sys.stderr)
         return 2
     except MlflowException as err:
-        first = mask_text(str(err)).splitlines()[0][:300] if str(err) else type(err).__name__
+        first = brief(err, first_line=True, with_type=False)
         print(f"error: {mask_text(uri)} could not be read: {first}", file=sys.stderr)
         return 2
     try:
