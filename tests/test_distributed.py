@@ -17,9 +17,10 @@ from mlflow import MlflowClient
 
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
-from pipeline.engine.loop import SOLO, LossWindow, TrainState, train_epoch
+from pipeline.engine.loop import SOLO, LossWindow, StepMetrics, TrainState, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.step import Inputs
 from pipeline.engine.timing import WallTimer
 from pipeline.parallel import distributed
 from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from
@@ -146,13 +147,10 @@ def _epoch(
     return train_epoch(
         state,
         batches,
-        device=torch.device("cpu"),
-        policy=PrecisionPolicy("cpu", None),
-        prepare=lambda x: x.float() / 255,
-        log_every=2,
-        max_steps=steps,
-        log=log,
+        inputs=Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=WallTimer(),
+        metrics=StepMetrics(log, every=2),
+        max_steps=steps,
         group=group,
         on_step=on_step,
     )
