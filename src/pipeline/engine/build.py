@@ -133,17 +133,8 @@ def build(
     train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
     snapshot = make_snapshot(t, device)  # called by both micro-batchers at an out-of-memory error
     scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(t, len(train_batches)))
+    state = _train_state(cfg, model, optimizer, policy, scheduler, task, data, batchnorm=batchnorm, snapshot=snapshot)
     batch = cfg.loader.batch_size
-    state = TrainState(
-        model,
-        optimizer,
-        policy.make_scaler(),
-        MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1, on_oom=snapshot),
-        compiles=CompileWatch.start() if t.compile else NO_COMPILE,
-        scheduler=scheduler,
-        task=task,
-        split=_splitter(data),
-    )
     setup = Setup(
         choice=choice,
         policy=policy,
@@ -167,6 +158,35 @@ def build(
     )
     _announce(setup, cfg)
     return setup
+
+
+def _train_state(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: PrecisionPolicy,
+    scheduler: Any,
+    task: Task,
+    data: DataBundle,
+    *,
+    batchnorm: bool,
+    snapshot: OomSnapshot | NoSnapshot,
+) -> TrainState:
+    """What the epochs advance: with the scaler, training's own micro-batcher (at least 2 samples with BatchNorm)
+    and, compiled, the watch over what torch.compile compiles."""
+    micro = MicroBatcher.from_config(
+        cfg.oom, batch_size=cfg.loader.batch_size, least=2 if batchnorm else 1, on_oom=snapshot
+    )
+    return TrainState(
+        model,
+        optimizer,
+        policy.make_scaler(),
+        micro,
+        compiles=CompileWatch.start() if cfg.trainer.compile else NO_COMPILE,
+        scheduler=scheduler,
+        task=task,
+        split=_splitter(data),
+    )
 
 
 def _device(cfg: RunConfig, group: Solo | Group, explain: Callable[[], str]) -> DeviceChoice:
