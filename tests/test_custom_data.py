@@ -208,16 +208,16 @@ def test_spawn_workers_refuse_a_class_from_main(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_batch_the_fallback_cannot_cut_uses_the_users_split_hook(make_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.engine.loop as loop
+    import pipeline.engine.step as step
 
-    original = loop.call_model
+    original = step.call_model
 
     def oom_above_8(model, inputs):
         if model.training and inputs["x"].shape[0] > 8:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
         return original(model, inputs)
 
-    monkeypatch.setattr(loop, "call_model", oom_above_8)
+    monkeypatch.setattr(step, "call_model", oom_above_8)
     base = [
         "model=custom",
         "model._target_=userdata.Net",

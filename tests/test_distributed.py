@@ -17,9 +17,10 @@ from mlflow import MlflowClient
 
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
-from pipeline.engine.loop import SOLO, LossWindow, TrainState, train_epoch
+from pipeline.engine.loop import SOLO, LossWindow, StepMetrics, TrainState, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.step import Inputs, run_step
 from pipeline.engine.timing import WallTimer
 from pipeline.parallel import distributed
 from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from
@@ -146,13 +147,10 @@ def _epoch(
     return train_epoch(
         state,
         batches,
-        device=torch.device("cpu"),
-        policy=PrecisionPolicy("cpu", None),
-        prepare=lambda x: x.float() / 255,
-        log_every=2,
-        max_steps=steps,
-        log=log,
+        inputs=Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=WallTimer(),
+        metrics=StepMetrics(log, every=2),
+        max_steps=steps,
         group=group,
         on_step=on_step,
     )
@@ -186,6 +184,23 @@ def test_a_stop_agreed_while_another_rank_is_out_of_memory_abandons_the_step_on_
     assert all(p.grad is None for p in state.model.parameters())  # the attempt's gradients are dropped
     for a, b in zip(reference.model.parameters(), state.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the weights of step 2: nothing of step 3 applied
+
+
+def test_one_step_says_whether_it_fit_was_asked_to_stop_or_was_abandoned() -> None:
+    torch.manual_seed(1)
+    images, labels = torch.randint(0, 255, (8, 1, 4, 4), dtype=torch.uint8), torch.randint(0, 4, (8,))
+    inputs = Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255)
+    state = _state(8)
+    fit = run_step(state, images, labels, inputs=inputs, group=OtherRanks())
+    assert fit.fit and not fit.stopped and fit.loss is not None and fit.loss.requires_grad is False
+    stopping = run_step(state, images, labels, inputs=inputs, group=OtherRanks(stop_on={1: 15}))
+    assert stopping.fit and stopping.stopped and stopping.stop_signal == 15  # applied; the epoch ends after it
+    before = [p.detach().clone() for p in state.model.parameters()]
+    abandoned = run_step(state, images, labels, inputs=inputs, group=OtherRanks(fail_on={1}, stop_on={1: 2}))
+    assert abandoned.abandoned and abandoned.loss is None and abandoned.stop_signal == 2
+    for a, b in zip(before, state.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # nothing of the abandoned step was applied
+    assert state.step == 0  # the loop counts steps, not the step
 
 
 def test_the_logged_loss_is_every_ranks_mean_so_all_ranks_meet_a_nan_at_the_same_step() -> None:

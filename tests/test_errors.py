@@ -1,4 +1,5 @@
-"""The one error helper (`pipeline.common.messages`): ``brief`` formats an error for a user, ``best_effort`` warns and goes on."""
+"""The one error helper (`pipeline.common.messages`): `brief` formats an error for a user, `best_effort` warns
+and goes on."""
 
 from __future__ import annotations
 

@@ -17,10 +17,11 @@ import pipeline.engine.build as build_module
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
 from pipeline.data import DevicePrefetcher, ResidentLoader, make_loader, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
-from pipeline.engine.loop import TrainState, train_epoch
+from pipeline.engine.loop import StepMetrics, TrainState, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.step import Inputs
 from pipeline.engine.stopping import Stopped
 from pipeline.engine.timing import WallTimer
 from pipeline.train import train
@@ -164,13 +165,9 @@ def epoch(batches: Any, timer: WallTimer, state: TrainState | None = None) -> An
     return train_epoch(
         state or tiny_state(),
         batches,
-        device=CPU,
-        policy=PrecisionPolicy("cpu", None),
-        prepare=lambda x: x.float() / 255,
-        log_every=100,
-        max_steps=-1,
-        log=lambda metrics, step: None,
+        inputs=Inputs(CPU, PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=timer,
+        metrics=StepMetrics(every=100),
     )
 
 

@@ -13,10 +13,11 @@ from conftest import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
 from pipeline.engine.devices import activate
-from pipeline.engine.loop import TrainState, train_epoch
+from pipeline.engine.loop import StepMetrics, TrainState, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.step import Inputs
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
 from pipeline.report.verdict import judge
 
@@ -127,6 +128,19 @@ def resident_batches(n: int = 64) -> ResidentLoader:
     return loader
 
 
+class EveryOther:
+    """Mid-epoch checkpoints every second step, each written by ``save``."""
+
+    def __init__(self, save: Callable[[int], object]) -> None:
+        self.write = save
+
+    def due(self, step: int) -> bool:
+        return step % 2 == 0
+
+    def save(self, step: int) -> None:
+        self.write(step)
+
+
 def test_slow_bookkeeping_between_steps_is_overhead_not_waiting_for_data(
     make_cfg: Callable[..., RunConfig], clock: StepClock
 ) -> None:
@@ -137,16 +151,11 @@ def test_slow_bookkeeping_between_steps_is_overhead_not_waiting_for_data(
     stats = train_epoch(
         state,
         resident_batches(),
-        device=torch.device("cpu"),
-        policy=PrecisionPolicy("cpu", None),
-        prepare=lambda x: x.float() / 255,
-        log_every=1,
-        max_steps=-1,
-        log=lambda metrics, step: clock.spend(0.005),
+        inputs=Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=WallTimer(),
+        metrics=StepMetrics(lambda metrics, step: clock.spend(0.005), every=1),
+        checkpoints=EveryOther(lambda step: (saved.append(step), clock.spend(0.01))),
         on_step=lambda samples: clock.spend(0.005),
-        checkpoint_every=2,
-        save_checkpoint=lambda: (saved.append(state.step), clock.spend(0.01)),
     )
     b = stats.breakdown
     assert saved == [2, 4, 6, 8]

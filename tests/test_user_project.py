@@ -19,7 +19,8 @@ from tests.project import KEYED, REGRESSION, use_project, write_project
 
 import pipeline.engine.build as build_module
 from pipeline.config import RunConfig
-from pipeline.engine import checkpoint, loop
+from pipeline.engine import checkpoint
+from pipeline.engine import step as step_module
 from pipeline.engine.stopping import Stopped
 from pipeline.train import train
 
@@ -95,14 +96,16 @@ def record_losses(monkeypatch: pytest.MonkeyPatch, into: list[float]) -> None:
     original = train_module.train_epoch
 
     def recording(*args, **kwargs):
-        log = kwargs["log"]
+        metrics = kwargs["metrics"]
+        write = metrics.write
 
-        def log_step(metrics: dict[str, float], step: int) -> None:
-            if "train/loss" in metrics:
-                into.append(metrics["train/loss"])
-            log(metrics, step)
+        def log_step(logged: dict[str, float], step: int) -> None:
+            if "train/loss" in logged:
+                into.append(logged["train/loss"])
+            write(logged, step)
 
-        return original(*args, **{**kwargs, "log": log_step})
+        metrics.write = log_step
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "train_epoch", recording)
 
@@ -110,14 +113,14 @@ def record_losses(monkeypatch: pytest.MonkeyPatch, into: list[float]) -> None:
 def oom_above(monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
     """Training forwards of more than ``limit`` samples raise CUDA's out-of-memory error (a card that fits ``limit``);
     the dict batch's ``features`` entry says how many samples a forward has."""
-    original = loop.call_model
+    original = step_module.call_model
 
     def call(model, inputs):
         if model.training and inputs["features"].shape[0] > limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return original(model, inputs)
 
-    monkeypatch.setattr(loop, "call_model", call)
+    monkeypatch.setattr(step_module, "call_model", call)
 
 
 def test_sigterm_and_resume_end_with_the_weights_of_an_uninterrupted_run(

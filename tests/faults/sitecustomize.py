@@ -29,9 +29,10 @@ if FAULT and RANK is not None:
         import torch
 
         from pipeline.engine import loop
+        from pipeline.engine import step as step_module
 
         if kind == "oom":
-            real = loop.forward_backward
+            real = step_module.forward_backward
             fits, _, first = value.partition("@")
 
             def forward_backward(state, images, labels, **kwargs):  # type: ignore[no-untyped-def]
@@ -39,7 +40,7 @@ if FAULT and RANK is not None:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
                 return real(state, images, labels, **kwargs)
 
-            loop.forward_backward = forward_backward
+            step_module.forward_backward = forward_backward
         elif kind == "sigterm":
             real_add = loop.LossWindow.add
 

@@ -186,50 +186,9 @@ def tune(
     if settings.search_batch_size:
         batch_size, batch_sizes = _search_batch_size(current, session, cap=machine.max_batch_size)
     plan = candidates(current, machine, batch_size=batch_size)
-    ladder = worker_ladder(machine.max_workers)
     tallies = {c: Tally(c) for c in plan}
     now = Candidate(current)
-    order, reason, round_ = plan, "", 0
-    for round_ in range(1, settings.rounds + 1):
-        if round_ > 1:
-            order = [c for c in reversed(order) if not tallies[c].stopped]
-        timed = []
-        for candidate in order:
-            why = _plateau(candidate, tallies.values(), ladder) if round_ == 1 and candidate != now else ""
-            if why:
-                tallies[candidate].stopped = why
-                continue
-            value = session.run(candidate, round_)
-            if value is None:
-                break
-            tallies[candidate].by_round[round_] = value
-            timed.append(candidate)
-        if round_ == 1 and not session.cut_short:
-            variant = _prefetch_candidate(tallies.values())
-            if variant is not None and variant not in tallies:
-                tallies[variant] = Tally(variant)
-                value = session.run(variant, round_)
-                if value is not None:
-                    tallies[variant].by_round[round_] = value
-                    timed.append(variant)
-        order = timed
-        if session.cut_short:
-            reason = (
-                f"cut short: the next trial (about {session.next_s:.1f} s) would have passed the search's "
-                f"{session.limit_s:g} s of the {settings.budget_s:g} s budget"
-            )
-            break
-        for dropped in _drop_slow(tallies.values(), round_):
-            session.release(dropped.candidate)  # its workers and model, before the next round
-        running = sorted((t for t in tallies.values() if t.measured and not t.stopped), key=lambda t: -t.median)
-        if len(running) < 2:
-            reason = "one candidate left"
-            break
-        if round_ >= 2 and running[0].low > running[1].high:
-            reason = "the leader's slowest round beat the runner-up's fastest"
-            break
-    else:
-        reason = f"all {settings.rounds} round(s) done"
+    reason = _search(plan, tallies, session, ladder=worker_ladder(machine.max_workers), current=now)
     for tally in tallies.values():
         if not tally.measured and not tally.stopped:
             tally.stopped = "not measured: time budget"
@@ -254,6 +213,71 @@ def tune(
         confirmed=confirmed,
         unconfirmed=unconfirmed,
     )
+
+
+def _search(
+    plan: list[Candidate], tallies: dict[Candidate, Tally], session: _Session, *, ladder: list[int], current: Candidate
+) -> str:
+    """Interleaved rounds over ``plan`` (each in the reverse order of the last, without the dropped), filling
+    ``tallies``; returns why the search stopped."""
+    settings, order = session.settings, plan
+    for round_ in range(1, settings.rounds + 1):
+        if round_ > 1:
+            order = [c for c in reversed(order) if not tallies[c].stopped]
+        order = _round(order, round_, tallies, session, ladder=ladder, current=current)
+        if session.cut_short:
+            return (
+                f"cut short: the next trial (about {session.next_s:.1f} s) would have passed the search's "
+                f"{session.limit_s:g} s of the {settings.budget_s:g} s budget"
+            )
+        for dropped in _drop_slow(tallies.values(), round_):
+            session.release(dropped.candidate)  # its workers and model, before the next round
+        if reason := _settled(tallies.values(), round_):
+            return reason
+    return f"all {settings.rounds} round(s) done"
+
+
+def _round(
+    order: list[Candidate],
+    round_: int,
+    tallies: dict[Candidate, Tally],
+    session: _Session,
+    *,
+    ladder: list[int],
+    current: Candidate,
+) -> list[Candidate]:
+    """One round: each candidate in ``order`` timed once, until the budget runs out (round 1: past the worker
+    plateau, then the prefetch variant of the leader); returns those timed, in order."""
+    timed = []
+    for candidate in order:
+        why = _plateau(candidate, tallies.values(), ladder) if round_ == 1 and candidate != current else ""
+        if why:
+            tallies[candidate].stopped = why
+            continue
+        value = session.run(candidate, round_)
+        if value is None:
+            break
+        tallies[candidate].by_round[round_] = value
+        timed.append(candidate)
+    if round_ == 1 and not session.cut_short:
+        variant = _prefetch_candidate(tallies.values())
+        if variant is not None and variant not in tallies:
+            tallies[variant] = Tally(variant)
+            value = session.run(variant, round_)
+            if value is not None:
+                tallies[variant].by_round[round_] = value
+                timed.append(variant)
+    return timed
+
+
+def _settled(tallies: Any, round_: int) -> str:
+    """Why the search may stop after ``round_`` ("" = go on): one candidate left, or a clear leader."""
+    running = sorted((t for t in tallies if t.measured and not t.stopped), key=lambda t: -t.median)
+    if len(running) < 2:
+        return "one candidate left"
+    if round_ >= 2 and running[0].low > running[1].high:
+        return "the leader's slowest round beat the runner-up's fastest"
+    return ""
 
 
 def _finalists(tallies: list[Tally], current: Candidate) -> list[Candidate]:

@@ -120,20 +120,16 @@ class Trials:
         return self._live[candidate]
 
     def _train(self, live: _Live, steps: int) -> Any:
-        from pipeline.engine.loop import train_epoch
+        from pipeline.engine.loop import StepMetrics, train_epoch
 
         setup = live.setup
         return train_epoch(
             setup.state,
             live.batches,
-            device=setup.device,
-            policy=setup.policy,
-            prepare=setup.prepare,
-            augment=setup.augment,  # the run's own input path, GPU augmentation included
-            log_every=self.cfg.trainer.log_every_n_steps,  # the run's own host syncs
-            max_steps=setup.state.step + steps,
-            log=lambda metrics, step: None,
+            inputs=setup.inputs,  # the run's own input path, GPU augmentation included
             timer=live.timer,
+            metrics=StepMetrics(every=self.cfg.trainer.log_every_n_steps),  # the run's own host syncs, nothing written
+            max_steps=setup.state.step + steps,
         )
 
 

@@ -115,7 +115,8 @@ def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], flo
 
     from pipeline.benchmarks.harness import bare_step
     from pipeline.engine.build import build
-    from pipeline.engine.loop import train_epoch
+    from pipeline.engine.loop import StepMetrics, train_epoch
+    from pipeline.engine.step import Inputs
     from pipeline.engine.timing import make_timer
     from pipeline.parallel.distributed import from_env
 
@@ -149,13 +150,9 @@ def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], flo
         train_epoch(
             setup.state,
             itertools.islice(batches, CHUNK),
-            device=setup.device,
-            policy=setup.policy,
-            prepare=setup.prepare,
-            log_every=cfg.trainer.log_every_n_steps,
-            max_steps=-1,
-            log=lambda metrics, step: None,
+            inputs=Inputs(setup.device, setup.policy, setup.prepare),
             timer=make_timer(setup.device),
+            metrics=StepMetrics(every=cfg.trainer.log_every_n_steps),
             group=setup.group,
         )
         return time.perf_counter() - start

@@ -204,6 +204,41 @@ def plain(value: Any) -> Any:
 
 @command("python -m pipeline.gpu_check")
 def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    required, optional = missing_dependencies()
+    message = dependency_message(required, optional, mlflow=importlib.util.find_spec("mlflow") is not None)
+    if message:
+        print(message, file=sys.stderr)
+    if required:
+        return 2
+    plan = DRY_PLAN if args.dry_run else GPU_PLAN
+    if args.budget_s is not None:
+        plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    if not plan.dry and not _cuda_or_say_why():
+        return 2
+    from pipeline.benchmarks.harness import machine_facts, quiet_logs
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    facts = machine_facts()
+    _print_heading(plan, facts, started)
+    logs = contextlib.nullcontext() if args.verbose else quiet_logs()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp, logs:
+        ctx = Context(plan, args.compile_mode, Path(tmp))
+        rows = _run_steps(ctx, names)
+        seconds = ctx.elapsed()
+    rows = in_table_order(rows)
+    print(table(rows))
+    counts = Counter(r.status for r in rows)
+    print(f"\n{', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}; {seconds:.0f} s")
+    command = " ".join(["python -m pipeline.gpu_check", *(argv if argv is not None else sys.argv[1:])])
+    document = _document(command, plan, facts, started, seconds, optional, counts, rows)
+    Path(args.out).write_text(json.dumps(plain(document), indent=2) + "\n")
+    print(f"raw numbers: {args.out}")
+    return 1 if counts["FAIL"] or counts["ERROR"] else 0
+
+
+def _parse(argv: list[str] | None) -> Any:
     parser = Parser(prog="python -m pipeline.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the same plan at tiny sizes on the CPU (no GPU needed)")
     parser.add_argument("--out", default="gpu_check.json", help="where to write the raw numbers (JSON)")
@@ -214,40 +249,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--verbose", action="store_true", help="show the runs' log messages (warnings included)")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in STEPS]
+    unknown = [n.strip() for n in args.only.split(",") if n.strip() and n.strip() not in STEPS]
     if unknown:
         parser.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
+    return args
 
-    required, optional = missing_dependencies()
-    message = dependency_message(required, optional, mlflow=importlib.util.find_spec("mlflow") is not None)
-    if message:
-        print(message, file=sys.stderr)
-    if required:
-        return 2
+
+def _cuda_or_say_why() -> bool:
+    """Whether a CUDA GPU is usable; if not, why, on stderr (the doctor's finding)."""
     import torch
 
-    from pipeline.benchmarks.harness import machine_facts, quiet_logs
+    if torch.cuda.is_available():
+        return True
+    from pipeline.machine import doctor
 
-    plan = DRY_PLAN if args.dry_run else GPU_PLAN
-    if args.budget_s is not None:
-        plan = dataclasses.replace(plan, budget_s=args.budget_s)
-    if not plan.dry and not torch.cuda.is_available():
-        from pipeline.machine import doctor
+    finding = doctor.main_finding()
+    print(
+        "error: no usable CUDA GPU here"
+        + (f" ({finding})" if finding else " (python -m pipeline.doctor says why)")
+        + "; --dry-run checks the plan on the CPU",
+        file=sys.stderr,
+    )
+    return False
 
-        finding = doctor.main_finding()
-        print(
-            "error: no usable CUDA GPU here"
-            + (f" ({finding})" if finding else " (python -m pipeline.doctor says why)")
-            + "; --dry-run checks the plan on the CPU",
-            file=sys.stderr,
-        )
-        return 2
 
-    import pipeline
-
-    started = datetime.datetime.now(datetime.timezone.utc)
-    facts = machine_facts()
+def _print_heading(plan: Any, facts: dict[str, Any], started: datetime.datetime) -> None:
     gpu = f"{facts['gpu']} ({facts.get('gpu_memory_gb')} GB)" if facts["gpu"] else "no GPU"
     mode = "dry run: tiny sizes on the CPU; speed goals are shown, not judged" if plan.dry else "full sizes"
     print(
@@ -255,28 +281,40 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {facts['python']}, torch {facts['torch']} (CUDA {facts['torch_cuda']})\n",
         flush=True,
     )
+
+
+def _run_steps(ctx: Context, names: list[str]) -> list[Row]:
+    """The chosen steps' rows, in the plan's order; a step expected to end past the budget is a SKIP row."""
     rows: list[Row] = []
-    logs = contextlib.nullcontext() if args.verbose else quiet_logs()
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp, logs:
-        ctx = Context(plan, args.compile_mode, Path(tmp))
-        for step in [s for s in STEPS if s in names]:
-            what, estimate_s = STEPS[step]
-            if not plan.dry and ctx.elapsed() + estimate_s > plan.budget_s:
-                reason = f"time budget: {ctx.elapsed():.0f} s gone, about {estimate_s} s more needed (--budget-s)"
-                rows.append(Row(step, f"{step}: {what}", None, "", "", "SKIP", reason))
-                continue
-            began = time.perf_counter()
-            print(f"[gpu_check] {step}: {what} ...", file=sys.stderr, flush=True)
-            rows += RUNNERS[step](ctx)
-            print(f"[gpu_check] {step}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
-        seconds = ctx.elapsed()
-    rows = in_table_order(rows)
-    print(table(rows))
-    counts = Counter(r.status for r in rows)
-    print(f"\n{', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}; {seconds:.0f} s")
-    document = {
+    for step in [s for s in STEPS if s in names]:
+        what, estimate_s = STEPS[step]
+        if not ctx.plan.dry and ctx.elapsed() + estimate_s > ctx.plan.budget_s:
+            reason = f"time budget: {ctx.elapsed():.0f} s gone, about {estimate_s} s more needed (--budget-s)"
+            rows.append(Row(step, f"{step}: {what}", None, "", "", "SKIP", reason))
+            continue
+        began = time.perf_counter()
+        print(f"[gpu_check] {step}: {what} ...", file=sys.stderr, flush=True)
+        rows += RUNNERS[step](ctx)
+        print(f"[gpu_check] {step}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def _document(
+    command: str,
+    plan: Any,
+    facts: dict[str, Any],
+    started: datetime.datetime,
+    seconds: float,
+    optional: list[str],
+    counts: Counter,
+    rows: list[Row],
+) -> dict[str, Any]:
+    """The raw numbers' JSON document (schema 1)."""
+    import pipeline
+
+    return {
         "schema": 1,
-        "command": " ".join(["python -m pipeline.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command,
         "dry_run": plan.dry,
         "started": started.isoformat(timespec="seconds"),
         "seconds": seconds,
@@ -288,9 +326,6 @@ def main(argv: list[str] | None = None) -> int:
         "summary": dict(counts),
         "rows": [asdict(r) for r in rows],
     }
-    Path(args.out).write_text(json.dumps(plain(document), indent=2) + "\n")
-    print(f"raw numbers: {args.out}")
-    return 1 if counts["FAIL"] or counts["ERROR"] else 0
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from pipeline.engine.precision import PrecisionPolicy, configure_backends, resol
 from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import run_name
 from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
+from pipeline.engine.step import Inputs
 from pipeline.engine.tasks import Task, make_task
 from pipeline.monitor.peaks import device_peak, run_dtype
 from pipeline.parallel.distributed import Group, Solo
@@ -57,9 +58,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Setup:
-    """Everything a run needs, built before its MLflow run is opened."""
+    """Everything a run needs, built before its MLflow run is opened (the config that made it stays the caller's)."""
 
-    cfg: RunConfig
     choice: DeviceChoice
     policy: PrecisionPolicy
     backends: dict[str, str]
@@ -84,6 +84,11 @@ class Setup:
     def device(self) -> torch.device:
         return self.choice.device
 
+    @property
+    def inputs(self) -> Inputs:
+        """How a training batch reaches the model (``pipeline.engine.step``)."""
+        return Inputs(self.device, self.policy, self.prepare, self.augment)
+
 
 def build(
     cfg: RunConfig, group: Solo | Group | None = None, *, explain_missing_gpu: Callable[[], str] = lambda: ""
@@ -96,17 +101,11 @@ def build(
     ``pipeline.machine.doctor.main_finding``; the engine never imports the doctor, a layer above it).
     """
     group = group or Solo()
-    choice = resolve_device(cfg.device, explain=explain_missing_gpu)
-    device = group.place(choice.device)
-    if device != choice.device:
-        choice = DeviceChoice(device, torch.cuda.get_device_name(device), f"{choice.reason}; LOCAL_RANK={device.index}")
-    activate(device)
-    log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
+    choice = _device(cfg, group, explain_missing_gpu)
+    device, t = choice.device, cfg.trainer
     policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
-    backends = configure_backends(cfg.precision, cfg.trainer, device, amp=cfg.amp)  # may refuse a CUDA-only switch
-    t = cfg.trainer
+    backends = configure_backends(cfg.precision, t, device, amp=cfg.amp)  # may refuse a CUDA-only switch
     torch.manual_seed(t.seed)
-
     data = load_data(cfg.data)
     spec = data.spec
     task = make_task(cfg.task).to(device)
@@ -118,14 +117,7 @@ def build(
     else:
         prepare = AsGiven(channels_last=t.channels_last)
     first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
-    with flops.counting() as counted:  # that forward's FLOPs: MFU's numerator, counted once per run
-        check_first_batch(
-            model, task, first, prepare=prepare, device=device, channels_last=t.channels_last, autocast=policy.autocast
-        )
-    model_flops = flops.ModelFlops(
-        flops.per_sample(counted.forward, count(first[0])),
-        device_peak(device, run_dtype(device, policy.dtype), device_name=choice.name),
-    )
+    model_flops = _model_flops(model, task, first, prepare=prepare, choice=choice, policy=policy, trainer=t)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     augment = None
@@ -133,41 +125,24 @@ def build(
         augment = make_augment(
             cfg.data, in_shape=spec.in_shape, seed=t.seed, device=device, rank=group.rank, world=group.world_size
         )
-
-    def first_prepared() -> tuple[Any, Any]:  # read only when the amp check runs
-        images, labels = first_batch(data.train, cfg.loader.batch_size, data.collate)
-        return prepare(move(images, device)), move(labels, device)
-
-    amp_probe = check_cpu_amp(policy, model, first_prepared, loss=task.loss)
+    amp_probe = check_cpu_amp(policy, model, _first_prepared(data, cfg.loader, prepare, device), loss=task.loss)
     parameters = count_parameters(model)
-    model = group.wrap(model)
-    if t.compile:  # around DDP's wrapper, not inside it: dynamo's DDPOptimizer then splits the graph at DDP's buckets,
-        # so each bucket's all-reduce starts while backward still computes (one compiled backward would hold all back)
-        model = compile_model(model, mode=t.compile_mode)  # compiles lazily: the first step pays
+    model = _wrapped(model, group, t)
     # the model's own parameters: not DDP's agreement (pipeline.parallel.overlap.Agreeing)
     optimizer = build_optimizer(cfg.optimizer, group.unwrap(model).parameters())
-    batch = cfg.loader.batch_size
     train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
     snapshot = make_snapshot(t, device)  # called by both micro-batchers at an out-of-memory error
     scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(t, len(train_batches)))
+    state = _train_state(cfg, model, optimizer, policy, scheduler, task, data, batchnorm=batchnorm, snapshot=snapshot)
+    batch = cfg.loader.batch_size
     setup = Setup(
-        cfg=cfg,
         choice=choice,
         policy=policy,
         backends=backends,
         spec=spec,
         task=task,
         first=first,
-        state=TrainState(
-            model,
-            optimizer,
-            policy.make_scaler(),
-            MicroBatcher.from_config(cfg.oom, batch_size=batch, least=2 if batchnorm else 1, on_oom=snapshot),
-            compiles=CompileWatch.start() if t.compile else NO_COMPILE,
-            scheduler=scheduler,
-            task=task,
-            split=_splitter(data),
-        ),
+        state=state,
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled, on_oom=snapshot),
         parameters=parameters,
         train_batches=train_batches,
@@ -181,6 +156,103 @@ def build(
         profiler=make_profiler(t, device),
         snapshot=snapshot,
     )
+    _announce(setup, cfg)
+    return setup
+
+
+def _train_state(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: PrecisionPolicy,
+    scheduler: Any,
+    task: Task,
+    data: DataBundle,
+    *,
+    batchnorm: bool,
+    snapshot: OomSnapshot | NoSnapshot,
+) -> TrainState:
+    """What the epochs advance: with the scaler, training's own micro-batcher (at least 2 samples with BatchNorm)
+    and, compiled, the watch over what torch.compile compiles."""
+    micro = MicroBatcher.from_config(
+        cfg.oom, batch_size=cfg.loader.batch_size, least=2 if batchnorm else 1, on_oom=snapshot
+    )
+    return TrainState(
+        model,
+        optimizer,
+        policy.make_scaler(),
+        micro,
+        compiles=CompileWatch.start() if cfg.trainer.compile else NO_COMPILE,
+        scheduler=scheduler,
+        task=task,
+        split=_splitter(data),
+    )
+
+
+def _device(cfg: RunConfig, group: Solo | Group, explain: Callable[[], str]) -> DeviceChoice:
+    """The run's device (under DDP the rank's own), made the current one and logged."""
+    choice = resolve_device(cfg.device, explain=explain)
+    device = group.place(choice.device)
+    if device != choice.device:
+        choice = DeviceChoice(device, torch.cuda.get_device_name(device), f"{choice.reason}; LOCAL_RANK={device.index}")
+    activate(device)
+    log.info("device: %s (%s) - %s", device, choice.name, choice.reason)
+    return choice
+
+
+def _model_flops(
+    model: torch.nn.Module,
+    task: Task,
+    first: tuple[Any, Any],
+    *,
+    prepare: Normalize | AsGiven,
+    choice: DeviceChoice,
+    policy: PrecisionPolicy,
+    trainer: Any,
+) -> flops.ModelFlops:
+    """The first batch checked against the model and the task (``check_first_batch``), its forward's FLOPs counted
+    on the way (MFU's numerator, counted once per run), and the device's peak."""
+    device = choice.device
+    with flops.counting() as counted:
+        check_first_batch(
+            model,
+            task,
+            first,
+            prepare=prepare,
+            device=device,
+            channels_last=trainer.channels_last,
+            autocast=policy.autocast,
+        )
+    return flops.ModelFlops(
+        flops.per_sample(counted.forward, count(first[0])),
+        device_peak(device, run_dtype(device, policy.dtype), device_name=choice.name),
+    )
+
+
+def _first_prepared(
+    data: DataBundle, loader: LoaderConfig, prepare: Normalize | AsGiven, device: torch.device
+) -> Callable[[], tuple[Any, Any]]:
+    """A full first batch on the device, prepared: read only when the CPU amp check runs."""
+
+    def first_prepared() -> tuple[Any, Any]:
+        images, labels = first_batch(data.train, loader.batch_size, data.collate)
+        return prepare(move(images, device)), move(labels, device)
+
+    return first_prepared
+
+
+def _wrapped(model: torch.nn.Module, group: Solo | Group, trainer: Any) -> torch.nn.Module:
+    """The model in DDP's wrapper (a plain run: as it is), compiled around it when ``trainer.compile``."""
+    model = group.wrap(model)
+    if trainer.compile:  # around DDP's wrapper, not inside it: dynamo's DDPOptimizer then splits the graph at DDP's
+        # buckets, so each bucket's all-reduce starts while backward still computes (one compiled backward would
+        # hold all back)
+        model = compile_model(model, mode=trainer.compile_mode)  # compiles lazily: the first step pays
+    return model
+
+
+def _announce(setup: Setup, cfg: RunConfig) -> None:
+    spec = setup.spec
     log.info(
         "run %s: %s on %s, %s train / %s val samples, %s parameters",
         setup.run_name,
@@ -188,9 +260,8 @@ def build(
         spec.name,
         spec.train_size if spec.train_size is not None else "a stream of",
         spec.val_size if spec.val_size is not None else "a stream of",
-        f"{parameters:,}",
+        f"{setup.parameters:,}",
     )
-    return setup
 
 
 def _model(cfg: RunConfig, spec: DataSpec, device: torch.device) -> torch.nn.Module:

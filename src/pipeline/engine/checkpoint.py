@@ -41,7 +41,7 @@ from pipeline.common.errors import PipelineError
 from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text
 from pipeline.common.uris import absolute
-from pipeline.config import CheckpointConfig, RunConfig, TrackingConfig
+from pipeline.config import CheckpointConfig, TrackingConfig
 from pipeline.engine.outputs import make_writable
 from pipeline.engine.stopping import Stopped
 from pipeline.parallel.overlap import unwrap
@@ -284,6 +284,7 @@ class Checkpointer:
         device: the training device (whose RNG state is saved).
         scope: what ``resume=latest`` matches on: the run id, name, experiment and tracking store.
         lock: the run's lock when the caller already holds it (resuming); else it is taken here.
+        every: a mid-epoch checkpoint every this many steps (0 = none): ``due``.
     """
 
     def __init__(
@@ -295,10 +296,11 @@ class Checkpointer:
         device: torch.device,
         scope: Mapping[str, Any],
         lock: RunLock | None = None,
+        every: int = 0,
     ) -> None:
         self.path = folder / LAST
         self.enabled, self.contents, self.device = enabled, contents, device
-        self.scope = dict(scope)
+        self.scope, self.every = dict(scope), every
         self.last: Position | None = None
         # the caller's lock (resuming) is the caller's to release; one taken here (fails at start, not later) is ours
         self._own_lock = RunLock(folder).acquire() if lock is None and enabled else None
@@ -306,7 +308,8 @@ class Checkpointer:
     @classmethod
     def for_run(
         cls,
-        cfg: RunConfig,
+        settings: CheckpointConfig,
+        tracking: TrackingConfig,
         *,
         run_id: str | None,
         run_name: str,
@@ -320,15 +323,14 @@ class Checkpointer:
         overrides: list[str] | None = None,
     ) -> Checkpointer:
         """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
-        ``state`` (a ``loop.TrainState``) and ``config`` (the masked config, compared on resume).
+        ``state`` (a ``loop.TrainState``) and ``config`` (masked; a resume compares it), in ``tracking``'s store.
 
         ``write=False`` (DDP ranks other than 0) writes nothing; ``world_size`` is saved, since a position inside
         an epoch counts this job's per-rank batches. ``overrides``: the run's own (masked), which a resume restores
         (``pipeline.engine.continuation``)."""
-        folder = Path(cfg.checkpoint.dir) / (run_id or untracked_id(run_name))
         return cls(
-            folder=folder,
-            enabled=cfg.checkpoint.enabled and write,
+            folder=Path(settings.dir) / (run_id or untracked_id(run_name)),
+            enabled=settings.enabled and write,
             contents=lambda: payload(
                 state,
                 run_id=run_id,
@@ -342,11 +344,16 @@ class Checkpointer:
             scope={
                 "run_id": run_id,
                 "run_name": run_name,
-                "experiment": cfg.tracking.experiment,
-                "store": store_id(cfg.tracking),
+                "experiment": tracking.experiment,
+                "store": store_id(tracking),
             },
             lock=lock,
+            every=settings.every_n_steps,
         )
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` ends with a mid-epoch checkpoint (``checkpoint.every_n_steps``; 0 = never)."""
+        return bool(self.every) and step % self.every == 0
 
     def write(self, position: Position, *, status: str = "running") -> Path | None:
         """Save the run at ``position``; ``status`` (running, stopped, failed, finished) is for ``resume=latest``."""

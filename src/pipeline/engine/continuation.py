@@ -8,14 +8,16 @@ overrides; ``continue_command`` is the command a stopped run prints.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pipeline.common.secrets import MASK
 from pipeline.config import RunConfig, load
-from pipeline.engine.checkpoint import CheckpointError
+from pipeline.engine.checkpoint import Checkpointer, CheckpointError, Position
 from pipeline.engine.checkpoint import load as load_checkpoint
+from pipeline.engine.stopping import Stopped
 
 NOT_KEPT = ("resume", "fork")  # how this process started, not the run's configuration
 LENGTH = ("trainer.epochs", "trainer.max_steps")
@@ -98,3 +100,31 @@ def continue_command(run: str, own: Sequence[str]) -> str:
     (the rest of its configuration comes back from the checkpoint)."""
     where = [o for o in own if key_of(o) == "checkpoint.dir"]
     return shlex.join(["python", "-m", "pipeline", f"resume={run}", *where])
+
+
+@contextlib.contextmanager
+def stop_says_how_to_continue(saver: Checkpointer, own: list[str], *, resumed: bool) -> Iterator[None]:
+    """A stop leaves the command that continues the run on ``Stopped.command``, once a checkpoint of it exists
+    (written now, or the one this resume started from)."""
+    try:
+        yield
+    except Stopped as stop:
+        if saver.enabled and (saver.last is not None or resumed):
+            stop.command = continue_command(saver.path.parent.name, own)
+        raise
+
+
+class MidwayCheckpoints:
+    """An epoch's mid-epoch checkpoints: the checkpointer says which steps are its own (``checkpoint.every_n_steps``).
+    Each is written after the metrics up to it: if the process dies now, a resume continues from a step whose
+    metrics are all in the record (a write that fails is kept for later)."""
+
+    def __init__(self, saver: Checkpointer, tracker: Any, position: Callable[[int], Position]) -> None:
+        self.saver, self.tracker, self.position = saver, tracker, position
+
+    def due(self, step: int) -> bool:
+        return self.saver.due(step)
+
+    def save(self, step: int) -> None:
+        self.tracker.flush()
+        self.saver.write(self.position(step))

@@ -1,17 +1,17 @@
 """One training epoch and one evaluation pass, written like the set-up recipe's pseudo-code.
 
-The hot loop never reads a value back from the device except at logging points: losses are
+One step's hard parts (the out-of-memory replay, DDP, the stop protocol) are ``pipeline.engine.step.run_step``'s. The
+hot loop never reads a value back from the device except at logging points: losses are
 summed on the device and ``.item()`` (a host sync on GPUs) runs every ``log_every`` steps and at
 the end of the epoch.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,21 +19,16 @@ from torch import nn
 from pipeline.data.structures import call_model, count, move, split
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
 from pipeline.engine.losses import LossWindow
-from pipeline.engine.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
+from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.optim import NoSchedule, Schedule, current_lr
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.profiling import ProfiledTimer
+from pipeline.engine.step import NO_STOP, SOLO, Inputs, LogFn, SkippedSteps, StepOutcome, StopSource, run_step
 from pipeline.engine.tasks import Classification, Task
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
 from pipeline.parallel.distributed import Group, Solo
 
-logger = logging.getLogger(__name__)
-
 StepTimer = WallTimer | EventTimer | ProfiledTimer  # the last: trainer.profile=true (pipeline.engine.profiling)
-SOLO = Solo()  # a plain run: every collective is free
-
-LogFn = Callable[[dict[str, float], int], None]
-
 
 Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
 
@@ -66,11 +61,16 @@ class EpochStats:
     stopped: bool = False  # a stop was requested (SIGTERM, Ctrl-C): the epoch ended at a step boundary
     stop_signal: int = 0  # the signal behind the stop (under DDP, maybe another rank's)
     skipped_steps: int = 0  # float16 steps the GradScaler skipped (inf/NaN gradients), a normal event
+    scaled: bool = False  # the GradScaler was on (float16): skipped_steps is a figure to log
 
     @property
     def samples_per_s(self) -> float:
         """Steady-state throughput (the first step, with its warm-up, left out)."""
         return self.breakdown.samples_per_s
+
+    def metrics(self) -> dict[str, float]:
+        """What the epoch's end logs of these beyond the step times: ``amp/skipped_steps`` (float16 runs)."""
+        return {"amp/skipped_steps": self.skipped_steps} if self.scaled else {}
 
 
 @dataclass(frozen=True)
@@ -87,207 +87,126 @@ class EvalStats:
         return self.metrics.get("val/acc", float("nan"))
 
 
+class StepMetrics:
+    """The loop's metrics writer, which knows its own steps: every ``every``-th (``trainer.log_every_n_steps``), the
+    interval's ``train/loss``, and ``train/lr`` when it changed since the writer's last point (one writer per
+    epoch: a constant rate is logged once an epoch, a schedule every interval)."""
+
+    def __init__(self, write: LogFn = lambda metrics, step: None, every: int = 50) -> None:
+        self.write, self.every, self.lr = write, every, None
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.write(metrics, step)
+
+    def window(self, device: torch.device, scaler: torch.amp.GradScaler, group: Solo | Group) -> LossWindow:
+        """The losses of one logging interval, summed on the device (mean over the ranks under DDP)."""
+        return LossWindow(self.every, device, skipped_steps_expected=scaler.is_enabled(), reduce=group.mean)
+
+    def log_training(
+        self, loss: float, step: int, *, optimizer: torch.optim.Optimizer, group: Solo | Group = SOLO
+    ) -> None:
+        """A logging point: the interval's loss, the rate when it changed, and DDP's ``time/allreduce_ms``."""
+        logged = {"train/loss": loss}
+        if (lr := current_lr(optimizer)) != self.lr:
+            logged["train/lr"] = self.lr = lr
+        self.write({**logged, **group.step_metrics()}, step)
+
+
+class Checkpoints(Protocol):
+    """Mid-epoch checkpoints, which know their own steps (``checkpoint.every_n_steps``)."""
+
+    def due(self, step: int) -> bool: ...
+
+    def save(self, step: int) -> None: ...
+
+
+class NoCheckpoints:
+    def due(self, step: int) -> bool:
+        return False
+
+    def save(self, step: int) -> None:
+        raise AssertionError("NoCheckpoints is never due")
+
+
 def train_epoch(
     state: TrainState,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[Any],
     *,
-    device: torch.device,
-    policy: PrecisionPolicy,
-    prepare: Callable[[torch.Tensor], torch.Tensor],
-    log_every: int,
-    max_steps: int,
-    log: LogFn,
+    inputs: Inputs,
     timer: StepTimer,
-    augment: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
-    on_step: Callable[[int], None] = lambda samples: None,
-    stop_signal: Callable[[], int] = lambda: 0,
-    checkpoint_every: int = 0,
-    save_checkpoint: Callable[[], None] = lambda: None,
+    metrics: StepMetrics | None = None,
+    max_steps: int = -1,
     group: Solo | Group = SOLO,
+    stop: StopSource = NO_STOP,
+    checkpoints: Checkpoints | None = None,
+    on_step: Callable[[int], None] = lambda samples: None,
 ) -> EpochStats:
     """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
 
-    Training's input path: ``augment(images, step)`` (None = none) once per batch on the device, after the copy
-    and before the out-of-memory replay, so a replay trains the same augmented pixels; then ``prepare``
-    (uint8 -> normalised float) per micro-batch, inside the replay.
-
-    ``timer`` is marked four times a step (batch asked for, in hand, on the device, step done), and told when a
-    step compiled (torch.compile met a new input shape): that step is kept out of the steady state;
-    ``on_step`` (e.g. a progress bar) gets each step's sample count and must not touch the device.
-    ``stop_signal`` (the signal of a stop request, 0 = none) is asked every step; a request ends the
-    epoch after that step, or before it when the step ran out of memory: no smaller retry starts, the step
-    is abandoned (not counted, its partial gradients dropped) and a resume replays it. Every
-    ``checkpoint_every`` steps (0 = never) the losses since the last check are verified finite, then
-    ``save_checkpoint`` runs: a checkpoint never holds weights from unchecked steps.
-
-    Under DDP (``group``), each step's out-of-memory and stop decisions are taken by all ranks together
-    (``group.agree``, one small collective): while the micro-batch size is being found, before any gradient is
-    all-reduced, then by hand; later, during the last micro-batch's backward, which all-reduces the gradients
-    (``pipeline.parallel.overlap``; on the CPU the agreement travels with the gradients). Each logging interval records
-    ``time/allreduce_ms``.
+    Each batch is moved and augmented once (``inputs``), then ``run_step`` trains on it. ``timer`` is marked four
+    times a step and told when a step compiled; ``on_step`` (e.g. a progress bar) gets each step's samples and must
+    not touch the device. ``metrics`` and ``checkpoints`` say which steps are theirs; a checkpoint never holds weights
+    from unchecked steps. The epoch ends after a step at which a stop was requested, or before one it abandoned.
     """
-    model, optimizer, scaler = state.model, state.optimizer, state.scaler
-    model.train()
-    window = LossWindow(log_every, device, skipped_steps_expected=scaler.is_enabled(), reduce=group.mean)
-    samples, steps, skipped = 0, 0, 0
-    scale = scaler.get_scale() if scaler.is_enabled() else 0.0
-    start = time.perf_counter()
+    metrics, checkpoints = metrics or StepMetrics(), checkpoints or NoCheckpoints()
+    state.model.train()
+    window = metrics.window(inputs.device, state.scaler, group)
+    tally, outcome = _Tally(state.scaler), StepOutcome(None)
     timer.start()
-    stopped = 0
-    logged_lr = None  # train/lr is logged when it changed: a constant rate once an epoch, a schedule every interval
     for images, labels in timer.batches(batches):
         compiled_before = state.compiles.count  # a Python int: reading it costs nothing
-        images = move(images, device)  # a tensor (built-in sources) or the user's structure of them
-        labels = move(labels, device)
+        images, labels = inputs.move(images), inputs.move(labels)
         timer.copied()
-        if augment is not None:  # once per batch, before the replay below (off: not even a call)
-            images = augment(images, state.step + 1)
-        n = count(labels)
-        while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
-            # DDP, once a step has fit: the last micro-batch's backward is held back and runs after the agreement,
-            # with the all-reduce inside it; until then (and in one process) every backward runs here
-            overlap = group.can_overlap and state.micro.found
-            failure, last, carried = None, None, None
-            try:
-                with group.no_sync(model):  # no collective before the agreement: a failed rank strands no other
-                    loss, last = forward_backward(
-                        state, images, labels, policy=policy, prepare=prepare, hold_last=overlap
-                    )
-            except Exception as err:
-                failure = state.micro.diagnose(err, device)  # here, while the failed step's memory is held
-                if failure is None:
-                    if hit_recompile_limit(err):
-                        raise recompile_limit_error(state.step + 1) from err
-                    raise
-            # outside the except block: the traceback, and the failed step's tensors with it, are gone
-            if overlap:  # the agreement is taken during the backward that all-reduces, its cost hidden there; a
-                # rank that failed sends zero gradients, so every rank meets the same collectives in the same order,
-                # and the agreement then discards the step everywhere
-                held = scaler.scale(last) if last is not None and failure is None else None
-                # a logging step's interval losses ride along (on the CPU): a logging point needs no collective
-                logging = held is not None and (state.step + 1) % log_every == 0
-                failed_somewhere, stopped, carried = group.reduce_in_backward(
-                    model,
-                    held,
-                    step=state.step + 1,
-                    micro=state.micro.micro_batch,
-                    failed=failure is not None,
-                    stop=stop_signal(),
-                    carry=window.pending(loss) if logging else None,
-                )
-            else:
-                failed_somewhere, stopped = group.agree(failed=failure is not None, stop=stop_signal())
-            if not failed_somewhere:
-                break
-            last = None  # the held micro-batch's activations are freed with the rest of the attempt
-            if stopped:  # a smaller retry could take minutes: the step is abandoned, a resume replays it
-                logger.warning(
-                    "step %d abandoned: out of memory with micro-batch %d and a stop was requested; stopping after "
-                    "step %d instead of retrying smaller",
-                    state.step + 1,
-                    state.micro.micro_batch,
-                    state.step,
-                )
-                discard_attempt(optimizer=optimizer, scaler=scaler, device=device)
-                break
-            if failure is None:  # another rank ran out of memory: every rank shrinks, so steps stay in lockstep
-                logger.warning("step %d: out of memory on another rank; this rank shrinks too", state.step + 1)
-                failure = OomFailure("out of memory on another rank", memory_at_failure_mb(device))
-            event = state.micro.recover(failure, step=state.step + 1, optimizer=optimizer, scaler=scaler, device=device)
-            oom = {"oom/events": len(state.micro.events), "oom/micro_batch_size": state.micro.micro_batch}
-            log({**oom, "oom/memory_mb": event.memory_mb}, state.step + 1)
-        if failed_somewhere:  # abandoned (above): not counted, nothing applied, the epoch ends at the last step
+        images, n = inputs.augmented(images, state.step + 1), count(labels)
+        carry = window.pending if metrics.should_log(state.step + 1) else None
+        outcome = run_step(state, images, labels, inputs=inputs, group=group, stop=stop, log=metrics.log, carry=carry)
+        if outcome.abandoned:  # not counted, nothing applied: the epoch ends at the last step
             break
-        if not overlap:  # the micro-batch is being found: averaged by hand, after the agreement
-            group.average_gradients(model)
-        state.micro.found = True
-        scaler.step(optimizer)
-        scaler.update()
-        state.scheduler.step()  # once per optimizer step, whatever the micro-batches (scheduler=none: nothing)
-        if scaler.is_enabled():  # float16: the scaler already synced this step; a lower scale = a skipped step
-            new_scale = scaler.get_scale()
-            skipped, scale = skipped + (new_scale < scale), new_scale
-
         state.step += 1
-        window.add(loss, n, state.step)  # one small device copy per step, no sync
-        samples, steps = samples + n, steps + 1
+        tally.add(n)
+        window.add(outcome.loss, n, state.step)  # one small device copy per step, no sync
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
-        if state.step % log_every == 0:
-            logged = {"train/loss": window.close(carried)}  # host sync; NaN/inf raise
-            if (lr := current_lr(optimizer)) != logged_lr:
-                logged["train/lr"] = logged_lr = lr
-            log({**logged, **group.step_metrics()}, state.step)
-        if checkpoint_every and state.step % checkpoint_every == 0:
+        if metrics.should_log(state.step):  # window.close: a host sync; NaN/inf raise
+            metrics.log_training(window.close(outcome.carried), state.step, optimizer=state.optimizer, group=group)
+        if checkpoints.due(state.step):
             window.verify()  # host sync point; raises on NaN/inf before anything is written
-            save_checkpoint()
-        if 0 < max_steps <= state.step:
-            break
-        if stopped:
+            checkpoints.save(state.step)
+        if 0 < max_steps <= state.step or outcome.stopped:
             break
     window.close()  # the epoch's last, unlogged steps are checked and counted too
-    breakdown = timer.finish()  # waits for the device (CUDA, MPS: the epoch's one event sync)
-    mean_loss = window.epoch_mean()
-    seconds = time.perf_counter() - start
-    reached = 0 < max_steps <= state.step
-    return EpochStats(
-        mean_loss,
-        samples,
-        steps,
-        seconds,
-        reached,
-        breakdown,
-        stopped=bool(stopped),
-        stop_signal=stopped,
-        skipped_steps=skipped,
-    )
+    return tally.stats(window, timer.finish(), outcome, reached=0 < max_steps <= state.step)
 
 
-def forward_backward(
-    state: TrainState,
-    images: Any,
-    labels: Any,
-    *,
-    policy: PrecisionPolicy,
-    prepare: Callable[[Any], Any],
-    hold_last: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients of the batch's mean loss, summed over micro-batches; returns that loss, detached.
+class _Tally:
+    """What an epoch counts as it goes: samples, steps, float16 steps skipped, and its wall clock."""
 
-    Each micro-batch's loss is weighted by its share of what the loss averages over (``task.weight``: samples,
-    elements or counted tokens), so the gradients equal the whole batch's (up to float rounding) and the optimizer
-    step is unchanged. With ``hold_last``, the last micro-batch's backward is not run: its weighted loss is returned
-    second (else None), for DDP to run it with the all-reduce overlapped once the ranks have agreed that the step
-    goes on. The forward and the loss run under autocast (``amp=true``).
-    """
-    state.optimizer.zero_grad(set_to_none=True)
-    task = state.task
-    pieces = state.micro.pieces(count(labels))
-    if pieces == 1:  # the common case: no accumulation, no extra ops
-        with policy.autocast():
-            loss = task.loss(call_model(state.model, prepare(images)), labels)
-        if hold_last:
-            return loss.detach(), loss
-        state.scaler.scale(loss).backward()
-        return loss.detach(), None
-    parts = state.split((images, labels), pieces)
-    whole = task.weight(labels)
-    total = torch.zeros((), device=_device_of(labels))
-    for index, (part, part_labels) in enumerate(parts):
-        with policy.autocast():
-            loss = task.loss(call_model(state.model, prepare(part)), part_labels) * (task.weight(part_labels) / whole)
-        total += loss.detach()
-        if hold_last and index == pieces - 1:
-            return total, loss
-        state.scaler.scale(loss).backward()
-    return total, None
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.samples, self.steps, self.skipped = 0, 0, SkippedSteps(scaler)
+        self.start = time.perf_counter()
 
+    def add(self, samples: int) -> None:
+        self.skipped.check()
+        self.samples, self.steps = self.samples + samples, self.steps + 1
 
-def _device_of(batch: Any) -> torch.device:
-    from pipeline.data.structures import leaves
-
-    found = leaves(batch)
-    return found[0].device if found else torch.device("cpu")
+    def stats(self, window: LossWindow, breakdown: Breakdown, last: StepOutcome, *, reached: bool) -> EpochStats:
+        """``breakdown``: the timer's, finished (CUDA, MPS: the epoch's one event sync)."""
+        mean_loss, seconds = window.epoch_mean(), time.perf_counter() - self.start
+        return EpochStats(
+            mean_loss,
+            self.samples,
+            self.steps,
+            seconds,
+            reached,
+            breakdown,
+            last.stopped,
+            last.stop_signal,
+            self.skipped.count,
+            self.skipped.scaler.is_enabled(),
+        )
 
 
 @torch.no_grad()

@@ -254,3 +254,25 @@ class RunProgress:
                 about(max(self.total - self.done, 0) * elapsed / steps),
             )
         self._line_at, self._line_done, self._line_samples = now, self.done, 0
+
+
+class EpochSteps:
+    """An epoch's progress: the batches trained so far, shown on its bar and in the run's progress lines."""
+
+    def __init__(self, bar: ProgressBar | NoProgress, run: RunProgress) -> None:
+        self.bar, self.run, self.done = bar, run, 0
+
+    def step(self, samples: int) -> None:
+        self.done += 1
+        self.bar.step(samples)
+        self.run.step(samples)
+
+    def logging_to(self, tracker: Any) -> Callable[[dict[str, float], int], None]:
+        """Where the loop's step metrics go: the tracker, and the bar's loss."""
+
+        def log_step(metrics: dict[str, float], step: int) -> None:
+            tracker.log_metrics(metrics, step)
+            if "train/loss" in metrics:
+                self.bar.set_loss(metrics["train/loss"])
+
+        return log_step

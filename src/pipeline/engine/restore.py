@@ -5,7 +5,7 @@ weights, optimizer, schedule, scaler, micro-batch, step and random state, with t
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,8 +13,10 @@ from pipeline.common.messages import brief
 from pipeline.config import OptimizerConfig, flatten
 from pipeline.engine.checkpoint import CheckpointError, set_rng_state
 from pipeline.engine.optim import NoSchedule
-from pipeline.engine.resume import Resumed
 from pipeline.parallel.overlap import unwrap
+
+if TYPE_CHECKING:
+    from pipeline.engine.start import Resumed  # its own module imports this one
 
 log = logging.getLogger(__name__)
 

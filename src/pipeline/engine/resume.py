@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,12 @@ from pipeline.config import RunConfig, flatten
 from pipeline.engine.checkpoint import (
     LAST,
     CheckpointError,
-    Position,
     RunLock,
     load,
     read_state,
     store_id,
 )
+from pipeline.engine.start import FreshStart, Resumed, describe_changes
 from pipeline.record import outbox
 
 log = logging.getLogger(__name__)
@@ -76,58 +75,6 @@ ADDED_LATER = {
     "trainer.profile_steps": 3,
     "trainer.memory_snapshot": "off",
 }
-
-
-@dataclass
-class Resumed:
-    """A checkpoint that this run may continue, and how."""
-
-    path: Path
-    saved: dict[str, Any]  # the checkpoint's payload
-    changes: dict[str, tuple[Any, Any]]  # dotted key -> (checkpoint's value, this run's)
-    fork: bool  # continue in a new MLflow run
-    lock: RunLock | None  # held while the same run trains (None for a fork: the source is only read)
-
-    def __enter__(self) -> Resumed:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """The run ended (or never started): let others train it again."""
-        if self.lock is not None:
-            self.lock.release()
-
-    @property
-    def position(self) -> Position:
-        return self.saved["position"]
-
-    @property
-    def run_id(self) -> str | None:
-        """The MLflow run to continue; None for a fork (a new run is opened)."""
-        return None if self.fork else self.saved["run_id"]
-
-    @property
-    def source(self) -> str:
-        return self.saved["run_id"] or self.saved["run_name"]
-
-    def tags(self, overrides: list[str], *, logged_step: int | None) -> dict[str, Any]:
-        """What the record says about this resume: where it continued and what changed.
-
-        Args:
-            overrides: the command line of this resume, as typed (masked).
-            logged_step: the run's highest ``train/loss`` step in the store; above the checkpoint's step, steps
-                a writer logged before the process died are trained again but not logged again
-                (``Tracker.log_only_new_steps``): said so.
-        """
-        step, changed = self.position.step, describe_changes(self.changes) or "(nothing)"
-        if self.fork:  # a new run with its own params, starting where its source stopped
-            return {"forked_from": self.source, "forked_at_step": step, "fork.changed": changed}
-        tags = {"resumed_at_step": step, "resume.overrides": " ".join(overrides), "resume.changed": changed}
-        if logged_step is not None and logged_step > step:
-            tags["resume.replayed_steps"] = (
-                f"{step + 1}-{logged_step}: trained again after resuming, not logged again (the points logged "
-                "before stand)"
-            )
-        return tags
 
 
 def find(
@@ -246,12 +193,13 @@ def check_resumable(changes: Mapping[str, tuple[Any, Any]], *, fork: bool, run: 
         )
 
 
-def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
-    return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
-
-
 def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in changes.items())
+
+
+def start_point(cfg: RunConfig, recorded: Mapping[str, Any], group: Any) -> FreshStart | Resumed:
+    """Where this run starts: the checkpoint ``resume=`` names (``shared_point``), or step 0."""
+    return shared_point(cfg, recorded, group) if cfg.resume else FreshStart()
 
 
 def shared_point(cfg: RunConfig, recorded: Mapping[str, Any], group: Any) -> Resumed:

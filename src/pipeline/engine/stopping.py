@@ -19,9 +19,11 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType, TracebackType
+from typing import Any
 
 from pipeline.common.errors import Interruption
 from pipeline.common.signals import signal_name
+from pipeline.data.workers import LoaderError
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +118,25 @@ class StopRequests:
             raise Stopped(signum, at_once=True, checkpoints=self.checkpoints)
         else:
             log.warning("%s received: already stopping, the run is being closed (kill -9 abandons it)", name)
+
+
+def workers_stopped_too(stop: StopRequests, fn: Any) -> Any:
+    """``fn``, with a loader fault while a stop request is pending taken for the stop: a SIGTERM sent to the whole
+    process group (SLURM's time limit, ``kill -- -PGID``) kills the workers too, and their deaths can surface
+    anywhere in a step. The run ends KILLED, as stopped, but writes no checkpoint from a step that may be half done:
+    the last checkpoint stands, and a resume replays from it."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LoaderError as err:
+            if not stop.requested():
+                raise
+            log.warning(
+                "the loader's workers ended with the %s sent to the whole process group; stopping without a new "
+                "checkpoint (the last one stands)",
+                signal_name(stop.signum or 0),
+            )
+            raise Stopped(stop.signum or 0, checkpoints=stop.checkpoints) from err
+
+    return run

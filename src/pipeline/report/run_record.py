@@ -12,15 +12,16 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import flatten
+from pipeline.config import RunConfig, flatten
 from pipeline.engine.build import Setup
+from pipeline.engine.loop import EpochStats
 from pipeline.engine.memory import batchnorm_note
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
-from pipeline.engine.resume import Resumed
+from pipeline.engine.start import FreshStart, Resumed
 from pipeline.engine.timing import Breakdown
 from pipeline.machine import doctor
-from pipeline.monitor import job_summary, rank_cpu
+from pipeline.monitor import allocator_metrics, job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import ModelCard
 from pipeline.report.plots import step_breakdown, utilisation_timeline
@@ -28,7 +29,14 @@ from pipeline.report.summary import EpochRecord, RunResult, busy_words, device_s
 from pipeline.report.verdict import Mfu, judge
 
 
-def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[str], resumed: Resumed | None) -> None:
+def start(
+    tracker: Tracker,
+    setup: Setup,
+    cfg: RunConfig,
+    recorded: dict[str, Any],
+    typed: list[str],
+    point: FreshStart | Resumed,
+) -> None:
     """What a run records before training: its config, data and environment; or, resumed, what changed."""
     model_flops = setup.model_flops  # a resumed run may continue on another device: its peak is said again
     tracker.set_tags(model_flops.tags())
@@ -39,18 +47,18 @@ def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[
         tracker.set_tags({"amp.cpu_check": probe.describe()})
         if probe.measured:
             tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
-    if resumed is not None:
-        tracker.set_tags(resumed.tags(typed, logged_step=tracker.last_step("train/loss")))
-        if not resumed.fork:
-            return  # the same run: its params are fixed, and the tags describe the resumed part
-    tracker.log_params({**flatten(recorded), **setup.group.record(setup.cfg.loader.batch_size)})
+    if said := point.record_tags(tracker, typed):  # resumed: where it continued and what changed
+        tracker.set_tags(said)
+    if point.same_run:
+        return  # its params are fixed, and the tags describe the resumed part
+    tracker.log_params({**flatten(recorded), **setup.group.record(cfg.loader.batch_size)})
     tracker.log_dataset(setup.spec, context="train")
     tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
     tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
     environment = doctor.report(smoke=False)  # the doctor's findings, kept with the run
     tracker.log_text(json.dumps(environment, indent=2), "environment.json")
     tracker.set_tags(environment_tags(environment, setup.device))
-    spec, cfg = setup.spec, setup.cfg
+    spec = setup.spec
     if spec.classes:
         tracker.log_text(
             json.dumps({"classes": spec.classes, "class_to_idx": spec.class_to_idx}, indent=1), "classes.json"
@@ -66,6 +74,7 @@ def start(tracker: Tracker, setup: Setup, recorded: dict[str, Any], typed: list[
 
 def conclude(
     setup: Setup,
+    cfg: RunConfig,
     epochs: list[EpochRecord],
     *,
     tracker: Tracker,
@@ -79,8 +88,49 @@ def conclude(
     # Every rank concludes, so every rank takes part in this gather; it makes the job's other ranks on this machine
     # count as the run's own CPU use, not as other processes keeping the machine busy.
     utilisation = job_summary(utilisation, setup.group.gather(rank_cpu(utilisation)))
-    verdict = judge(
-        setup.cfg,
+    verdict = _verdict(setup, cfg, epochs, breakdown, utilisation)
+    note = batchnorm_note(setup.state.model, setup.state.micro)
+    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message, **utilisation.tags()}
+    tracker.set_tags({**tags, "oom.batchnorm": note} if note else tags)
+    if cfg.monitor.plots:
+        _plots(tracker, setup.run_name, sampler, epochs, epoch_starts)
+    model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
+    once = {"time/total_s": total_s}
+    logged = ""
+    if cfg.tracking.log_model and tracker.run_id is not None and epochs:
+        logged = _log_model(tracker, setup, model, once)
+    compile_s = compile_seconds([e.breakdown for e in epochs]) if cfg.trainer.compile else None
+    once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
+    notes = [note] if note else []
+    if compile_s is not None:
+        once["time/compile_s"] = compile_s
+        notes.append(compile_note(compile_s, breakdown, setup.state.compiles, mode=cfg.trainer.compile_mode))
+    times = {"time/tracking_write_s": tracker.write_s, "time/tracking_background_write_s": tracker.background_write_s}
+    tracker.log_metrics({**once, **times}, step=len(epochs))
+    profile = setup.profiler.record()  # trainer.profile: the trace, the top operators (None when not profiled)
+    return RunResult(
+        **_setup_facts(setup, cfg),
+        run_id=tracker.run_id,
+        total_s=total_s,
+        epochs=epochs,
+        breakdown=breakdown,
+        utilisation=utilisation,
+        tracking_write_s=tracker.write_s,
+        tracking_background_write_s=tracker.background_write_s,
+        bottleneck=verdict.bottleneck,
+        verdict=verdict.message,
+        tracking=tracker.describe(),
+        model=model,
+        logged_model=f"mlflow.pytorch.load_model('{logged}')" if logged else "",
+        notes=notes,
+        profile=profile,
+    )
+
+
+def _verdict(setup: Setup, cfg: RunConfig, epochs: list[EpochRecord], breakdown: Breakdown, utilisation: Any) -> Any:
+    """What held the run back (``pipeline.report.verdict.judge``), from its step-time shares and the machine's use."""
+    return judge(
+        cfg,
         device_type=setup.device.type,
         data_wait_pct=max([breakdown.data_wait_pct] + [e.slowest_rank_wait_pct for e in epochs]),
         h2d_pct=breakdown.h2d_pct,
@@ -92,77 +142,56 @@ def conclude(
         convolutional=has_convolutions(setup.state.model),
         busy=busy_words(utilisation) if utilisation.busy else "",
     )
-    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message, **utilisation.tags()}
-    note = batchnorm_note(setup.state.model, setup.state.micro)
-    if note:
-        tags["oom.batchnorm"] = note
-    tracker.set_tags(tags)
-    if setup.cfg.monitor.plots:
-        title = setup.run_name
-        tracker.log_figure(
-            lambda: utilisation_timeline(sampler.samples, epoch_starts, title=title), "plots/utilisation.png"
-        )
-        tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
-    notes = [note] if note else []
-    model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
-    logged, once = "", {"time/total_s": total_s}
-    if setup.cfg.tracking.log_model and tracker.run_id is not None and epochs:
-        began = time.perf_counter()
-        logged = tracker.log_model(model.cpu(), model_card(setup, model)) or ""  # the run's training is over
-        once["time/log_model_s"] = time.perf_counter() - began
-    compile_s = compile_seconds([e.breakdown for e in epochs]) if setup.cfg.trainer.compile else None
-    once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
-    if compile_s is not None:
-        once["time/compile_s"] = compile_s
-        later = (
-            f" and {breakdown.compile_steps} later step(s) that recompiled for a new batch shape"
-            if breakdown.compile_steps
-            else ""
-        )
-        notes.append(
-            f"torch.compile (mode {setup.cfg.trainer.compile_mode}) took about {compile_s:.1f} s: the first step's "
-            f"{breakdown.first_step_s:.1f} s{later}, less steady steps' time; samples/s leaves those steps out "
-            f"({setup.state.compiles.graphs} graph(s), {setup.state.compiles.recompiles} recompile(s))"
-        )
-    tracker.log_metrics(
-        {
-            **once,
-            "time/tracking_write_s": tracker.write_s,
-            "time/tracking_background_write_s": tracker.background_write_s,
-        },
-        step=len(epochs),
+
+
+def _plots(tracker: Tracker, title: str, sampler: Any, epochs: list[EpochRecord], epoch_starts: list[float]) -> None:
+    tracker.log_figure(
+        lambda: utilisation_timeline(sampler.samples, epoch_starts, title=title), "plots/utilisation.png"
     )
-    profile = setup.profiler.record()  # trainer.profile: the trace, the top operators (None when not profiled)
-    return RunResult(
-        run_name=setup.run_name,
-        run_id=tracker.run_id,
-        device=str(setup.device),
-        device_name=setup.choice.name,
-        precision=setup.policy.label,
-        loader=describe_loader(setup.cfg),
-        parameters=setup.parameters,
-        steps=setup.state.step,
-        total_s=total_s,
-        epochs=epochs,
-        breakdown=breakdown,
-        utilisation=utilisation,
-        tracking_write_s=tracker.write_s,
-        tracking_background_write_s=tracker.background_write_s,
-        oom_events=list(setup.state.micro.events),
-        micro_batch=setup.state.micro.micro_batch,
-        eval_micro_batch=setup.eval_micro.micro_batch,
-        bottleneck=verdict.bottleneck,
-        verdict=verdict.message,
-        tracking=tracker.describe(),
-        model=model,
-        primary=setup.task.primary,
-        logged_model=f"mlflow.pytorch.load_model('{logged}')" if logged else "",
-        amp_probe=setup.amp_probe,
-        notes=notes,
-        flops=setup.model_flops,
-        distributed=setup.group.describe(setup.cfg.loader.batch_size),
-        profile=profile,
+    tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
+
+
+def _log_model(tracker: Tracker, setup: Setup, model: Any, once: dict[str, float]) -> str:
+    """The trained model logged to the run (its training is over: it moves to the host); what loads it, and
+    ``time/log_model_s`` into ``once``."""
+    began = time.perf_counter()
+    logged = tracker.log_model(model.cpu(), model_card(setup, model)) or ""
+    once["time/log_model_s"] = time.perf_counter() - began
+    return logged
+
+
+def compile_note(compile_s: float, breakdown: Breakdown, compiles: Any, *, mode: str) -> str:
+    """What the summary says torch.compile cost (``compile_seconds``) and where that time is left out."""
+    later = (
+        f" and {breakdown.compile_steps} later step(s) that recompiled for a new batch shape"
+        if breakdown.compile_steps
+        else ""
     )
+    return (
+        f"torch.compile (mode {mode}) took about {compile_s:.1f} s: the first step's "
+        f"{breakdown.first_step_s:.1f} s{later}, less steady steps' time; samples/s leaves those steps out "
+        f"({compiles.graphs} graph(s), {compiles.recompiles} recompile(s))"
+    )
+
+
+def _setup_facts(setup: Setup, cfg: RunConfig) -> dict[str, Any]:
+    """What the run's result says of what was built: names, device, precision, loader, sizes and micro-batches."""
+    return {
+        "run_name": setup.run_name,
+        "device": str(setup.device),
+        "device_name": setup.choice.name,
+        "precision": setup.policy.label,
+        "loader": describe_loader(cfg),
+        "parameters": setup.parameters,
+        "steps": setup.state.step,
+        "oom_events": list(setup.state.micro.events),
+        "micro_batch": setup.state.micro.micro_batch,
+        "eval_micro_batch": setup.eval_micro.micro_batch,
+        "primary": setup.task.primary,
+        "amp_probe": setup.amp_probe,
+        "flops": setup.model_flops,
+        "distributed": setup.group.describe(cfg.loader.batch_size),
+    }
 
 
 def run_mfu(setup: Setup, samples_per_s: float | None) -> Mfu | None:
@@ -246,3 +275,22 @@ def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     metrics["time/slowest_rank"] = float(waits.index(max(waits)))
     metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
     return metrics
+
+
+def epoch_metrics(
+    setup: Setup, record: EpochRecord, stats: EpochStats, utilisation: Any, launch: dict[str, float]
+) -> dict[str, float]:
+    """What an epoch logs at its end, each part from the record that holds it (``launch``: the run's first epoch's
+    start-up figures, else empty)."""
+    eval_micro = setup.eval_micro
+    return {
+        **record.metrics(),  # train/epoch_loss, val/*, time/epoch_s
+        **stats.breakdown.metrics(),
+        **setup.model_flops.metrics(stats.samples_per_s),  # perf/tflops, perf/mfu_pct: this rank's device
+        **utilisation.metrics(),
+        **record.ranks,
+        **allocator_metrics(setup.device),
+        **stats.metrics(),  # amp/skipped_steps (float16)
+        **({"oom/eval_micro_batch_size": eval_micro.micro_batch} if eval_micro.events else {}),
+        **launch,
+    }

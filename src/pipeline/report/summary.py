@@ -34,6 +34,10 @@ class EpochRecord:
     def val_loss(self) -> float:
         return self.val_metrics.get("val/loss", math.nan)
 
+    def metrics(self) -> dict[str, float]:
+        """The epoch's own figures as logged at its end: ``train/epoch_loss``, ``val/*`` and ``time/epoch_s``."""
+        return {"train/epoch_loss": self.train_loss, **self.val_metrics, "time/epoch_s": self.seconds}
+
     @property
     def val_acc(self) -> float:
         return self.val_metrics.get("val/acc", math.nan)
