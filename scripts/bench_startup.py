@@ -6,6 +6,8 @@ that trains the same MLP on the same data and evaluates each epoch: plain torch,
 ``pipeline.data.sources`` does (upsampled to 28x28, the fixed-seed 80/20 split, normalised by the training pixels'
 mean and std), batch 64, SGD lr 0.01 momentum 0.9, seed 42, the epochs' sample order of ``EpochOrder``. Both print
 each epoch's val/acc; the bench checks that they print the same accuracies, so the two do the same work.
+Each process's CPU time (user + system, all threads) is reported beside its wall time: on a busy machine it moves
+less.
 
 Rounds alternate the order (bare, pipeline; pipeline, bare; ...) after a warm-up round that is not counted, so the
 machine's drifts cancel; the result is the median of the per-round ratios (``pipeline.common.stats.paired_ratio``)
@@ -83,15 +85,20 @@ for epoch in range(1, EPOCHS + 1):
 '''
 
 
-def timed(command: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, str]:
-    """The command's wall time in seconds and its output (stdout and stderr); a failure ends the bench."""
-    started = time.perf_counter()
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - started
-    output = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {done.returncode} in {cwd}:\n{output[-3000:]}")
-    return seconds, output
+def timed(command: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[float, float, str]:
+    """The command's wall time and CPU time (user + system, all its threads) in seconds, and its output (stdout and
+    stderr); a failure ends the bench. On a busy machine the CPU time moves less than the wall time."""
+    with tempfile.TemporaryFile("w+") as log:
+        started = time.perf_counter()
+        child = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        output = log.read()
+    if child.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} exited {child.returncode} in {cwd}:\n{output[-3000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime, output
 
 
 def accuracies(output: str) -> dict[int, str]:
@@ -108,11 +115,12 @@ def environment(src: Path | None) -> dict[str, str]:
 
 
 def run_round(variants: list[tuple[str, list[str], Path, dict[str, str]]], reverse: bool) -> dict[str, float]:
-    """One round: every variant once, in order or in reverse; each one's seconds by name."""
+    """One round: every variant once, in order or in reverse; each one's wall seconds by name, and its CPU seconds
+    under ``cpu <name>``."""
     seconds = {}
     for name, command, cwd, env in reversed(variants) if reverse else variants:
-        seconds[name], _ = timed(command, cwd=cwd, env=env)
-        print(f"  {name:<24} {seconds[name]:6.2f} s", flush=True)
+        seconds[name], seconds[f"cpu {name}"], _ = timed(command, cwd=cwd, env=env)
+        print(f"  {name:<24} {seconds[name]:6.2f} s wall, {seconds[f'cpu {name}']:6.2f} s CPU", flush=True)
     return seconds
 
 
@@ -133,7 +141,7 @@ def same_work(chosen: list[tuple[str, list[str], Path, dict[str, str]]]) -> None
     """Run each variant once (the warm-up; it creates the stores) and check they print the same accuracies."""
     seen = {}
     for name, command, cwd, env in chosen:
-        _, output = timed(command, cwd=cwd, env=env)
+        *_, output = timed(command, cwd=cwd, env=env)
         seen[name] = accuracies(output)
         print(f"warm-up {name}: val/acc by epoch {seen[name]}", flush=True)
     if len({tuple(sorted(acc.items())) for acc in seen.values()}) != 1 or not seen["bare"]:
@@ -145,14 +153,17 @@ def report(rounds: list[dict[str, float]], names: list[str], pairs: int) -> None
     bare = [r["bare"] for r in rounds]
     bare_summary = summarize(bare)
     print(f"\n{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {machine()}; load {os.getloadavg()[0]:.1f}")
-    print(f"{pairs} alternated pairs; bare script median {bare_summary.median:.2f} s")
-    for name in names:
-        mine = [r[name] for r in rounds]
-        ratios = summarize(a / b for a, b in zip(mine, bare, strict=True))
-        print(
-            f"{name}: {paired_ratio(mine, bare):.2f}x the bare script (per-round ratios {ratios.low:.2f}-"
-            f"{ratios.high:.2f}); median {summarize(mine).median:.2f} s against {bare_summary.median:.2f} s"
-        )
+    print(f"{pairs} alternated pairs; bare script median {bare_summary.median:.2f} s wall")
+    for clock in ("", "cpu "):
+        base = [r[f"{clock}bare"] for r in rounds]
+        for name in names:
+            mine = [r[f"{clock}{name}"] for r in rounds]
+            ratios = summarize(a / b for a, b in zip(mine, base, strict=True))
+            print(
+                f"{clock or 'wall '}{name}: {paired_ratio(mine, base):.2f}x the bare script (per-round ratios "
+                f"{ratios.low:.2f}-{ratios.high:.2f}); median {summarize(mine).median:.2f} s against "
+                f"{summarize(base).median:.2f} s"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:

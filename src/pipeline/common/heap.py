@@ -7,8 +7,8 @@ the command's time (11 passes: 3.7 s of 9.2 s for a bare ``search_runs`` of the 
 which frees almost everything, is untouched; the memory stays the same (357 against 361 MB at its peak).
 
 A run is the same at its start and close: importing torch, scikit-learn, MLflow and Matplotlib leaves some 700,000
-objects, none of them garbage, and the collector walked them all about ten times (1.1 s more than the bare script's
-passes over its 400,000, on 2 busy cores); the interpreter's last collections at exit walked them again (3 s). So a
+objects, none of them garbage, and the collector walked them all ten times (1.4-3.3 s, against 0.65-1.0 s for a bare
+script's 400,000, on 2 busy cores); the interpreter's last collections at exit walked them again (3.1-3.8 s). So a
 run pauses the collector until its training starts and again after it (``collector_paused(freeze=False)``, no
 object frozen: a process that runs many in turn, a sweep or the tests, leaves none of them uncollectable), and the
 command freezes what is alive at its exit (``frozen_at_exit``). Training runs with the collector on, as it was
