@@ -1,13 +1,22 @@
-"""A short-lived command pauses the cyclic collector while it reads, and leaves it as it found it."""
+"""A short-lived command pauses the cyclic collector while it reads, and leaves it as it found it; a run pauses it
+while it starts and closes, and trains with it on."""
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pipeline.common.heap import collector_paused
+import pipeline.train as train_module
+from pipeline.common.heap import collector_paused, collector_running
+from pipeline.config import RunConfig
+from pipeline.report import run_record
+from pipeline.train import train
 
 
 @pytest.fixture(autouse=True)
@@ -42,3 +51,91 @@ def test_an_error_inside_still_gives_the_collector_back_and_a_disabled_one_stays
     with collector_paused():
         pass
     assert not gc.isenabled()
+
+
+def _full_passes() -> tuple[list[int], Callable[[str, dict[str, int]], None]]:
+    """A list that collects the generation of every collector pass that starts, and the callback that fills it."""
+    passes: list[int] = []
+
+    def started(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            passes.append(2)
+
+    return passes, started
+
+
+def test_a_pause_without_freeze_leaves_every_object_to_the_collector() -> None:
+    frozen = gc.get_freeze_count()
+    with collector_paused(freeze=False):
+        assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_running_inside_a_pause_makes_one_full_pass_first_then_runs_and_pauses_again() -> None:
+    passes, started = _full_passes()
+    with collector_paused(freeze=False):
+        gc.callbacks.append(started)
+        try:
+            with collector_running():
+                assert gc.isenabled() and passes == [2]  # the pass the pause saved, once, before the block
+            assert not gc.isenabled()
+        finally:
+            gc.callbacks.remove(started)
+    assert gc.isenabled()
+
+
+def test_running_changes_nothing_outside_a_pause_or_where_the_collector_was_off() -> None:
+    passes, started = _full_passes()
+    gc.callbacks.append(started)
+    try:
+        with collector_running():
+            assert gc.isenabled() and passes == []
+        gc.disable()  # a caller's own choice: training does not turn the collector on behind its back
+        with collector_paused(freeze=False), collector_running():
+            assert not gc.isenabled() and passes == []
+        assert not gc.isenabled()
+    finally:
+        gc.callbacks.remove(started)
+
+
+def test_a_run_starts_and_closes_without_the_collector_and_trains_with_it(
+    make_cfg: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    collector_on: dict[str, bool] = {}  # at the first call of each step of the run
+    full_passes_before: dict[str, int] = {}
+    passes, started = _full_passes()
+
+    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            collector_on.setdefault(name, gc.isenabled())
+            full_passes_before.setdefault(name, len(passes))
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("build", "run_epoch"):
+        monkeypatch.setattr(train_module, name, spy(name, getattr(train_module, name)))
+    monkeypatch.setattr(run_record, "conclude", spy("conclude", run_record.conclude))
+    frozen = gc.get_freeze_count()
+    gc.callbacks.append(started)
+    try:
+        train(make_cfg(), echo=False)
+    finally:
+        gc.callbacks.remove(started)
+    assert collector_on == {"build": False, "run_epoch": True, "conclude": False}
+    assert full_passes_before["build"] == 0 and full_passes_before["run_epoch"] == 1  # start-up's one, then training's
+    assert gc.isenabled() and gc.get_freeze_count() == frozen  # as it was: nothing of this process frozen
+
+
+@pytest.mark.slow
+def test_a_command_freezes_what_is_alive_once_its_exit_handlers_ran(tmp_path: Path) -> None:
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print(gc.get_freeze_count() > 0, flush=True))  # registered first: runs last\n"
+        "from pipeline.common.heap import frozen_at_exit\n"
+        "frozen_at_exit()\n"
+        "frozen_at_exit()\n"
+        "atexit.register(lambda: print(gc.get_freeze_count(), flush=True))  # registered after: runs before\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.split() == ["0", "True"]

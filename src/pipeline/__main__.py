@@ -29,6 +29,7 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
 
     from pipeline.common.cli import DEBUG_FLAG
     from pipeline.common.errors import PipelineError
+    from pipeline.common.heap import frozen_at_exit
     from pipeline.config import RunConfig, check_search_space, config_dir, from_dictconfig, load, sweep_jobs
     from pipeline.engine.stopping import Stopped
 except KeyboardInterrupt:
@@ -132,6 +133,7 @@ def main() -> None:
     global _TYPED, _OWN, _CLOSED
     _TYPED = _OWN = None  # a resume before this one, in this process (tests), set them
     _CLOSED = False
+    frozen_at_exit()  # the interpreter's last collections at exit would walk every object the run imported (~3 s)
     try:
         _main()
     except KeyboardInterrupt:  # outside training, where StopRequests turns Ctrl-C into a stop at a step boundary

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.common.heap import collector_paused, collector_running
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.config import RunConfig, TrainerConfig
 from pipeline.data.workers import deaths_expected_while, worker_faults
@@ -77,8 +78,9 @@ def train(
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
     """
     started = time.perf_counter()
-    # torchrun: this rank's place in the job; else a plain run. Memory running out ends the run in one line.
-    with out_of_memory_is_an_error(), distributed.joined(cfg.device) as group:
+    # torchrun: this rank's place in the job; else a plain run. Memory running out ends the run in one line. No
+    # collector passes over what start-up and close import (pipeline.common.heap); training has them (run_epochs).
+    with collector_paused(freeze=False), out_of_memory_is_an_error(), distributed.joined(cfg.device) as group:
         own = continuation.own_overrides(overrides if own_overrides is None else own_overrides)
         return _train(cfg, group, started, overrides=overrides, own=own, echo=echo, quiet=quiet, sweep=sweep)
 
@@ -227,6 +229,7 @@ def _fit(
     return epochs, epoch_starts, sampler
 
 
+@collector_running()  # the collector's one pass over start-up's objects, then on while training
 @worker_faults()  # a loader worker's death noticed mid-step (PyTorch's SIGCHLD handler) fails the run cleanly
 def run_epochs(
     setup: Setup,
