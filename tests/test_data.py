@@ -10,6 +10,7 @@ import pickle
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision.datasets as tvd
@@ -17,7 +18,7 @@ import torchvision.datasets as tvd
 from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
 from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, LoaderConfig
-from pipeline.data import DataBundle, EpochOrder, Normalize, ResidentLoader, load_data, make_loader
+from pipeline.data import DataBundle, EpochOrder, Normalize, ResidentLoader, load_data, make_loader, sources
 
 LOADER = LoaderConfig(
     batch_size=16,
@@ -315,3 +316,18 @@ def test_enough_validation_samples_are_not_warned_about(caplog: pytest.LogCaptur
     with caplog.at_level("WARNING", logger="pipeline.data.sources"):
         load_data(DataConfig("digits", image_size=8, val_fraction=0.2))
     assert not [r for r in caplog.records if "validation sample" in r.getMessage()]
+
+
+def test_the_digits_are_read_from_scikit_learns_file_as_load_digits_gives_them_without_importing_it() -> None:
+    """The default run skips ``sklearn.datasets``'s import (1-3 s) and reads the CSV it ships: the same arrays."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    images, labels = sources.digits_arrays()
+    reference = load_digits()
+    assert images.shape == (1797, 8, 8) and np.array_equal(images, reference.images)
+    assert np.array_equal(labels, reference.target) and labels.dtype.kind == "i"
+    probe = "import sys; from pipeline.data import sources; sources.digits_arrays(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -9,6 +9,7 @@ factory (``pipeline.data.custom``): its items reach the model as they are.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import math
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SPLIT_SEED = 0  # fixed, so train/val splits never depend on trainer.seed
 DIGITS_SAMPLES, DIGITS_SIDE = 1797, 28  # scikit-learn's 8x8 digits, upsampled to 28x28 unless data.image_size
+DIGITS_SCAN = 8  # the side of the bundled images, as scanned
 MIN_VAL_SAMPLES = 100  # fewer, and val/acc moves in steps over 1%: too coarse to compare runs by
 
 DIGITS_CLASSES = tuple(str(d) for d in range(10))
@@ -202,16 +205,35 @@ def tensor_bundle(
     return DataBundle(spec, TensorDataset(*train), TensorDataset(*val))
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as ``load_digits`` gives them: ``(images [1797, 8, 8] float, labels int)``.
+
+    Read from the CSV that ships inside scikit-learn, without importing ``sklearn.datasets``: that import costs
+    1-3 s (scipy and the rest of the library), longer than the default run's whole training. ``load_digits``
+    reads the same file, and is used if a future scikit-learn moves it.
+    """
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    folders = spec.submodule_search_locations if spec else None
+    bundled = Path(folders[0], "datasets", "data", "digits.csv.gz") if folders else None
+    if bundled is None or not bundled.is_file():
+        log.debug("scikit-learn's digits.csv.gz not found: reading the digits through sklearn.datasets")
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return digits.images, digits.target
+    table = np.loadtxt(bundled, delimiter=",")
+    return table[:, :-1].reshape(-1, DIGITS_SCAN, DIGITS_SCAN), table[:, -1].astype(int)
+
+
 def _digits(cfg: DataConfig) -> DataBundle:
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    pixels = torch.from_numpy(digits.images).float().unsqueeze(1) / 16.0  # 0..16 ink levels
+    images_8x8, targets = digits_arrays()
+    pixels = torch.from_numpy(images_8x8).float().unsqueeze(1) / 16.0  # 0..16 ink levels
     size = cfg.image_size or DIGITS_SIDE
     pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False)
     images = (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
-    labels = torch.from_numpy(digits.target).long()
+    labels = torch.from_numpy(targets).long()
     train_idx, val_idx = split_indices(len(labels), cfg.val_fraction or 0.2)
     return tensor_bundle(
         "digits",
