@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TINY, StepClock
 from pipeline.config import RunConfig, load
-
-# A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
-TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
 
 
 @pytest.fixture(scope="session")
@@ -51,21 +49,6 @@ def make_cfg(store_uri: str) -> Callable[..., RunConfig]:
         return load([*base, *overrides])
 
     return make
-
-
-class StepClock:
-    """The step timer's clock (``pipeline.engine.timing``'s ``time.perf_counter``): it moves only when the fakes
-    below say
-    they spent time, so a share of the step time is exact whatever else the machine is doing."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def spend(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -209,7 +209,7 @@ def test_a_sweep_over_five_models_compiles_every_job_in_one_process(
     """Five hidden sizes, two epochs of digits at batch 64 (its 30-sample last batch recompiles once): 10 graphs
     for one forward's code, past dynamo's limit of 8 if the jobs shared its state. Each job starts fresh, so each
     compiles and none runs eagerly; without the reset, the fourth job's recompile limit ends it with one line."""
-    from test_cli import run_main
+    from helpers import run_main
 
     sizes = "[32],[48],[64],[80],[96]"
     args = ["-m", f"model.hidden_sizes={sizes}", "trainer.compile=true", "trainer.epochs=2", "device=cpu"]

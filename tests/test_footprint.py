@@ -14,13 +14,13 @@ from torch import nn
 
 import pipeline.engine.build as build_module
 import pipeline.engine.footprint as footprint
+from helpers import run_main
 from pipeline.config import DataConfig, RunConfig
 from pipeline.data import load_data
 from pipeline.engine.footprint import DoesNotFit, Free, estimate
 from pipeline.engine.memory import OutOfMemory
 from pipeline.experiments import autotune
 from pipeline.train import train
-from test_cli import run_main
 
 MakeCfg = Callable[..., RunConfig]
 GB = 10**9

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from helpers import run_main
 from pipeline.common.secrets import mask_text
 from pipeline.common.uris import sqlite_path
 from pipeline.config import load
 from pipeline.record.reachability import check_reachable
 from pipeline.record.store import DiskFull, TrackingUnavailable, connect, disk_full, retrying, store_lock
-from test_cli import run_main
 
 HOLD_LOCK = (  # a second process: takes SQLite's exclusive lock, says so, holds it until its stdin closes
     "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
