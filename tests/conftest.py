@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy
+from mlflow.store.tracking import sqlalchemy_store
 
 from helpers import TINY, StepClock
+from pipeline.common.uris import sqlite_path, sqlite_uri
 from pipeline.config import RunConfig, load
 
 
@@ -17,6 +21,60 @@ def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache folder for the session (the measured CPU peak, ``pipeline.monitor.peaks``): measured once per
     test process, never written to the home folder of whoever runs the tests."""
     return tmp_path_factory.mktemp("cache")
+
+
+MADE_BY_MLFLOW = sqlalchemy_store.SqlAlchemyStore
+
+
+class StoreTemplate:
+    """One empty SQLite store, made and migrated by MLflow once per test process, copied wherever a test opens a
+    store that does not exist yet. MLflow's migrations take 2 to 6 s on 2 cores for every new store, and the suite
+    opens hundreds; a copy takes a millisecond and holds the same tables, at the same schema version."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path: Path | None = None
+
+    def copy_to(self, path: Path) -> None:
+        if self.path is None:
+            self.path = self.folder / "mlflow.db"
+            uri = sqlite_uri(self.path)
+            store = MADE_BY_MLFLOW(uri, str(self.folder / "mlruns"))
+            store.engine.dispose()  # every connection closed: the file holds all, with no journal beside it
+            MADE_BY_MLFLOW._engine_map.pop(uri, None)
+        shutil.copyfile(self.path, path)
+
+
+@pytest.fixture(scope="session")
+def _store_template(tmp_path_factory: pytest.TempPathFactory) -> StoreTemplate:
+    return StoreTemplate(tmp_path_factory.mktemp("store-template"))
+
+
+@pytest.fixture(autouse=True)
+def _stores_from_the_template(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _store_template: StoreTemplate
+) -> None:
+    """Every new SQLite store this process opens starts as a copy of the template (``StoreTemplate``), its Default
+    experiment's artifact folder set as MLflow sets it for that store. Tests marked ``migrates`` check the store's
+    creation itself and get MLflow's own. Processes the tests start make their stores as a user's run does."""
+    if request.node.get_closest_marker("migrates"):
+        return
+
+    class FromTemplate(MADE_BY_MLFLOW):
+        def __init__(self, db_uri: str, default_artifact_root: str) -> None:
+            path = sqlite_path(db_uri)
+            copied = path is not None and not path.exists() and path.parent.is_dir()
+            if copied:
+                _store_template.copy_to(path)
+            super().__init__(db_uri, default_artifact_root)
+            if copied:
+                with self.engine.begin() as connection:
+                    connection.execute(
+                        sqlalchemy.text("UPDATE experiments SET artifact_location = :at WHERE experiment_id = 0"),
+                        {"at": str(self._get_artifact_location(0))},
+                    )
+
+    monkeypatch.setattr(sqlalchemy_store, "SqlAlchemyStore", FromTemplate)
 
 
 @pytest.fixture(autouse=True)

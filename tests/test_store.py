@@ -337,6 +337,7 @@ def test_four_processes_starting_together_on_a_fresh_store_all_land_their_runs(t
 PLAIN_CLIENT = "import sys; from mlflow import MlflowClient; print(len(MlflowClient(sys.argv[1]).search_experiments()))"
 
 
+@pytest.mark.migrates
 def test_a_plain_mlflow_client_opening_a_fresh_store_while_the_run_creates_it_breaks_neither(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -368,6 +369,7 @@ def test_a_plain_mlflow_client_opening_a_fresh_store_while_the_run_creates_it_br
     assert default.artifact_location == str(tmp_path / "mlruns" / "0")  # what a plain MlflowClient writes
 
 
+@pytest.mark.migrates
 def test_a_run_opening_a_store_that_a_plain_mlflow_client_is_still_migrating_retries_and_lands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
