@@ -117,3 +117,10 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
     fake = StepClock()
     monkeypatch.setattr(timing_module, "time", fake)
     return fake
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first (in their files' order), then the rest: with two workers (``make test``), the minutes-long
+    subprocess and server tests start at once, side by side, and the many short tests fill in the end, so neither
+    worker is left alone with a long test while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
