@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -80,7 +81,8 @@ def _stores_from_the_template(
     class FromTemplate(MADE_BY_MLFLOW):
         def __init__(self, db_uri: str, default_artifact_root: str) -> None:
             path = sqlite_path(db_uri)
-            copied = path is not None and not path.exists() and path.parent.is_dir()
+            # where MLflow itself would fail (no such folder, no write access), it is left to fail as it does
+            copied = path is not None and not path.exists() and os.access(path.parent, os.W_OK)
             if copied:
                 _store_template.copy_to(path)
             super().__init__(db_uri, default_artifact_root)
