@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy
+from mlflow.store.tracking import sqlalchemy_store
 
+from helpers import TINY, StepClock
+from pipeline.common.uris import sqlite_path, sqlite_uri
 from pipeline.config import RunConfig, load
-
-# A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
-TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +23,77 @@ def _cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache folder for the session (the measured CPU peak, ``pipeline.monitor.peaks``): measured once per
     test process, never written to the home folder of whoever runs the tests."""
     return tmp_path_factory.mktemp("cache")
+
+
+def _no_fsync(connection: object, record: object) -> None:
+    if isinstance(connection, sqlite3.Connection):
+        connection.execute("PRAGMA synchronous=OFF")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sqlite_without_fsync() -> Iterator[None]:
+    """SQLite in this process writes without waiting for the disk (``PRAGMA synchronous=OFF``): a store a test
+    throws away needs no durability through a power cut, and on a virtual disk each commit's fsync took tens of ms
+    (a tracked 3-step run 2.5-2.9 s, 0.9-1.4 s without). Locking between processes, which the tests of concurrent
+    writers check, is unchanged. Processes the tests start write as a user's run does."""
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "connect", _no_fsync)
+    yield
+    sqlalchemy.event.remove(sqlalchemy.engine.Engine, "connect", _no_fsync)
+
+
+MADE_BY_MLFLOW = sqlalchemy_store.SqlAlchemyStore
+
+
+class StoreTemplate:
+    """One empty SQLite store, made and migrated by MLflow once per test process, copied wherever a test opens a
+    store that does not exist yet. MLflow's migrations take 2 to 6 s on 2 cores for every new store, and the suite
+    opens hundreds; a copy takes a millisecond and holds the same tables, at the same schema version."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.path: Path | None = None
+
+    def copy_to(self, path: Path) -> None:
+        if self.path is None:
+            self.path = self.folder / "mlflow.db"
+            uri = sqlite_uri(self.path)
+            store = MADE_BY_MLFLOW(uri, str(self.folder / "mlruns"))
+            store.engine.dispose()  # every connection closed: the file holds all, with no journal beside it
+            MADE_BY_MLFLOW._engine_map.pop(uri, None)
+        shutil.copyfile(self.path, path)
+
+
+@pytest.fixture(scope="session")
+def _store_template(tmp_path_factory: pytest.TempPathFactory) -> StoreTemplate:
+    return StoreTemplate(tmp_path_factory.mktemp("store-template"))
+
+
+@pytest.fixture(autouse=True)
+def _stores_from_the_template(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _store_template: StoreTemplate
+) -> None:
+    """Every new SQLite store this process opens starts as a copy of the template (``StoreTemplate``), its Default
+    experiment's artifact folder set as MLflow sets it for that store. Tests marked ``migrates`` check the store's
+    creation itself and get MLflow's own. Processes the tests start make their stores as a user's run does."""
+    if request.node.get_closest_marker("migrates"):
+        return
+
+    class FromTemplate(MADE_BY_MLFLOW):
+        def __init__(self, db_uri: str, default_artifact_root: str) -> None:
+            path = sqlite_path(db_uri)
+            # where MLflow itself would fail (no such folder, no write access), it is left to fail as it does
+            copied = path is not None and not path.exists() and os.access(path.parent, os.W_OK)
+            if copied:
+                _store_template.copy_to(path)
+            super().__init__(db_uri, default_artifact_root)
+            if copied:
+                with self.engine.begin() as connection:
+                    connection.execute(
+                        sqlalchemy.text("UPDATE experiments SET artifact_location = :at WHERE experiment_id = 0"),
+                        {"at": str(self._get_artifact_location(0))},
+                    )
+
+    monkeypatch.setattr(sqlalchemy_store, "SqlAlchemyStore", FromTemplate)
 
 
 @pytest.fixture(autouse=True)
@@ -53,21 +128,6 @@ def make_cfg(store_uri: str) -> Callable[..., RunConfig]:
     return make
 
 
-class StepClock:
-    """The step timer's clock (``pipeline.engine.timing``'s ``time.perf_counter``): it moves only when the fakes
-    below say
-    they spent time, so a share of the step time is exact whatever else the machine is doing."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def spend(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
     """The step timer's clock, faked for the test (``StepClock``)."""
@@ -76,3 +136,10 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
     fake = StepClock()
     monkeypatch.setattr(timing_module, "time", fake)
     return fake
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first (in their files' order), then the rest: with two workers (``make test``), the minutes-long
+    subprocess and server tests start at once, side by side, and the many short tests fill in the end, so neither
+    worker is left alone with a long test while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

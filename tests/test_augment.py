@@ -12,13 +12,13 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
+from helpers import sigterm_at_step
 from pipeline.config import ConfigError, DataConfig, RunConfig, load
 from pipeline.data import CropFlip, Normalize, load_data, make_augment
 from pipeline.data.augment import Draws
 from pipeline.engine.provenance import run_name
 from pipeline.engine.stopping import Stopped
 from pipeline.train import train
-from test_resume import sigterm_at_step
 
 MakeCfg = Callable[..., RunConfig]
 CPU = torch.device("cpu")

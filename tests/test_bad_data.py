@@ -27,10 +27,10 @@ from files import (
     write_pickle,
     write_random_bytes,
 )
+from helpers import run_main
 from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import load_data, make_loader
-from test_cli import run_main
 
 
 def one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:

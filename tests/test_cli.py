@@ -11,16 +11,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline.__main__ import main
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
-    monkeypatch.setattr(sys, "argv", ["pipeline", *args])
-    try:
-        main()
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
+from helpers import cli, run_main
 
 
 @pytest.mark.parametrize(
@@ -91,13 +82,6 @@ def test_a_good_run_through_the_entry_point_records_the_overrides_as_typed(
     assert run.info.artifact_uri.startswith(str(tmp_path / "mlruns"))
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300
-    )
-
-
 @pytest.mark.slow
 def test_the_default_command_trains_and_prints_a_summary(tmp_path: Path) -> None:
     proc = cli("trainer.epochs=2", cwd=tmp_path)
@@ -140,8 +124,8 @@ def test_a_stop_with_checkpoints_off_says_no_checkpoint_and_gives_no_resume_advi
 ) -> None:
     import signal
 
+    from helpers import at_training_step
     from pipeline.engine.stopping import StopRequests
-    from test_resume import at_training_step
 
     with StopRequests(checkpoints=False):
         os.kill(os.getpid(), signal.SIGTERM)

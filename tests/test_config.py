@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
 from pipeline.common.errors import OverrideError
-from pipeline.config import ConfigError, compose, config_dir, flatten, from_dictconfig, load
+from pipeline.config import ConfigError, RunConfig, compose, config_dir, flatten, from_dictconfig, load
 from pipeline.config.compose import _build
 
-GROUPS = ["device", "model", "precision", "loader", "data", "task", "optimizer", "scheduler", "trainer", "tracking"]
+
+def config_groups() -> list[str]:
+    """The folders of conf/ whose options fill a key of the run's config: all but Hydra's own and those whose
+    options are ``# @package _global_`` (experiment, ladder, design, hparams_search set keys across groups)."""
+    return sorted(
+        folder.name
+        for folder in config_dir().iterdir()
+        if folder.is_dir()
+        and folder.name != "hydra"
+        and not any(p.read_text().startswith("# @package _global_") for p in folder.glob("*.yaml"))
+    )
+
+
+GROUPS = config_groups()
 # options that need another key set to be valid on their own
 NEEDS = {
     "data=imagefolder": ["data.root=some/folder"],
@@ -33,6 +47,10 @@ def all_options() -> list[str]:
 def test_every_group_has_options_and_every_option_file_is_found() -> None:
     options = all_options()
     assert {o.split("=")[0] for o in options} == set(GROUPS)
+    # every group of the run's config has its folder, and every such folder is a group of the run's config
+    hints = typing.get_type_hints(RunConfig)
+    assert set(GROUPS) == {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+    assert {"monitor", "oom", "checkpoint"} <= set(GROUPS)
     assert "model=resnet50" in options and "data=digits" in options and "device=cuda" in options
 
 

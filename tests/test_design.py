@@ -11,11 +11,11 @@ from mlflow import MlflowClient
 
 import pipeline.engine.timing as timing_module
 import pipeline.train
+from helpers import run_main
 from pipeline.config import sweep_jobs
 from pipeline.config.design import interleave
 from pipeline.experiments.compare import RunRecord, build
 from pipeline.experiments.compare.selection import select
-from test_cli import run_main
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32", "monitor.enabled=false", "device=cpu"]
 

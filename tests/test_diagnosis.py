@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 import pipeline.engine.build as build_module
 import pipeline.monitor as monitor
-from conftest import StepClock
+from helpers import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
 from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_main
 from pipeline.config import RunConfig
 from pipeline.engine.checkpoint import RunLock, check_dir
 from pipeline.record import filesystems
 from pipeline.record.filesystems import NetworkFilesystem, mount_of
 from pipeline.record.reachability import check_reachable
 from pipeline.record.store import TrackingUnavailable
-from test_cli import run_main
 
 MakeCfg = Callable[..., RunConfig]
 

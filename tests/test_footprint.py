@@ -15,6 +15,7 @@ from torch import nn
 import pipeline.common.device_memory as device_memory
 import pipeline.engine.build as build_module
 import pipeline.engine.footprint as footprint
+from helpers import run_main
 from pipeline import autotune
 from pipeline.common.device_memory import DoesNotFit, Free
 from pipeline.config import DataConfig, RunConfig
@@ -22,7 +23,6 @@ from pipeline.data import load_data
 from pipeline.engine.footprint import estimate
 from pipeline.engine.memory import OutOfMemory
 from pipeline.train import train
-from test_cli import run_main
 
 MakeCfg = Callable[..., RunConfig]
 GB = 10**9

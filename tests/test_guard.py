@@ -12,10 +12,10 @@ from torch import nn
 
 import pipeline.engine.build as build_module
 import pipeline.engine.checkpoint as checkpoint
+from helpers import run_main
 from pipeline.config import RunConfig
 from pipeline.engine.losses import NonFiniteLoss
 from pipeline.train import train
-from test_cli import run_main
 
 MakeCfg = Callable[..., RunConfig]
 

@@ -109,17 +109,26 @@ def test_process_cpu_counts_a_busy_child_process_across_readings() -> None:
         child.wait()
 
 
-def test_process_cpu_forgets_children_that_have_exited() -> None:
+def test_process_cpu_forgets_children_that_have_exited(monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[int] = []  # the pid of every process a reading asked for its CPU time
+    cpu_percent = psutil.Process.cpu_percent
+
+    def counted(self: psutil.Process, interval: float | None = None) -> float:
+        measured.append(self.pid)
+        return cpu_percent(self, interval)
+
+    monkeypatch.setattr(psutil.Process, "cpu_percent", counted)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     sampler = Sampler(interval_s=1.0, children=True)
     try:
         sampler.read()
-        assert child.pid in sampler._family
+        assert child.pid in measured
     finally:
         child.kill()
         child.wait()
+    measured.clear()
     sampler.read()
-    assert child.pid not in sampler._family and sampler._process.pid in sampler._family
+    assert child.pid not in measured and os.getpid() in measured
 
 
 def test_gpu_readings_become_mlflow_system_metric_names() -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import pipeline.engine.build as build_module
+from helpers import sigterm_at_step
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
 from pipeline.data import DevicePrefetcher, ResidentLoader, make_loader, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
@@ -25,7 +26,6 @@ from pipeline.engine.step import Inputs
 from pipeline.engine.stopping import Stopped
 from pipeline.engine.timing import WallTimer
 from pipeline.train import train
-from test_resume import sigterm_at_step
 
 MakeCfg = Callable[..., RunConfig]
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from torch.autograd import DeviceType
 
 import pipeline.engine.profiling as profiling
-from conftest import StepClock
+from helpers import StepClock
 from pipeline.config import RunConfig, load
 from pipeline.engine.profile_report import GpuBusy, gaps, gpu_busy, merged, overlap
 from pipeline.engine.profiling import NO_PROFILER, StepProfiler, make_profiler

@@ -21,12 +21,12 @@ from torch import nn
 import pipeline.engine.build as build_module
 import pipeline.engine.checkpoint as checkpoint
 import pipeline.engine.resume as resume_module
+from helpers import at_training_step, cli, run_main, sigterm_at_step
 from pipeline.config import RunConfig
 from pipeline.engine.checkpoint import CheckpointError, Position
 from pipeline.engine.stopping import Stopped
 from pipeline.record import outbox
 from pipeline.train import train
-from test_cli import cli, run_main
 
 MakeCfg = Callable[..., RunConfig]
 BASE = ["trainer.epochs=2", "trainer.max_steps=-1", "loader.batch_size=64"]  # 23 steps an epoch on digits
@@ -34,31 +34,6 @@ BASE = ["trainer.epochs=2", "trainer.max_steps=-1", "loader.batch_size=64"]  # 2
 
 def weights(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.state_dict().values()])
-
-
-def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
-    """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds."""
-    original = build_module.build_model
-    calls = {"n": 0}
-
-    def build(*args, **kwargs):
-        model = original(*args, **kwargs)
-
-        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            if module.training:
-                calls["n"] += 1
-                if calls["n"] == step:
-                    action()
-
-        model.register_forward_pre_hook(hook)
-        return model
-
-    monkeypatch.setattr(build_module, "build_model", build)
-
-
-def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    """Send this process SIGTERM during the forward pass of training step ``step``."""
-    at_training_step(monkeypatch, step, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 def test_sigterm_stops_at_a_step_boundary_and_resume_ends_with_the_same_weights(

@@ -9,14 +9,13 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from conftest import TINY
 from files import truncate, write_image, write_image_folder, write_mnist
+from helpers import TINY, cli, run_main
 from pipeline.common.errors import ConfigError, PipelineError
 from pipeline.common.secrets import MASK, env_keys, env_values, is_secret_key, mask_overrides, mask_text, mask_tree
 from pipeline.config import RunConfig, compose, flatten, load
 from pipeline.train import train
 from servers import mlflow_server
-from test_cli import cli, run_main
 
 SECRET = "hunter2-7Q9zX"
 

@@ -19,6 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
+from helpers import cli, run_main
 from pipeline.config import config_dir
 from pipeline.parallel.distributed import Launch, launch_from
 from pipeline.parallel.slurm import (
@@ -30,7 +31,6 @@ from pipeline.parallel.slurm import (
     torch_env_from_slurm,
 )
 from servers import mlflow_server
-from test_cli import cli, run_main
 
 # A 2-node, 8-task job's batch script: the job's variables and SLURM_PROCID=0, but no step of srun's.
 BATCH = {

@@ -17,6 +17,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
+from helpers import at_training_step
 from pipeline.config import RunConfig
 from pipeline.record import heartbeat, outbox
 from pipeline.record.heartbeat import TAG, identity_tags
@@ -167,17 +168,26 @@ def test_a_threshold_that_is_not_a_positive_number_of_minutes_is_refused_in_one_
 def test_the_heartbeat_beats_while_a_run_trains_and_stops_before_its_end(
     make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(heartbeat, "BEAT_EVERY_S", 0.05)
+    """Each of the run's three training steps waits for a beat of its own, so the run lasts as long as the beats
+    need, however fast the machine (beats 10 ms apart, the tag's millisecond resolution ten times over)."""
+    monkeypatch.setattr(heartbeat, "BEAT_EVERY_S", 0.01)
     beats: list[float] = []
-    beat = heartbeat.Heartbeat.beat
+    beat, fresh = heartbeat.Heartbeat.beat, threading.Event()
 
     def counted(self: heartbeat.Heartbeat) -> str | None:
         value = beat(self)
         if value is not None:
             beats.append(float(value))
+            fresh.set()
         return value
 
+    def await_a_beat() -> None:
+        fresh.clear()
+        assert fresh.wait(30), "no heartbeat while the run trained"
+
     monkeypatch.setattr(heartbeat.Heartbeat, "beat", counted)
+    for step in (1, 2, 3):
+        at_training_step(monkeypatch, step, await_a_beat)
     run = MlflowClient(store_uri).get_run(train(make_cfg(), echo=False).run_id)
     assert len(beats) >= 3 and beats == sorted(set(beats))  # it beat again and again, each later than the last
     assert float(run.data.tags[TAG]) == beats[-1] <= run.info.end_time / 1000  # the last beat is stored, before the end

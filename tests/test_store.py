@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from helpers import run_main
 from pipeline.common.secrets import mask_text
 from pipeline.common.uris import sqlite_path
 from pipeline.config import load
 from pipeline.record.reachability import check_reachable
 from pipeline.record.store import DiskFull, TrackingUnavailable, connect, disk_full, retrying, store_lock
-from test_cli import run_main
 
 HOLD_LOCK = (  # a second process: takes SQLite's exclusive lock, says so, holds it until its stdin closes
     "import sqlite3, sys; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
@@ -337,6 +337,7 @@ def test_four_processes_starting_together_on_a_fresh_store_all_land_their_runs(t
 PLAIN_CLIENT = "import sys; from mlflow import MlflowClient; print(len(MlflowClient(sys.argv[1]).search_experiments()))"
 
 
+@pytest.mark.migrates
 def test_a_plain_mlflow_client_opening_a_fresh_store_while_the_run_creates_it_breaks_neither(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -368,6 +369,7 @@ def test_a_plain_mlflow_client_opening_a_fresh_store_while_the_run_creates_it_br
     assert default.artifact_location == str(tmp_path / "mlruns" / "0")  # what a plain MlflowClient writes
 
 
+@pytest.mark.migrates
 def test_a_run_opening_a_store_that_a_plain_mlflow_client_is_still_migrating_retries_and_lands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

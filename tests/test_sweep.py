@@ -15,10 +15,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
+from helpers import cli, run_main
 from pipeline.config import config_dir, load
 from pipeline.engine.provenance import sweep_run_name, with_overrides
 from pipeline.experiments import sweep
-from test_cli import cli, run_main
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=2", "monitor.plots=false", "device=cpu"]  # batch size set per test
 CONF = config_dir()

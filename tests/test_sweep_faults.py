@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from test_cli import run_main
+from helpers import run_main
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=2", "monitor.plots=false", "device=cpu"]
 
@@ -148,7 +148,7 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(
 def test_a_stopped_sequential_sweep_lists_the_jobs_it_never_started_as_not_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from test_resume import sigterm_at_step
+    from helpers import sigterm_at_step
 
     sigterm_at_step(monkeypatch, 1)  # during job 0's first step
     args = ["trainer.epochs=1", "trainer.max_steps=3", "monitor.plots=false", "device=cpu"]

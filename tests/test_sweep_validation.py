@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from helpers import run_main
 from pipeline.common.errors import OverrideError
 from pipeline.config import sweep_jobs
-from test_cli import run_main
 
 TINY = ["device=cpu", "trainer.max_steps=1", "trainer.epochs=1"]
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import StepClock
+from helpers import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
 from pipeline.engine.devices import activate
@@ -94,23 +93,26 @@ def test_combine_adds_epochs_and_keeps_the_runs_first_step() -> None:
     assert both.first_step_s == 0.5 and both.samples == 60
 
 
-def test_the_timer_marks_when_a_batch_is_asked_for_and_when_it_arrives() -> None:
+def test_the_timer_marks_when_a_batch_is_asked_for_and_when_it_arrives(clock: StepClock) -> None:
+    """On the step timer's faked clock, which moves only when the loader, the step and the bookkeeping spend
+    time: the loader's time is the wait, the time after the step is overhead, exactly."""
     timer = WallTimer()
 
     def slow_batches():
         for i in range(3):
-            time.sleep(0.02)  # the loader's work
+            clock.spend(0.02)  # the loader's work
             yield i
 
     timer.start()
     for _ in timer.batches(slow_batches()):
         timer.copied()
-        time.sleep(0.01)  # compute
+        clock.spend(0.01)  # compute
         timer.done(8)
-        time.sleep(0.03)  # the pipeline's own work after the step
+        clock.spend(0.03)  # the pipeline's own work after the step
     b = timer.finish()
     assert b.steps == 3 and b.steady_samples == 16
-    assert b.data_wait_s == pytest.approx(0.04, abs=0.015) and b.overhead_s == pytest.approx(0.06, abs=0.02)
+    # steps 2 and 3 (the first is left out): each waited 20 ms for its batch after 30 ms of bookkeeping
+    assert (b.data_wait_s, b.overhead_s, b.compute_s) == pytest.approx((0.04, 0.06, 0.02))
 
 
 def tiny_state() -> TrainState:
@@ -188,10 +190,8 @@ class FakeEvent:
     def __init__(self, enable_timing: bool = False) -> None:
         assert enable_timing
         self.at = 0.0
-        self.streams: list[Any] = []
 
     def record(self, stream: Any = None) -> None:
-        self.streams.append(stream)
         self.at = FakeEvent.clock.record()
 
     def elapsed_time(self, later: FakeEvent) -> float:
@@ -225,8 +225,15 @@ def test_device_events_bind_to_the_training_devices_stream(monkeypatch: pytest.M
         asked.append(device)
         return FakeStream(device)
 
+    recorded: list[Any] = []  # the stream of every event the timer recorded
+
+    class Event(FakeEvent):
+        def record(self, stream: Any = None) -> None:
+            recorded.append(stream)
+            super().record(stream)
+
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     FakeEvent.clock = SimulatedDevice()
     timer = make_timer(torch.device("cuda", 1))
     assert isinstance(timer, EventTimer) and asked == [torch.device("cuda", 1)]
@@ -236,7 +243,6 @@ def test_device_events_bind_to_the_training_devices_stream(monkeypatch: pytest.M
     timer.copied()
     timer.done(4)
     timer.finish()
-    recorded = [s for event in timer._pool for s in event.streams]
     assert recorded and {s.device for s in recorded} == {torch.device("cuda", 1)}
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
+from helpers import run_main
 from servers import free_port, mlflow_server
-from test_cli import run_main
 
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 pytestmark = [

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tests.project import REGRESSION, use_project
 
-from test_cli import run_main
+from helpers import run_main
 
 TINY = ["device=cpu", "trainer.epochs=1", "trainer.max_steps=2", "loader.batch_size=8"]
 CUSTOM_DATA = ["data=custom", "data._target_=sets.make", "task=regression"]

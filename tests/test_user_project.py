@@ -220,9 +220,11 @@ def pipeline(folder: Path, *args: str, module: str = "pipeline", timeout: int = 
 
 
 @pytest.mark.slow
-def test_the_project_trains_from_its_own_folder_and_its_model_reproduces_the_metric_in_a_fresh_process(
+def test_the_project_trains_from_its_own_folder_its_model_reproduces_the_metric_and_its_checkpoint_needs_torch_alone(
     tmp_path: Path,
 ) -> None:
+    """One run of the project, read two ways: its logged model in a fresh process that has no nets.py, and its
+    checkpoint with torch alone, where pipeline is not installed."""
     folder = write_project(tmp_path / "myproject")
     proc = pipeline(folder, *REGRESSION, *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -250,15 +252,8 @@ with torch.no_grad():
     name, mae = out.stdout.split()
     assert name == "nets.Tiny" and float(mae) == pytest.approx(run.data.metrics["val/mae"], rel=1e-5)
 
-
-@pytest.mark.slow
-def test_a_checkpoint_reads_with_torch_alone_where_pipeline_is_not_installed(tmp_path: Path) -> None:
-    folder = write_project(tmp_path / "myproject")
-    assert pipeline(folder, *REGRESSION, *TINY, "tracking=none").returncode == 0
-    (path,) = (folder / "checkpoints").glob("*/last.pt")
-    import torch as torch_module
-
-    site = str(Path(torch_module.__file__).parents[1])  # torch's site-packages: its .pth files (pipeline's) unread
+    path = folder / "checkpoints" / run.info.run_id / "last.pt"
+    site = str(Path(torch.__file__).parents[1])  # torch's site-packages: its .pth files (pipeline's) unread
     probe = (
         "import sys, torch\n"
         "try:\n    import pipeline.engine.checkpoint\nexcept ImportError:\n    print('no pipeline')\n"

@@ -1,0 +1,81 @@
+"""Helpers several test files share (fixtures stay in conftest.py): the tiny run's overrides, the step timer's faked
+clock, the entry point in-process and as a real process, and an action at a chosen training step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline.engine.build as build_module
+from pipeline.__main__ import main
+
+# A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
+TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
+
+
+class StepClock:
+    """The step timer's clock (``pipeline.engine.timing``'s ``time.perf_counter``): it moves only when the fakes
+    below say they spent time, so a share of the step time is exact whatever else the machine is doing."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def run_main(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    """``python -m pipeline *args`` in this process, through the real entry point: its exit code."""
+    monkeypatch.setattr(sys, "argv", ["pipeline", *args])
+    try:
+        main()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m pipeline *args`` as a real process in ``cwd``, with no inherited tracking URI or GPU mask."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
+    """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds. The hook
+    goes once it has fired, so the model the run logs at its end carries none (an action holding a lock could not
+    be pickled)."""
+    original = build_module.build_model
+    calls = {"n": 0}
+
+    def build(*args, **kwargs):
+        model = original(*args, **kwargs)
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] == step:
+                    handle.remove()
+                    action()
+
+        handle = model.register_forward_pre_hook(hook)
+        return model
+
+    monkeypatch.setattr(build_module, "build_model", build)
+
+
+def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Send this process SIGTERM during the forward pass of training step ``step``."""
+    at_training_step(monkeypatch, step, lambda: os.kill(os.getpid(), signal.SIGTERM))
