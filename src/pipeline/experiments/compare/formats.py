@@ -13,8 +13,8 @@ import textwrap
 
 from pipeline.common.markdown import markdown_table
 from pipeline.common.stats import NOISY, Summary
-from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, MFU, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
+from pipeline.experiments.compare.runs import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, MFU, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
@@ -267,9 +267,9 @@ def gaps(table: Table) -> list[str]:
     """What the rows leave out, wrapped: rows that differ only in code or software, runs lacking metrics."""
     twins = table.twins
     notes = [f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(w)}." for a, b, w in twins]
-    for record, missing in table.lacking:
-        error = f"; error: {record.tags['error'][:120]}" if "error" in record.tags else ""
-        notes.append(f"- run {record.name} ({record.id[:8]}, {record.status}) has no {', '.join(missing)}{error}")
+    for run, missing in table.lacking:
+        error = f"; error: {run.tags['error'][:120]}" if "error" in run.tags else ""
+        notes.append(f"- run {run.name} ({run.id[:8]}, {run.status}) has no {', '.join(missing)}{error}")
     return [wrapped for note in notes for wrapped in wrap(note)]
 
 
