@@ -191,9 +191,11 @@ def bench_ddp(sizes, work: Path) -> list:
 
     both = run_job(sizes, work)
     rows = []
-    for kind, t in (("loop", both["loop"]), ("run", both["run"])):
-        ratio = paired_ratio(t["textbook"], t["pipeline"])  # same samples each side: seconds ratio = samples/s ratio
-        ratios = sorted(a / b for a, b in zip(t["textbook"], t["pipeline"], strict=True))
+    for kind, seconds in (("loop", both["loop"]), ("run", both["run"])):
+        ratio = paired_ratio(
+            seconds["textbook"], seconds["pipeline"]
+        )  # same samples each side: seconds ratio = samples/s ratio
+        ratios = sorted(a / b for a, b in zip(seconds["textbook"], seconds["pipeline"], strict=True))
         q = len(ratios) // 4
         if kind == "loop":
             name = f"DDP training loop / textbook DDP loop, {RANKS} CPU ranks (Gloo), MLP, batch {BATCH}/rank"
@@ -209,8 +211,8 @@ def bench_ddp(sizes, work: Path) -> list:
                 f"{ratio:.3f}",
                 ">= 0.97",
                 ratio >= 0.97,
-                f"global samples/s {per_side / median(t['pipeline']):,.0f} vs "
-                f"{per_side / median(t['textbook']):,.0f} ({what} {ratios[q]:.3f}–{ratios[-1 - q]:.3f})",
+                f"global samples/s {per_side / median(seconds['pipeline']):,.0f} vs "
+                f"{per_side / median(seconds['textbook']):,.0f} ({what} {ratios[q]:.3f}–{ratios[-1 - q]:.3f})",
             )
         )
     return rows

@@ -44,16 +44,17 @@ QUICK = Sizes(samples=2_000, repeats=1, warmup=0)
 
 
 def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[str, list[float]]:
-    """Seconds per variant per round; rounds alternate the order and the warm-up round is dropped."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    """What each variant returns (seconds, or a rate), per round; rounds alternate the order and the warm-up round
+    is dropped."""
+    results: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for round_ in range(sizes.warmup + sizes.repeats):
         order = names if round_ % 2 == 0 else names[::-1]
         for name in order:
-            seconds = variants[name]()
+            result = variants[name]()
             if round_ >= sizes.warmup:
-                times[name].append(seconds)
-    return times
+                results[name].append(result)
+    return results
 
 
 def mlp() -> nn.Module:
