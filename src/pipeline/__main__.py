@@ -114,8 +114,8 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
 
     try:
-        typed = list(HydraConfig.get().overrides.task) if _TYPED is None else _TYPED
-        return train(run_cfg, overrides=typed, quiet=job is not None, sweep=job, own_overrides=_OWN)
+        typed_overrides = list(HydraConfig.get().overrides.task) if _TYPED_OVERRIDES is None else _TYPED_OVERRIDES
+        return train(run_cfg, overrides=typed_overrides, quiet=job is not None, sweep=job, own_overrides=_OWN_OVERRIDES)
     except Exception as err:
         from pipeline.record.store import DiskFull, disk_full
 
@@ -129,8 +129,8 @@ def main() -> None:
     """Check plain overrides, or every job of a sweep, in one line each, then hand over to Hydra. Ctrl-C at any
     moment ends in one line and exit 130: in training, the stop's own line (``_stop``); before the first step
     (config, build, the memory estimate) or once the run is closed, ``_interrupted``'s."""
-    global _TYPED, _OWN, _CLOSED
-    _TYPED = _OWN = None  # a resume before this one, in this process (tests), set them
+    global _TYPED_OVERRIDES, _OWN_OVERRIDES, _CLOSED
+    _TYPED_OVERRIDES = _OWN_OVERRIDES = None  # a resume before this one, in this process (tests), set them
     _CLOSED = False
     try:
         _main()
@@ -178,18 +178,20 @@ def _main() -> None:
 
 
 _CLOSED = False  # the run trained and was closed: a Ctrl-C now interrupts only the exit
-_TYPED: list[str] | None = None  # a resume's overrides as typed, when Hydra composes the run's own (``_continue``)
-_OWN: list[str] | None = None
+# A resume's overrides as typed, when Hydra composes the run's own (``_continue_the_run``), and the run's own
+# overrides as its next checkpoint keeps them.
+_TYPED_OVERRIDES: list[str] | None = None
+_OWN_OVERRIDES: list[str] | None = None
 
 
 def _continue_the_run(args: list[str]) -> None:
     """A resume composes the run's own overrides (from its checkpoint) plus those typed now
     (``pipeline.engine.continuation``): Hydra is handed the merged list, the record keeps what was typed."""
-    global _TYPED, _OWN
+    global _TYPED_OVERRIDES, _OWN_OVERRIDES
     from pipeline.engine.continuation import continued
 
-    merged, _OWN = continued(args)
-    _TYPED = list(args)
+    merged, _OWN_OVERRIDES = continued(args)
+    _TYPED_OVERRIDES = list(args)
     sys.argv[1:] = merged
 
 
