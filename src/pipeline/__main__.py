@@ -5,14 +5,14 @@
     python -m pipeline -m loader.batch_size=32,64,128 loader.num_workers=0,2,4
     python -m pipeline --help                               # the groups and the composed config
 
-Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or
-dataset, a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after
-SIGTERM / Ctrl-C (checkpoint written, run KILLED; Ctrl-C before the first step or while exiting: one line, 130),
-1 for anything else (a bug, or a fault of the
-machine: one line, the run recorded FAILED; ``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback).
-A sweep (``-m``) is checked job by job before the first job starts; a job that fails while it
-runs is recorded and the others still run, then the sweep exits 2 (every failure the user's to
-fix) or 1, listing the failed jobs (see ``pipeline.experiments.sweep``).
+Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or dataset,
+a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after SIGTERM /
+Ctrl-C (checkpoint written, run KILLED; Ctrl-C before the first step or while exiting: one line,
+130), 1 for anything else (a bug, or a fault of the machine: one line, the run recorded FAILED;
+``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback). A sweep (``-m``) is checked job by job
+before the first job starts; a job that fails while it runs is recorded and the others still run,
+then the sweep exits 2 (every failure the user's to fix) or 1, listing the failed jobs (see
+``pipeline.experiments.sweep``).
 """
 
 from __future__ import annotations
@@ -68,9 +68,8 @@ def run(cfg: DictConfig) -> float | None:
 
 def run_sweep_job(cfg: DictConfig) -> float | None:
     """One job of a sweep. Its failure is recorded (``pipeline.experiments.sweep.failed``) and returned as None, so
-    that the
-    next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here would
-    end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run, except in a
+    that the next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here
+    would end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run, except in a
     submitit job, whose process is its own: there the other jobs run on and the sweep ends KILLED after them.
 
     Returns:

@@ -13,8 +13,7 @@ Each side of a round trains two epochs in the job's one process group (``pipelin
 joined) and reports its second (the steady state: buckets rebuilt, caches warm); the claim is the median of
 per-round ratios of global samples/s (``pipeline.common.stats.paired_ratio``). Each rank is a
 ``python -m pipeline.benchmarks.bench_ddp`` process that torchrun starts; rank 0 writes every round's seconds to a
-JSON file
-the parent reads.
+JSON file the parent reads.
 """
 
 from __future__ import annotations
