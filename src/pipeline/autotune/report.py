@@ -117,7 +117,7 @@ def table(outcome: Outcome) -> str:
         name = describe(tally.candidate, outcome.current) + (" (current)" if tally is current else "")
         versus = "—" if current is None or tally is current else pct(gain(tally, current))
         following = pct(gain(tally, ranking[i + 1])) if i + 1 < len(ranking) else "—"
-        noisy = " noisy" if (s := summarize(tally.by_round.values())) is not None and s.noisy else ""
+        noisy = " noisy" if (summary := summarize(tally.by_round.values())) is not None and summary.noisy else ""
         spread = f"{_rate(tally.low)}–{_rate(tally.high)}{noisy}"
         rows.append((name, _rate(tally.median), spread, str(len(tally.by_round)), versus, following))
     lines = _aligned(rows)

@@ -103,8 +103,8 @@ def quiet_logs() -> Iterator[None]:
 def table(rows: list[Row]) -> str:
     from pipeline.common.markdown import markdown_table
 
-    def met(r: Row) -> str:
-        return "—" if r.met is None else ("yes" if r.met else "**no**")
+    def met(row: Row) -> str:
+        return "—" if row.met is None else ("yes" if row.met else "**no**")
 
     body = [[r.name, r.measured, r.goal, met(r), r.detail] for r in rows]
     return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))

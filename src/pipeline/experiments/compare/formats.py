@@ -219,20 +219,20 @@ def compact_markdown(table: Table) -> str:
 
 
 def _drift(table: Table) -> str:
-    d = table.drift
-    if d is None:
+    drift = table.drift
+    if drift is None:
         return "Drift: not measurable (no configuration ran more than once)."
-    if d.real:
-        way = "slower" if d.change < 0 else "faster"
+    if drift.real:
+        way = "slower" if drift.change < 0 else "faster"
         return (
-            f"Drift: this machine ran {abs(d.change):.0%} {way} by the last of these {d.runs} runs than by the first "
-            f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
-            "each round still hold; for the rest, rerun on a quieter machine."
+            f"Drift: this machine ran {abs(drift.change):.0%} {way} by the last of these {drift.runs} runs than by the "
+            f"first (p={drift.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side "
+            "in each round still hold; for the rest, rerun on a quieter machine."
         )
-    way = "slowed" if d.change < 0 else "sped up"
+    way = "slowed" if drift.change < 0 else "sped up"
     return (
-        f"Drift: the machine {way} about {abs(d.change):.0%} from the first to the last of these {d.runs} runs, "
-        f"p={d.p:.2g}: not shown."
+        f"Drift: the machine {way} about {abs(drift.change):.0%} from the first to the last of these {drift.runs} "
+        f"runs, p={drift.p:.2g}: not shown."
     )
 
 
