@@ -380,7 +380,7 @@ def test_a_winner_no_faster_in_the_confirmation_rounds_leaves_the_current_settin
         report
     )
     assert report.rstrip().endswith("python -m pipeline loader.num_workers=0")
-    assert autotune.suggestion(outcome) == outcome.current  # what the record's autotune.command holds
+    assert autotune.suggestion(outcome) == outcome.current  # what the tuning run's autotune.command tag holds
 
 
 def test_vs_current_is_the_ratio_of_the_medians_the_table_prints() -> None:

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from pipeline.experiments import compare
-from pipeline.experiments.compare import CompareError, RunRecord, build, group, table_csv, table_markdown
+from pipeline.experiments.compare import ComparedRun, CompareError, build, group, table_csv, table_markdown
 
 BASE = {
     "model._target_": "pipeline.engine.models.mlp",
@@ -27,7 +27,7 @@ BASE = {
 BASE |= {"data.name": "digits", "optimizer.lr": "0.01", "trainer.seed": "0", "amp": "false"}
 
 
-def record(
+def compared_run(
     run_id: str,
     samples_per_s: float | None = 1000.0,
     *,
@@ -38,7 +38,7 @@ def record(
     params: dict[str, str] | None = None,
     tags: dict[str, str] | None = None,
     **metrics: float,
-) -> RunRecord:
+) -> ComparedRun:
     """A run as ``search_runs`` would give it: ``epoch_s=`` and friends name metrics by their last part."""
     names = {"epoch_s": "time/epoch_s", "acc": "val/acc", "gpu": "gpu/util_mean_pct", "peak": "memory/max_allocated_mb"}
     names |= {"device_peak": "gpu/mem_peak_mb", "oom": "oom/events", "step_ms": "time/step_ms"}
@@ -51,7 +51,7 @@ def record(
         values["throughput/samples_per_s"] = samples_per_s
     all_params = {**BASE, "trainer.seed": str(seed), **(params or {})}
     all_tags = {"device.type": "cuda", "device.name": "NVIDIA H200", "precision": "fp32", "bottleneck": "compute"}
-    return RunRecord(
+    return ComparedRun(
         id=run_id,
         name=name or f"mlp-bs{all_params['loader.batch_size']}",
         status=status,
@@ -63,8 +63,8 @@ def record(
     )
 
 
-def repeats(prefix: str, values: list[float], **kwargs: Any) -> list[RunRecord]:
-    return [record(f"{prefix}{i}", v, seed=i, **kwargs) for i, v in enumerate(values)]
+def repeats(prefix: str, values: list[float], **kwargs: Any) -> list[ComparedRun]:
+    return [compared_run(f"{prefix}{i}", v, seed=i, **kwargs) for i, v in enumerate(values)]
 
 
 # ---- rows ----
@@ -73,9 +73,9 @@ def repeats(prefix: str, values: list[float], **kwargs: Any) -> list[RunRecord]:
 def test_seed_repeats_share_a_row_other_params_and_other_hardware_do_not() -> None:
     runs = [
         *repeats("a", [1000, 1010, 990]),
-        record("b0", 2000, params={"loader.batch_size": "128"}),
-        record("c0", 1500, tags={"device.name": "NVIDIA A100"}),  # same params, other GPU
-        record("a3", 1020, seed=3),
+        compared_run("b0", 2000, params={"loader.batch_size": "128"}),
+        compared_run("c0", 1500, tags={"device.name": "NVIDIA A100"}),  # same params, other GPU
+        compared_run("a3", 1020, seed=3),
     ]
     rows = group(runs)
     assert [[r.id for r in row.runs] for row in rows] == [["a0", "a1", "a2", "a3"], ["b0"], ["c0"]]
@@ -111,7 +111,7 @@ def test_bookkeeping_keys_never_split_a_row() -> None:
         {"checkpoint.dir": "ckpt-b", "monitor.interval_s": "2.0", "trainer.progress": "false"},
         {"tracking.run_name": "mine", "tracking.tags": "{'who': 'me'}", "tracking.uri": "sqlite:///x.db"},
     ]
-    runs = [record(f"r{i}", 100 + i, seed=i, params=p) for i, p in enumerate(places)]
+    runs = [compared_run(f"r{i}", 100 + i, seed=i, params=p) for i, p in enumerate(places)]
     table = build(runs)
     assert len(table.lines) == 1 and table.lines[0].row.n == 3
     assert table.diff_keys == [] and "checkpoint.dir" not in table_markdown(table)
@@ -121,28 +121,28 @@ def test_a_key_the_sweep_varies_defines_rows_even_a_tag() -> None:
     """An A/A sweep ``-m +tracking.tags.arm=a,b trainer.seed=1,2``: two rows, told apart by the swept tag."""
     swept = {"sweep.keys": "tracking.tags.arm,trainer.seed", "sweep.id": "s1"}
     runs = [
-        record(f"{arm}{seed}", 100 + seed, seed=seed, params={"tracking.tags.arm": arm}, tags=swept)
+        compared_run(f"{arm}{seed}", 100 + seed, seed=seed, params={"tracking.tags.arm": arm}, tags=swept)
         for seed in (1, 2)
         for arm in ("a", "b")
     ]
     table = build(runs)
     assert [[r.id for r in line.row.runs] for line in table.lines] == [["a1", "a2"], ["b1", "b2"]]
     assert table.diff_keys == ["tracking.tags.arm"]
-    unswept = [record(f"r{arm}", 100, params={"tracking.tags.arm": arm}) for arm in ("a", "b")]
+    unswept = [compared_run(f"r{arm}", 100, params={"tracking.tags.arm": arm}) for arm in ("a", "b")]
     assert len(build(unswept).lines) == 1  # a tag no sweep varied stays bookkeeping
 
 
 def test_a_row_is_named_after_what_its_repeats_names_share() -> None:
-    named = [record(f"r{i}", 100, seed=i, name=f"seed{i}-mlp-digits-cpu-bs32-w0-lr0.1") for i in range(3)]
+    named = [compared_run(f"r{i}", 100, seed=i, name=f"seed{i}-mlp-digits-cpu-bs32-w0-lr0.1") for i in range(3)]
     assert group(named)[0].name == "mlp-digits-cpu-bs32-w0-lr0.1"
-    assert group([record("a", name="x-1"), record("b", seed=1, name="x-1-b")])[0].name == "x-1"
-    assert group([record("a", name="one"), record("b", seed=1, name="two")])[0].name == "one (+1 names)"
+    assert group([compared_run("a", name="x-1"), compared_run("b", seed=1, name="x-1-b")])[0].name == "x-1"
+    assert group([compared_run("a", name="one"), compared_run("b", seed=1, name="two")])[0].name == "one (+1 names)"
 
 
 def test_keys_that_differ_become_columns_and_keys_that_do_not_are_printed_once() -> None:
     runs = [
         *repeats("a", [1000, 1010]),
-        record("b0", 2000, params={"loader.batch_size": "128", "optimizer.lr": "0.1", "amp": "true"}),
+        compared_run("b0", 2000, params={"loader.batch_size": "128", "optimizer.lr": "0.1", "amp": "true"}),
     ]
     table = build(runs)
     assert table.diff_keys == ["optimizer.lr"]  # batch size has its own column, amp the precision column
@@ -158,7 +158,9 @@ def test_keys_that_differ_become_columns_and_keys_that_do_not_are_printed_once()
 
 def test_prose_above_and_below_the_table_is_wrapped_for_mlflows_page() -> None:
     params = {f"data.key{i:02d}": f"value-{i}" for i in range(40)}
-    text = table_markdown(build([record("a", 100, params=params), record("b", 200, params={**params, "amp": "true"})]))
+    text = table_markdown(
+        build([compared_run("a", 100, params=params), compared_run("b", 200, params={**params, "amp": "true"})])
+    )
     prose = [line for line in text.splitlines() if not line.startswith("|")]
     assert max(len(line) for line in prose) <= 100
     assert sum("`data.key" in line for line in prose) >= 5  # the long list spans several lines
@@ -217,9 +219,13 @@ def test_several_rows_are_corrected_for_together_by_holm() -> None:
 def test_rows_run_in_the_same_rounds_are_compared_round_by_round() -> None:
     """Six rounds on a machine that slows 10% a round: the rank test sees overlapping samples, the paired test a
     steady 5% gain in every round."""
-    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)]
+    base = [
+        compared_run(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)
+    ]
     new = [
-        record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s1", "sweep.round": str(i)})
+        compared_run(
+            f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s1", "sweep.round": str(i)}
+        )
         for i in range(6)
     ]
     speedup = build([*base, *new]).lines[1].vs_baseline
@@ -228,9 +234,9 @@ def test_rows_run_in_the_same_rounds_are_compared_round_by_round() -> None:
     unpaired = (
         build(
             [
-                *(record(r.id, r.metrics["throughput/samples_per_s"], seed=i) for i, r in enumerate(base)),
+                *(compared_run(r.id, r.metrics["throughput/samples_per_s"], seed=i) for i, r in enumerate(base)),
                 *(
-                    record(r.id, r.metrics["throughput/samples_per_s"], seed=i, params={"amp": "1"})
+                    compared_run(r.id, r.metrics["throughput/samples_per_s"], seed=i, params={"amp": "1"})
                     for i, r in enumerate(new)
                 ),
             ]
@@ -243,7 +249,7 @@ def test_rows_run_in_the_same_rounds_are_compared_round_by_round() -> None:
 
 def test_a_ddp_job_is_compared_by_the_throughput_of_all_its_ranks() -> None:
     single = repeats("a", [1000, 1001, 1002, 1003])
-    ddp = [record(f"d{i}", 990 + i, seed=i, params={"device.index": "ddp"}) for i in range(4)]
+    ddp = [compared_run(f"d{i}", 990 + i, seed=i, params={"device.index": "ddp"}) for i in range(4)]
     for run in ddp:
         run.metrics["throughput/global_samples_per_s"] = 2 * run.metrics["throughput/samples_per_s"]  # type: ignore[index]
     line = build([*single, *ddp]).lines[1]
@@ -258,12 +264,12 @@ def test_a_row_whose_spread_reaches_ten_percent_is_flagged_noisy() -> None:
 
 
 def test_a_baseline_is_named_by_its_row_or_a_run() -> None:
-    runs = [record("a0", 100, name="slow"), record("b0", 400, name="fast", params={"amp": "true"})]
+    runs = [compared_run("a0", 100, name="slow"), compared_run("b0", 400, name="fast", params={"amp": "true"})]
     table = build(runs, baseline="fast")
     assert table.baseline.name == "fast"
     assert table.lines[0].vs_baseline.ratio == pytest.approx(0.25)
-    named = [record(f"s{i}", 100 + i, seed=i, name=f"seed{i}-mlp") for i in range(2)]
-    named += [record(f"t{i}", 200 + i, seed=i, name=f"seed{i}-mlp-amp", params={"amp": "1"}) for i in range(2)]
+    named = [compared_run(f"s{i}", 100 + i, seed=i, name=f"seed{i}-mlp") for i in range(2)]
+    named += [compared_run(f"t{i}", 200 + i, seed=i, name=f"seed{i}-mlp-amp", params={"amp": "1"}) for i in range(2)]
     assert build(named, baseline="mlp-amp").baseline.name == "mlp-amp"  # the row's name, as the table prints it
     with pytest.raises(CompareError, match="--baseline nope: no row or selected run has that name or id"):
         build(runs, baseline="nope")
@@ -272,7 +278,9 @@ def test_a_baseline_is_named_by_its_row_or_a_run() -> None:
 def test_a_run_lacking_metrics_is_listed_and_its_cells_are_empty() -> None:
     runs = [
         *repeats("a", [100, 101]),
-        record("f0", None, status="FAILED", params={"loader.batch_size": "4096"}, oom=2, tags={"error": "OOM: x"}),
+        compared_run(
+            "f0", None, status="FAILED", params={"loader.batch_size": "4096"}, oom=2, tags={"error": "OOM: x"}
+        ),
     ]
     table = build(runs)
     failed = table.lines[1]
@@ -285,8 +293,8 @@ def test_a_run_lacking_metrics_is_listed_and_its_cells_are_empty() -> None:
 
 
 def test_a_ladder_gives_the_total_and_the_mean_step_not_a_mean_of_cumulative_gains() -> None:
-    runs = [record("a", 100), record("b", 200, params={"amp": "true"})]
-    runs.append(record("c", 800, params={"amp": "true", "loader.resident": "true"}))
+    runs = [compared_run("a", 100), compared_run("b", 200, params={"amp": "true"})]
+    runs.append(compared_run("c", 800, params={"amp": "true", "loader.resident": "true"}))
     table = build(runs, ladder=True)
     assert [ln.vs_previous and ln.vs_previous.ratio for ln in table.lines] == [
         None,
@@ -316,7 +324,7 @@ def test_a_real_slowdown_is_said_in_words_and_a_doubtful_one_is_not() -> None:
 
 def test_an_accuracy_search_is_ranked_by_its_objective() -> None:
     runs = [
-        record(f"r{i}", speed, params={"optimizer.lr": lr}, acc=acc)
+        compared_run(f"r{i}", speed, params={"optimizer.lr": lr}, acc=acc)
         for i, (speed, lr, acc) in enumerate([(300, "0.1", 0.80), (100, "0.01", 0.95), (200, "0.3", 0.90)])
     ]
     table = build(runs, rank_by="val/acc")
@@ -340,8 +348,8 @@ def test_every_row_splits_its_step_and_says_what_moved_against_the_baseline() ->
         }
 
     starved, fed = split(50.0, 10.0), split(8.0, 11.0)
-    runs = [record(f"a{i}", 1000, seed=i, **starved) for i in range(2)]
-    runs += [record(f"b{i}", 3000, seed=i, params={"loader.num_workers": "4"}, **fed) for i in range(2)]
+    runs = [compared_run(f"a{i}", 1000, seed=i, **starved) for i in range(2)]
+    runs += [compared_run(f"b{i}", 3000, seed=i, params={"loader.num_workers": "4"}, **fed) for i in range(2)]
     table = build(runs)
     assert table.lines[1].step_change == "data wait −42 ms, compute +1.0 ms"
     text = table_markdown(table)
@@ -367,7 +375,7 @@ def test_the_chart_draws_samples_per_s_and_the_step_stacked_by_part() -> None:
 
 
 def test_a_chart_of_many_rows_draws_the_first_ones_and_the_baseline_and_says_so() -> None:
-    runs = [record(f"r{i}", 100.0 + i, params={"loader.batch_size": str(i + 1)}) for i in range(60)]
+    runs = [compared_run(f"r{i}", 100.0 + i, params={"loader.batch_size": str(i + 1)}) for i in range(60)]
     table = build(runs, baseline="mlp-bs60")  # the baseline ranks last: the chart keeps it
     figure = compare.chart(table)
     speed = figure.axes[0]
@@ -378,11 +386,11 @@ def test_a_chart_of_many_rows_draws_the_first_ones_and_the_baseline_and_says_so(
 
 
 def test_single_epoch_runs_and_device_memory_get_footnotes() -> None:
-    table = build([record("a", 100, epochs=1, device_peak=3512.0)])
+    table = build([compared_run("a", 100, epochs=1, device_peak=3512.0)])
     text = table_markdown(table)
     assert "600¹" in text and "¹ a single epoch: its time includes warm-up" in text
     assert "3,512²" in text and "² the device's peak" in text
-    assert "¹" not in table_markdown(build([record("a", 100, epochs=2, peak=100.0)]))
+    assert "¹" not in table_markdown(build([compared_run("a", 100, epochs=2, peak=100.0)]))
 
 
 def test_the_compare_link_is_the_one_mlflow_ui_parses() -> None:
@@ -596,8 +604,8 @@ def test_200_runs_are_read_in_one_query_without_per_run_calls(
 def test_a_row_of_another_batch_size_is_compared_per_sample_not_per_step() -> None:
     split = {"step_ms": 2.0, "wait": 10.0, "h2d": 0.0, "compute": 90.0, "own": 0.0}  # 0.2 + 1.8 ms at batch 64
     bigger = {"step_ms": 5.0, "wait": 4.0, "h2d": 0.0, "compute": 96.0, "own": 0.0}  # 0.2 + 4.8 ms at batch 256
-    runs = [record(f"a{i}", 32_000, seed=i, **split) for i in range(2)]
-    runs += [record(f"b{i}", 51_200, seed=i, params={"loader.batch_size": "256"}, **bigger) for i in range(2)]
+    runs = [compared_run(f"a{i}", 32_000, seed=i, **split) for i in range(2)]
+    runs += [compared_run(f"b{i}", 51_200, seed=i, params={"loader.batch_size": "256"}, **bigger) for i in range(2)]
     change = build(runs).lines[1].step_change
     assert change == "per sample: compute −9.4 µs, data wait −2.3 µs"  # 28.1 -> 18.75 µs and 3.1 -> 0.8 µs
 
@@ -617,7 +625,7 @@ LONG_KEYS = {
 }
 
 
-def readme_sweep(seeds: int = 1) -> list[RunRecord]:
+def readme_sweep(seeds: int = 1) -> list[ComparedRun]:
     """The README's 9-run sweep (batch 32, 64, 128 × workers 0, 2, 4), ``seeds`` runs a configuration, every run
     with the 40 long keys and a step split; the names as a sweep gives them, long."""
     split = {"step_ms": 12.5, "wait": 40.0, "h2d": 2.0, "compute": 55.0, "own": 3.0}
@@ -627,7 +635,7 @@ def readme_sweep(seeds: int = 1) -> list[RunRecord]:
         name = f"bs{batch}-w{workers}-resnet18-imagenet-subset-cuda-amp-bf16-channels-last-compiled-seed"
         for seed in range(seeds):
             speed = 10_000.0 * (1 + 0.3 * i) * (1 + 0.004 * seed)
-            runs.append(record(f"r{i}s{seed}", speed, seed=seed, name=name, params=params, **split))
+            runs.append(compared_run(f"r{i}s{seed}", speed, seed=seed, name=name, params=params, **split))
     return runs
 
 
@@ -692,7 +700,10 @@ def test_the_verdict_says_in_words_what_the_test_showed() -> None:
 
 def test_a_row_name_too_long_for_the_terminal_is_cut_in_the_middle() -> None:
     long = "x" * 150
-    runs = [record("a", 100, name=f"{long}-bs64-w0"), record("b", 200, name=f"{long}-bs64-w2", params={"amp": "1"})]
+    runs = [
+        compared_run("a", 100, name=f"{long}-bs64-w0"),
+        compared_run("b", 200, name=f"{long}-bs64-w2", params={"amp": "1"}),
+    ]
     lines = terminal_lines(build(runs))
     assert max(len(line) for line in lines) <= 160
     rows = [line for line in lines if line.startswith("xxx")]
@@ -738,13 +749,13 @@ def test_the_chart_has_a_title_a_legend_and_step_colours_of_step_time_png_and_ma
 
 
 def test_the_terminal_view_shows_the_keys_that_differ_as_far_as_they_fit() -> None:
-    runs = [record(f"r{w}", 100 + w, name="tiny-regression", params={"model.width": str(w)}) for w in (16, 32)]
+    runs = [compared_run(f"r{w}", 100 + w, name="tiny-regression", params={"model.width": str(w)}) for w in (16, 32)]
     lines = terminal_lines(build(runs))
     assert [c.strip() for c in columns_of(lines)][:3] == ["row", "n", "model.width"]
     widths = [line.split()[2] for line in lines if line.startswith("tiny-regression")]
     assert widths == ["16", "32"]
     many = {f"model.layers.block_{i}.expansion_ratio_of_the_hidden_features": "x" * 20 for i in range(8)}
-    runs = [record(f"s{w}", 100, name="tiny", params={k: f"{v}{w}" for k, v in many.items()}) for w in range(2)]
+    runs = [compared_run(f"s{w}", 100, name="tiny", params={k: f"{v}{w}" for k, v in many.items()}) for w in range(2)]
     lines = terminal_lines(build(runs))
     assert max(len(line) for line in lines) <= 160
     shown = [c.strip() for c in columns_of(lines)]
@@ -755,9 +766,13 @@ def test_the_terminal_view_shows_the_keys_that_differ_as_far_as_they_fit() -> No
 def test_runs_of_two_sweeps_are_never_paired_by_their_round_numbers_alone() -> None:
     """``--last N`` over two sweeps: rows whose runs came from different sweeps never ran side by side, whatever
     their ``sweep.round`` tags say; the rank test compares them."""
-    base = [record(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)]
+    base = [
+        compared_run(f"a{i}", 1000 * 0.9**i, seed=i, tags={"sweep.id": "s1", "sweep.round": str(i)}) for i in range(6)
+    ]
     new = [
-        record(f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s2", "sweep.round": str(i)})
+        compared_run(
+            f"b{i}", 1050 * 0.9**i, seed=i, params={"amp": "1"}, tags={"sweep.id": "s2", "sweep.round": str(i)}
+        )
         for i in range(6)
     ]
     speedup = build([*base, *new]).lines[1].vs_baseline
@@ -795,7 +810,7 @@ def test_a_records_steps_are_each_latest_metrics_step_with_or_without_mlflows_me
     run_id = client.create_run(client.create_experiment("steps")).info.run_id
     client.log_batch(run_id, metrics=[Metric("val/acc", 0.5, 0, 1), Metric("val/acc", 0.7, 0, 3), Metric("x", 1, 0, 7)])
     run = client.get_run(run_id)
-    assert RunRecord.from_run(run).steps == {"val/acc": 3, "x": 7}
+    assert ComparedRun.from_run(run).steps == {"val/acc": 3, "x": 7}
 
     class Bare:  # a RunData without them: read through its protobuf
         def __init__(self, data: Any) -> None:
@@ -805,17 +820,17 @@ def test_a_records_steps_are_each_latest_metrics_step_with_or_without_mlflows_me
             return self.proto
 
     bare = type("Run", (), {"info": run.info, "data": Bare(run.data)})()
-    assert RunRecord.from_run(bare).steps == {"val/acc": 3, "x": 7}
+    assert ComparedRun.from_run(bare).steps == {"val/acc": 3, "x": 7}
 
 
 def test_each_row_shows_its_runs_median_mfu_in_every_view() -> None:
     """MFU (``perf/mfu_pct``) in the terminal, compare.md and compare.csv: the median over the row's runs; a row whose
     runs have none (an unknown GPU, an older run) shows a dash, never a zero."""
     runs = [
-        record(f"a{i}", 1000 + i, seed=i, mfu=m, tags={"perf.peak": "this GPU's bf16 peak (H200 datasheet)"})
+        compared_run(f"a{i}", 1000 + i, seed=i, mfu=m, tags={"perf.peak": "this GPU's bf16 peak (H200 datasheet)"})
         for i, m in enumerate((31.0, 35.0, 33.0))
     ]
-    runs += [record(f"b{i}", 900 + i, seed=i, params={"amp": "1"}) for i in range(3)]
+    runs += [compared_run(f"b{i}", 900 + i, seed=i, params={"amp": "1"}) for i in range(3)]
     table = build(runs)
     lines = terminal_lines(table)
     header = columns_of(lines)
@@ -834,8 +849,11 @@ def test_rows_with_runs_on_a_busy_machine_are_marked_in_every_view() -> None:
     busy = {"machine.busy": "true", "machine.others_cpu_pct": "60"}
     runs = [
         *repeats("a", [1000.0, 1010.0, 990.0]),
-        record("b0", 1500.0, seed=0, params={"amp": "1"}, tags=busy),
-        *(record(f"b{i}", 1500.0 + i, seed=i, params={"amp": "1"}, tags={"machine.busy": "false"}) for i in (1, 2)),
+        compared_run("b0", 1500.0, seed=0, params={"amp": "1"}, tags=busy),
+        *(
+            compared_run(f"b{i}", 1500.0 + i, seed=i, params={"amp": "1"}, tags={"machine.busy": "false"})
+            for i in (1, 2)
+        ),
     ]
     table = build(runs)
     text = table_markdown(table)

@@ -14,7 +14,7 @@ import pipeline.train
 from helpers import run_main
 from pipeline.config import sweep_jobs
 from pipeline.config.design import interleave
-from pipeline.experiments.compare import RunRecord, build
+from pipeline.experiments.compare import ComparedRun, build
 from pipeline.experiments.compare.selection import select
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32", "monitor.enabled=false", "device=cpu"]
@@ -47,7 +47,7 @@ def periodic_a_a(seed: int, rounds: int = 6) -> Any:
         [("arm", ["arm=a", "arm=b"]), ("trainer.seed", [f"trainer.seed={i}" for i in range(rounds)])], seed=seed
     )
     runs = [
-        RunRecord(
+        ComparedRun(
             f"r{job}", "x", "FINISHED", {"arm": o[0], "trainer.seed": o[1].split("=")[1]},
             {"throughput/samples_per_s": 1000 * (0.83 if job % 4 in (1, 2) else 1.0)},
             {"sweep.job": str(job), "sweep.id": "s", "sweep.round": str(plan.rounds[job])},
@@ -68,7 +68,7 @@ def test_a_real_twenty_percent_difference_under_a_step_change_with_four_seeds_is
             [("arm", ["arm=a", "arm=b"]), ("trainer.seed", [f"trainer.seed={i}" for i in range(4)])], seed=seed
         )
         runs = [
-            RunRecord(
+            ComparedRun(
                 f"r{job}", "x", "FINISHED", {"arm": o[0], "trainer.seed": o[1].split("=")[1]},
                 {"throughput/samples_per_s": (1000 if o[0] == "arm=a" else 800) * (0.9 if job >= 4 else 1.0)},
                 {"sweep.job": str(job), "sweep.id": "s", "sweep.round": str(plan.rounds[job])},
@@ -146,7 +146,7 @@ def test_a_drifting_machine_makes_no_real_difference_of_an_a_a_sweep_and_hides_n
     # Hydra's own order, each configuration's four seeds back to back, on the same machine: the runs the basic
     # sweeper would have made (job j at 1000 x 0.99**j samples/s) make the A/A comparison "real"
     blocked = [
-        RunRecord(
+        ComparedRun(
             f"r{job}", "A" if job < 4 else "B", "FINISHED",
             {"trainer.log_every_n_steps": str(100 + job // 4), "trainer.seed": str(1 + job % 4)},
             {"throughput/samples_per_s": 1000 * 0.99**job}, {"sweep.job": str(job)},

@@ -78,12 +78,12 @@ def test_every_ladder_file_opens_with_the_command_that_runs_it(experiment: str) 
 
 
 def test_the_ladder_headline_says_when_no_step_was_shown() -> None:
-    from pipeline.experiments.compare import RunRecord, build, table_markdown, table_terminal
+    from pipeline.experiments.compare import ComparedRun, build, table_markdown, table_terminal
 
-    def run(i: int, step: str, speed: float) -> RunRecord:
+    def run(i: int, step: str, speed: float) -> ComparedRun:
         metrics = {"throughput/samples_per_s": speed, "time/epoch_s": 1.0, "val/acc": 0.9}
         params = {"+ladder": step, "trainer.seed": str(i)}
-        return RunRecord(f"{step}{i}", f"ladder={step}", "FINISHED", params, metrics, {})
+        return ComparedRun(f"{step}{i}", f"ladder={step}", "FINISHED", params, metrics, {})
 
     noisy = [100.0, 140.0, 80.0, 120.0, 95.0]  # each step within the one before's noise
     runs = [run(i, step, v * (1 + 0.02 * k)) for k, step in enumerate(("a", "b", "c")) for i, v in enumerate(noisy)]

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 import pipeline
 from pipeline.engine.provenance import git_tags, pipeline_tags, source_hash, source_tags
 from pipeline.experiments import compare
-from pipeline.experiments.compare import RunRecord, group
+from pipeline.experiments.compare import ComparedRun, group
 from pipeline.experiments.compare.cli import default_out
 from pipeline.experiments.compare.reporting import FILES
 
@@ -128,11 +128,11 @@ def test_the_tools_own_outputs_in_the_launch_folder_are_no_local_changes(tmp_pat
 # ---- compare: the code defines rows, and its files land beside the store ----
 
 
-def code_run(run_id: str, seed: int, source: str) -> RunRecord:
+def code_run(run_id: str, seed: int, source: str) -> ComparedRun:
     """A run launched outside git: no commit, only the pipeline's code tags."""
     tags = {"pipeline.version": "0.1.0", "pipeline.source_sha256": source, "device.type": "cpu", "device.name": "cpu"}
     params = {"model._target_": "pipeline.engine.models.mlp", "loader.batch_size": "64", "trainer.seed": str(seed)}
-    return RunRecord(run_id, "mlp-digits-cpu-bs64-w0", "FINISHED", params, {"throughput/samples_per_s": 1e3}, tags)
+    return ComparedRun(run_id, "mlp-digits-cpu-bs64-w0", "FINISHED", params, {"throughput/samples_per_s": 1e3}, tags)
 
 
 def test_runs_of_two_pipeline_codes_launched_outside_git_are_two_rows_labelled_by_the_code() -> None:

@@ -5,14 +5,14 @@
     python -m pipeline -m loader.batch_size=32,64,128 loader.num_workers=0,2,4
     python -m pipeline --help                               # the groups and the composed config
 
-Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or
-dataset, a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after
-SIGTERM / Ctrl-C (checkpoint written, run KILLED; Ctrl-C before the first step or while exiting: one line, 130),
-1 for anything else (a bug, or a fault of the
-machine: one line, the run recorded FAILED; ``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback).
-A sweep (``-m``) is checked job by job before the first job starts; a job that fails while it
-runs is recorded and the others still run, then the sweep exits 2 (every failure the user's to
-fix) or 1, listing the failed jobs (see ``pipeline.experiments.sweep``).
+Exit status: 0 on success, 2 for a problem the user can fix (bad config, missing device or dataset,
+a tracking store that cannot work, a full disk; one line on stderr), 143 / 130 after SIGTERM /
+Ctrl-C (checkpoint written, run KILLED; Ctrl-C before the first step or while exiting: one line,
+130), 1 for anything else (a bug, or a fault of the machine: one line, the run recorded FAILED;
+``--debug`` or ``HYDRA_FULL_ERROR=1`` shows the traceback). A sweep (``-m``) is checked job by job
+before the first job starts; a job that fails while it runs is recorded and the others still run,
+then the sweep exits 2 (every failure the user's to fix) or 1, listing the failed jobs (see
+``pipeline.experiments.sweep``).
 """
 
 from __future__ import annotations
@@ -69,9 +69,8 @@ def run(cfg: DictConfig) -> float | None:
 
 def run_sweep_job(cfg: DictConfig) -> float | None:
     """One job of a sweep. Its failure is recorded (``pipeline.experiments.sweep.failed``) and returned as None, so
-    that the
-    next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here would
-    end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run, except in a
+    that the next job starts; the sweep exits non-zero at its end with the failures listed. Raising or exiting here
+    would end the whole sweep. A stop request (SIGTERM, Ctrl-C) does end it, as it would a single run, except in a
     submitit job, whose process is its own: there the other jobs run on and the sweep ends KILLED after them.
 
     Returns:
@@ -115,8 +114,8 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
 
     try:
-        typed = list(HydraConfig.get().overrides.task) if _TYPED is None else _TYPED
-        return train(run_cfg, overrides=typed, quiet=job is not None, sweep=job, own_overrides=_OWN)
+        typed_overrides = list(HydraConfig.get().overrides.task) if _TYPED_OVERRIDES is None else _TYPED_OVERRIDES
+        return train(run_cfg, overrides=typed_overrides, quiet=job is not None, sweep=job, own_overrides=_OWN_OVERRIDES)
     except Exception as err:
         from pipeline.record.store import DiskFull, disk_full
 
@@ -130,8 +129,8 @@ def main() -> None:
     """Check plain overrides, or every job of a sweep, in one line each, then hand over to Hydra. Ctrl-C at any
     moment ends in one line and exit 130: in training, the stop's own line (``_stop``); before the first step
     (config, build, the memory estimate) or once the run is closed, ``_interrupted``'s."""
-    global _TYPED, _OWN, _CLOSED
-    _TYPED = _OWN = None  # a resume before this one, in this process (tests), set them
+    global _TYPED_OVERRIDES, _OWN_OVERRIDES, _CLOSED
+    _TYPED_OVERRIDES = _OWN_OVERRIDES = None  # a resume before this one, in this process (tests), set them
     _CLOSED = False
     frozen_at_exit()  # the interpreter's last collections at exit would walk every object the run imported (~3 s)
     try:
@@ -180,18 +179,20 @@ def _main() -> None:
 
 
 _CLOSED = False  # the run trained and was closed: a Ctrl-C now interrupts only the exit
-_TYPED: list[str] | None = None  # a resume's overrides as typed, when Hydra composes the run's own (``_continue``)
-_OWN: list[str] | None = None
+# A resume's overrides as typed, when Hydra composes the run's own (``_continue_the_run``), and the run's own
+# overrides as its next checkpoint keeps them.
+_TYPED_OVERRIDES: list[str] | None = None
+_OWN_OVERRIDES: list[str] | None = None
 
 
 def _continue_the_run(args: list[str]) -> None:
     """A resume composes the run's own overrides (from its checkpoint) plus those typed now
     (``pipeline.engine.continuation``): Hydra is handed the merged list, the record keeps what was typed."""
-    global _TYPED, _OWN
+    global _TYPED_OVERRIDES, _OWN_OVERRIDES
     from pipeline.engine.continuation import continued
 
-    merged, _OWN = continued(args)
-    _TYPED = list(args)
+    merged, _OWN_OVERRIDES = continued(args)
+    _TYPED_OVERRIDES = list(args)
     sys.argv[1:] = merged
 
 

@@ -1,10 +1,9 @@
 """``hparams_search=...``: Hydra's Optuna sweeper, whose search ends in the sweep's own record when no trial counts.
 
 When every trial failed (or returned no finite value), Optuna has no best trial and Hydra's sweeper raises
-``ValueError: No trials are completed yet`` after the last one, in a traceback. This sweeper closes the sweep as
-any other ends (``pipeline.experiments.sweep.end_sweep``: the parent FAILED, each failed trial listed in one line)
-and exits 2
-when every failure was the user's to fix, else 1.
+``ValueError: No trials are completed yet`` after the last one, in a traceback. This sweeper closes the sweep as any
+other ends (``pipeline.experiments.sweep.end_sweep``: the parent FAILED, each failed trial listed in one line) and
+exits 2 when every failure was the user's to fix, else 1.
 """
 
 from __future__ import annotations

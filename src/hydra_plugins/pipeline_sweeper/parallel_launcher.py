@@ -4,8 +4,7 @@ When one of loky's worker processes dies (``kill -9``, the OOM killer, a crash i
 other worker too and joblib raises ``TerminatedWorkerError``: the healthy jobs beside it die mid-run, the queued
 ones never start, and Hydra's launcher ends the sweep in a traceback with runs left RUNNING. This launcher records
 the batch instead (``pipeline.experiments.sweep.lost``: the jobs that were running FAILED, their runs too; the
-others not
-run), closes the sweep's parent FAILED with the list, and exits 1 with one ``error:`` line.
+others not run), closes the sweep's parent FAILED with the list, and exits 1 with one ``error:`` line.
 
 A stop request to the launching process (SIGTERM, Ctrl-C) would otherwise kill it alone: its parent run left
 RUNNING, loky's workers orphaned and running on. While it waits for its jobs it passes the signal on to the workers

@@ -22,13 +22,12 @@ whose best round is under 80% of the leader's median (50% after the first round)
 more, and rounds end once the leader's slowest round beats the runner-up's fastest. Those choices
 only *pick* the winner: the gain it prints comes from ``--confirm`` fresh rounds (6) of the winner,
 the current setting and the runner-up after the search, with a quarter of ``--budget-s`` kept for
-them, so neither the luck that made a candidate win nor the early stop inflates it. The gain is the
-paired estimate over those rounds with its interval and signed-rank p (``pipeline.common.stats.compare``),
-claimed only when significant (6 rounds are the fewest that can be); otherwise it says "not shown" and
-to keep the current setting. No trial starts that would overrun the
-budget. It prints a table and the setting to use as a command to paste, and records the table and
-a plot of samples/s against ``num_workers`` in an MLflow run (``autotune-...``, tag
-``autotune=true``) in the experiment ``<tracking.experiment>-autotune``, apart from the runs
+them, so neither the luck that made a candidate win nor the early stop inflates it. The gain is the paired
+estimate over those rounds with its interval and signed-rank p (``pipeline.common.stats.compare``), claimed only
+when significant (6 rounds are the fewest that can be); otherwise it says "not shown" and to keep the current
+setting. No trial starts that would overrun the budget. It prints a table and the setting to use as a command to
+paste, and records the table and a plot of samples/s against ``num_workers`` in an MLflow run (``autotune-...``,
+tag ``autotune=true``) in the experiment ``<tracking.experiment>-autotune``, apart from the runs
 ``python -m pipeline.compare`` reads.
 
 The package, by responsibility: ``candidates`` (which settings to try), ``search`` (the rounds, the budget, the
@@ -54,8 +53,8 @@ from pipeline.autotune.report import (
     confirmed_gain,
     format_report,
     gain,
+    log_tuning_run,
     override_line,
-    record,
     shown,
     suggestion,
     table,
@@ -97,12 +96,12 @@ __all__ = [
     "describe",
     "format_report",
     "gain",
+    "log_tuning_run",
     "main",
     "override_line",
     "parse_args",
     "prefetch_variant",
     "queue_depth",
-    "record",
     "resident_fits",
     "shown",
     "suggestion",

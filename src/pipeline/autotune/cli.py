@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from pipeline.autotune.candidates import Machine, resident_fits, worker_limit
-from pipeline.autotune.report import NothingMeasured, format_report, record
+from pipeline.autotune.report import NothingMeasured, format_report, log_tuning_run
 from pipeline.autotune.search import Settings, tune
 from pipeline.autotune.trials import Trials
 from pipeline.common.cli import Parser, command
@@ -97,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = format_report(outcome, args.overrides, title=f"{name} · {setup.choice.name}")
         print(report, flush=True)
         if cfg.tracking.enabled:  # with nothing measured, the run is recorded FAILED and NothingMeasured raised
-            where = record(cfg, outcome, report, overrides=args.overrides, settings=settings, name=f"autotune-{name}")
+            where = log_tuning_run(
+                cfg, outcome, report, overrides=args.overrides, settings=settings, name=f"autotune-{name}"
+            )
             print("\n".join(where), flush=True)
         elif not outcome.ranking():
             raise NothingMeasured.within(outcome)

@@ -117,7 +117,7 @@ def table(outcome: Outcome) -> str:
         name = describe(tally.candidate, outcome.current) + (" (current)" if tally is current else "")
         versus = "—" if current is None or tally is current else pct(gain(tally, current))
         following = pct(gain(tally, ranking[i + 1])) if i + 1 < len(ranking) else "—"
-        noisy = " noisy" if (s := summarize(tally.by_round.values())) is not None and s.noisy else ""
+        noisy = " noisy" if (summary := summarize(tally.by_round.values())) is not None and summary.noisy else ""
         spread = f"{_rate(tally.low)}–{_rate(tally.high)}{noisy}"
         rows.append((name, _rate(tally.median), spread, str(len(tally.by_round)), versus, following))
     lines = _aligned(rows)
@@ -148,7 +148,7 @@ def suggestion(outcome: Outcome) -> Candidate | None:
 def verdict(outcome: Outcome, overrides: Sequence[str]) -> list[str]:
     """The suggestion and what it gains: the paired estimate over the confirmation rounds run after the search chose
     it (the search's own rounds would overstate the margin), claimed only when significant; the command to paste."""
-    suggested = suggestion(outcome)  # what the record's autotune.command holds too
+    suggested = suggestion(outcome)  # what the tuning run's autotune.command tag holds too
     if suggested is None:
         return ["nothing was measured: the budget ran out before the first trial; raise --budget-s"]
     chosen = outcome.ranking()[0]
@@ -263,7 +263,7 @@ class NothingMeasured(PipelineError):
         return cls(f"nothing was measured in the {why}: raise --budget-s")
 
 
-def record(
+def log_tuning_run(
     cfg: RunConfig, outcome: Outcome, report: str, *, overrides: Sequence[str], settings: Settings, name: str
 ) -> list[str]:
     """An MLflow run with the settings, the report, every trial, the plot and the winner; returns where it is."""

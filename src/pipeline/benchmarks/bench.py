@@ -119,31 +119,31 @@ def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
                 [*base, "monitor.enabled=false"], store
             )
             variants["no_tracking"] = lambda base=base, store=store: pipeline_epoch([*base, "tracking=none"], store)
-        t = interleaved(variants, sizes)
-        ratio = paired_ratio(t["bare"], t["full"])
+        epoch_s = interleaved(variants, sizes)
+        ratio = paired_ratio(epoch_s["bare"], epoch_s["full"])
         rows.append(
             Row(
                 f"pipeline / bare loop, MLP, batch {batch}",
                 f"{ratio:.3f}",
                 ">= 0.98",
                 ratio >= 0.98,
-                f"median epoch {median(t['full']):.2f} s vs {median(t['bare']):.2f} s "
+                f"median epoch {median(epoch_s['full']):.2f} s vs {median(epoch_s['bare']):.2f} s "
                 f"({sizes.samples:,} samples, resident)",
             )
         )
         if batch == 64:
-            on_off = paired_ratio(t["no_sampler"], t["full"])
+            on_off = paired_ratio(epoch_s["no_sampler"], epoch_s["full"])
             rows.append(
                 Row(
                     "sampler on / off (speed ratio)",
                     f"{on_off:.3f}",
                     ">= 0.99",
                     on_off >= 0.99,
-                    f"median epoch {median(t['full']):.2f} s with, {median(t['no_sampler']):.2f} s without "
+                    f"median epoch {median(epoch_s['full']):.2f} s with, {median(epoch_s['no_sampler']):.2f} s without "
                     "(interval 0.5 s)",
                 )
             )
-            on_off = 100 * (paired_ratio(t["full"], t["no_tracking"]) - 1)
+            on_off = 100 * (paired_ratio(epoch_s["full"], epoch_s["no_tracking"]) - 1)
             direct = 100 * median(writes[sizes.warmup :] or writes)
             rows.append(
                 Row(
@@ -152,7 +152,8 @@ def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
                     "<= 1%",
                     direct <= 1.0,
                     f"time spent writing metrics / epoch time; on vs off by wall clock {on_off:+.2f}% "
-                    f"(median epoch {median(t['full']):.2f} s tracked, {median(t['no_tracking']):.2f} s untracked)",
+                    f"(median epoch {median(epoch_s['full']):.2f} s tracked, "
+                    f"{median(epoch_s['no_tracking']):.2f} s untracked)",
                 )
             )
     rows.append(tracking_call_cost(work / "calls.db"))
@@ -259,15 +260,16 @@ def bench_resident(sizes: Sizes, work: Path) -> list[Row]:
             work / "resident.db",
         ),
     }
-    t = interleaved(variants, sizes)
-    speedup = paired_ratio(t["recipe"], t["resident"])
+    epoch_s = interleaved(variants, sizes)
+    speedup = paired_ratio(epoch_s["recipe"], epoch_s["resident"])
     return [
         Row(
             "loader.resident=true vs the set-up recipe's DataLoader, batch 64",
             f"{speedup:.2f}x faster",
             ">= 3x",
             speedup >= 3.0,
-            f"median epoch {median(t['resident']):.2f} s vs {median(t['recipe']):.2f} s ({sizes.samples:,} samples)",
+            f"median epoch {median(epoch_s['resident']):.2f} s vs {median(epoch_s['recipe']):.2f} s "
+            f"({sizes.samples:,} samples)",
         )
     ]
 
@@ -326,15 +328,15 @@ def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
         return run.data.metrics["time/launch_to_first_step_s"]
 
     first_step()  # creates the store, so its one-off migration is not counted
-    t = interleaved({"imports": imports, "first_step": first_step}, sizes)
+    seconds = interleaved({"imports": imports, "first_step": first_step}, sizes)
     return [
         Row(
             "launch to first training step",
-            f"{median(t['first_step']):.2f} s",
+            f"{median(seconds['first_step']):.2f} s",
             "(info)",
             None,
-            f"bare `import torch, torchvision, mlflow, hydra` {median(t['imports']):.2f} s; the rest is composing the "
-            f"config, loading the data, building the model and opening the MLflow run",
+            f"bare `import torch, torchvision, mlflow, hydra` {median(seconds['imports']):.2f} s; the rest is "
+            f"composing the config, loading the data, building the model and opening the MLflow run",
         )
     ]
 

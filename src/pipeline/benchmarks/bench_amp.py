@@ -50,8 +50,8 @@ def bench_amp_resnet(sizes: Sizes) -> list[Row]:
         loss.backward()
         return time.perf_counter() - start
 
-    t = interleaved({"fp32": lambda: step(None), "bf16": lambda: step(torch.bfloat16)}, sizes)
-    speed = paired_ratio(t["fp32"], t["bf16"])
+    step_s = interleaved({"fp32": lambda: step(None), "bf16": lambda: step(torch.bfloat16)}, sizes)
+    speed = paired_ratio(step_s["fp32"], step_s["bf16"])
     probe = probe_cpu_amp(model, images, labels, dtype=torch.bfloat16)
     return [
         Row(
@@ -59,8 +59,8 @@ def bench_amp_resnet(sizes: Sizes) -> list[Row]:
             f"{speed:.2f}",
             "(info)",
             None,
-            f"median step {median(t['bf16']):.2f} s with amp, {median(t['fp32']):.2f} s without; the run's start-up "
-            f"check: {probe.describe()}",
+            f"median step {median(step_s['bf16']):.2f} s with amp, {median(step_s['fp32']):.2f} s without; the run's "
+            f"start-up check: {probe.describe()}",
         )
     ]
 
@@ -72,8 +72,8 @@ def bench_amp_mlp(sizes: Sizes, work: Path) -> list[Row]:
         "fp32": lambda: pipeline_epoch(data, work / "amp.db"),
         "amp": lambda: pipeline_epoch([*data, "amp=true"], work / "amp.db"),
     }
-    t = interleaved(variants, sizes)
-    speed = paired_ratio(t["fp32"], t["amp"])
+    epoch_s = interleaved(variants, sizes)
+    speed = paired_ratio(epoch_s["fp32"], epoch_s["amp"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return [
         Row(
@@ -81,7 +81,7 @@ def bench_amp_mlp(sizes: Sizes, work: Path) -> list[Row]:
             f"{speed:.2f}",
             "(info)",
             None,
-            f"median epoch {median(t['amp']):.2f} s with amp, {median(t['fp32']):.2f} s without; below 1 = amp "
-            "is slower here",
+            f"median epoch {median(epoch_s['amp']):.2f} s with amp, {median(epoch_s['fp32']):.2f} s without; below 1 "
+            "= amp is slower here",
         )
     ]

@@ -82,15 +82,15 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
         claimed = confirmed_gain(outcome, suggested, outcome.current).ratio
     command = override_line(base, outcome.current.loader, suggested.loader)
     extra = [w for w in command.split() if w.startswith("loader.")]
-    t = interleaved(
+    rates = interleaved(
         {
             "current": lambda: _epoch_rate([*base, "trainer.epochs=2"], work),
             "suggested": lambda: _epoch_rate([*base, "trainer.epochs=2", *extra], work),
         },
         sizes,
     )
-    pairs = list(zip(t["current"], t["suggested"], strict=True))
-    real = compare(t["current"], t["suggested"], pairs=pairs)  # paired by round: 7 rounds can reach p < 0.05
+    pairs = list(zip(rates["current"], rates["suggested"], strict=True))
+    real = compare(rates["current"], rates["suggested"], pairs=pairs)  # paired by round: 7 rounds can reach p < 0.05
     return [
         Row(
             f"autotune's claimed gain, reproduced in real runs (synthetic {samples:,}, cpu)",
@@ -99,7 +99,7 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
             f"the real gain's estimate within {CLAIM_FACTOR}× of the claimed gain, never a slowdown",
             claim_holds(claimed, real),
             f"suggested `{' '.join(extra) or 'the current setting'}`; real: {len(pairs)} interleaved pairs of "
-            f"2-epoch runs ({statistics.median(t['suggested']):,.0f} vs {statistics.median(t['current']):,.0f} "
+            f"2-epoch runs ({statistics.median(rates['suggested']):,.0f} vs {statistics.median(rates['current']):,.0f} "
             f"samples/s; {real.sizes}, p={real.p:.2g})",
         )
     ]
@@ -170,17 +170,17 @@ def bench_compile(sizes: Sizes) -> list[Row]:
             step(64)
         return steps * 64 / (time.perf_counter() - start)
 
-    t = interleaved({"static": lambda: run(False), "dynamic": lambda: run(True)}, sizes)
-    ratio = paired_ratio(t["static"], t["dynamic"])
-    spread = summarize(t["static"])
+    rates = interleaved({"static": lambda: run(False), "dynamic": lambda: run(True)}, sizes)
+    ratio = paired_ratio(rates["static"], rates["dynamic"])
+    spread = summarize(rates["static"])
     return [
         Row(
             "torch.compile, batch dimension static / dynamic up front (MLP steady step, cpu)",
             f"{ratio:.2f}",
             "(info)",
             None,
-            f"{statistics.median(t['static']):,.0f} vs {statistics.median(t['dynamic']):,.0f} samples/s, median of "
-            f"{len(t['static'])} interleaved rounds of {steps} steps at batch 64"
+            f"{statistics.median(rates['static']):,.0f} vs {statistics.median(rates['dynamic']):,.0f} samples/s, "
+            f"median of {len(rates['static'])} interleaved rounds of {steps} steps at batch 64"
             + (" (noisy)" if spread and spread.noisy else "")
             + "; above 1: the pipeline's choice (static, the recompiling step left out) runs faster",
         )
@@ -210,12 +210,12 @@ def bench_profile(sizes: Sizes, work: Path) -> list[Row]:
         steady[profile].append(result.breakdown.samples_per_s)
         return result.epochs[0].seconds
 
-    t = interleaved(
+    epoch_s = interleaved(
         {"bare": lambda: bare_epoch(images, labels, batch=64), "off": lambda: epoch(False), "on": lambda: epoch(True)},
         sizes,
     )
     off, on = steady[False][sizes.warmup :], steady[True][sizes.warmup :]
-    overhead, kept_out = paired_ratio(t["bare"], t["off"]), paired_ratio(on, off)
+    overhead, kept_out = paired_ratio(epoch_s["bare"], epoch_s["off"]), paired_ratio(on, off)
 
     def spread(numerators: list[float], denominators: list[float]) -> str:
         ratios = [n / d for n, d in zip(numerators, denominators, strict=True)]
@@ -227,9 +227,9 @@ def bench_profile(sizes: Sizes, work: Path) -> list[Row]:
             f"{overhead:.3f}",
             ">= 0.98",
             overhead >= 0.98,
-            f"{spread(t['bare'], t['off'])}; median epoch {statistics.median(t['off']):.2f} s vs "
-            f"{statistics.median(t['bare']):.2f} s ({samples:,} samples, resident; tracking and the sampler off): the "
-            "loop as it was, no profiler made",
+            f"{spread(epoch_s['bare'], epoch_s['off'])}; median epoch {statistics.median(epoch_s['off']):.2f} s vs "
+            f"{statistics.median(epoch_s['bare']):.2f} s ({samples:,} samples, resident; tracking and the sampler "
+            "off): the loop as it was, no profiler made",
         ),
         Row(
             "trainer.profile=true / false, steady samples/s, MLP, batch 64",
@@ -238,6 +238,6 @@ def bench_profile(sizes: Sizes, work: Path) -> list[Row]:
             kept_out >= 0.98,
             f"{spread(on, off)}; {statistics.median(on):,.0f} vs {statistics.median(off):,.0f} samples/s: the 3 "
             f"profiled steps are left out; the epoch's wall time, which holds them, "
-            f"{paired_ratio(t['on'], t['off']):.2f}x off's",
+            f"{paired_ratio(epoch_s['on'], epoch_s['off']):.2f}x off's",
         ),
     ]

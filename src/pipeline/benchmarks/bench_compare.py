@@ -96,7 +96,7 @@ def bench_compare(sizes: Sizes, work: Path) -> list[Row]:
     env_uri = os.environ.pop("MLFLOW_TRACKING_URI", None)
     try:
         compare = ["-m", "pipeline.compare", "--uri", uri, "--experiment", EXPERIMENT, "--out", str(folder / "out")]
-        t = interleaved(
+        seconds = interleaved(
             {
                 "search_runs": lambda: fresh_process(["-c", SEARCH, uri, EXPERIMENT], folder),
                 "paused": lambda: fresh_process(["-c", PAUSED, uri, EXPERIMENT], folder),
@@ -108,23 +108,29 @@ def bench_compare(sizes: Sizes, work: Path) -> list[Row]:
         if env_uri is not None:
             os.environ["MLFLOW_TRACKING_URI"] = env_uri
     runs = f"{configs * SEEDS:,} runs ({configs} rows), fresh processes"
-    ratio = paired_ratio(t["compare"], t["search_runs"])  # compare's time over search_runs' time, per round
-    own = paired_ratio(t["compare"], t["paused"])
+    ratio = paired_ratio(seconds["compare"], seconds["search_runs"])  # compare's time over search_runs' time, per round
+    own = paired_ratio(seconds["compare"], seconds["paused"])
     return [
         Row(
             f"compare / search_runs, {runs} (<= {GOAL}x)",
             f"{ratio:.2f}x",
             f"<= {GOAL}x",
             ratio <= GOAL,
-            _spread(t, "search_runs"),
+            _spread(seconds, "search_runs"),
         ),
-        Row(f"compare / search_runs with the collector paused, {runs}", f"{own:.2f}x", "-", None, _spread(t, "paused")),
+        Row(
+            f"compare / search_runs with the collector paused, {runs}",
+            f"{own:.2f}x",
+            "-",
+            None,
+            _spread(seconds, "paused"),
+        ),
     ]
 
 
-def _spread(t: dict[str, list[float]], baseline: str) -> str:
-    ratios = sorted(c / s for c, s in zip(t["compare"], t[baseline], strict=True))
+def _spread(seconds: dict[str, list[float]], baseline: str) -> str:
+    ratios = sorted(c / s for c, s in zip(seconds["compare"], seconds[baseline], strict=True))
     return (
         f"per-round ratios {ratios[0]:.2f}–{ratios[-1]:.2f} over {len(ratios)} rounds; median "
-        f"{median(t['compare']):.2f} s against {median(t[baseline]):.2f} s"
+        f"{median(seconds['compare']):.2f} s against {median(seconds[baseline]):.2f} s"
     )

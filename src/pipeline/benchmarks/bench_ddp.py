@@ -13,8 +13,7 @@ Each side of a round trains two epochs in the job's one process group (``pipelin
 joined) and reports its second (the steady state: buckets rebuilt, caches warm); the claim is the median of
 per-round ratios of global samples/s (``pipeline.common.stats.paired_ratio``). Each rank is a
 ``python -m pipeline.benchmarks.bench_ddp`` process that torchrun starts; rank 0 writes every round's seconds to a
-JSON file
-the parent reads.
+JSON file the parent reads.
 """
 
 from __future__ import annotations
@@ -188,9 +187,11 @@ def bench_ddp(sizes, work: Path) -> list:
 
     both = run_job(sizes, work)
     rows = []
-    for kind, t in (("loop", both["loop"]), ("run", both["run"])):
-        ratio = paired_ratio(t["textbook"], t["pipeline"])  # same samples each side: seconds ratio = samples/s ratio
-        ratios = sorted(a / b for a, b in zip(t["textbook"], t["pipeline"], strict=True))
+    for kind, seconds in (("loop", both["loop"]), ("run", both["run"])):
+        ratio = paired_ratio(
+            seconds["textbook"], seconds["pipeline"]
+        )  # same samples each side: seconds ratio = samples/s ratio
+        ratios = sorted(a / b for a, b in zip(seconds["textbook"], seconds["pipeline"], strict=True))
         q = len(ratios) // 4
         if kind == "loop":
             name = f"DDP training loop / textbook DDP loop, {RANKS} CPU ranks (Gloo), MLP, batch {BATCH}/rank"
@@ -206,8 +207,8 @@ def bench_ddp(sizes, work: Path) -> list:
                 f"{ratio:.3f}",
                 ">= 0.97",
                 ratio >= 0.97,
-                f"global samples/s {per_side / median(t['pipeline']):,.0f} vs "
-                f"{per_side / median(t['textbook']):,.0f} ({what} {ratios[q]:.3f}–{ratios[-1 - q]:.3f})",
+                f"global samples/s {per_side / median(seconds['pipeline']):,.0f} vs "
+                f"{per_side / median(seconds['textbook']):,.0f} ({what} {ratios[q]:.3f}–{ratios[-1 - q]:.3f})",
             )
         )
     return rows

@@ -203,8 +203,7 @@ def step_input(ctx: Context) -> list[Row]:
 
 def step_sampler(ctx: Context) -> list[Row]:
     """What one reading costs through NVML and through GPUtil (``pipeline.benchmarks.bench``'s sampler benchmark),
-    and the mean
-    utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
+    and the mean utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
     from pipeline.benchmarks.bench import bench_sampler_backends
     from pipeline.benchmarks.harness import Sizes
 

@@ -41,16 +41,16 @@ def peak_mb(plan: Plan) -> float | None:
 
 def steady(result: Any) -> dict[str, Any]:
     """A run's steady-state figures, for the JSON."""
-    b = result.breakdown
+    breakdown = result.breakdown
     return {
-        "samples_per_s": b.samples_per_s,
-        "steady_steps": b.steady_steps,
+        "samples_per_s": breakdown.samples_per_s,
+        "steady_steps": breakdown.steady_steps,
         "steps": result.steps,
-        "first_step_s": b.first_step_s,
-        "compute_pct": b.compute_pct,
-        "data_wait_pct": b.data_wait_pct,
-        "h2d_pct": b.h2d_pct,
-        "overhead_pct": b.overhead_pct,
+        "first_step_s": breakdown.first_step_s,
+        "compute_pct": breakdown.compute_pct,
+        "data_wait_pct": breakdown.data_wait_pct,
+        "h2d_pct": breakdown.h2d_pct,
+        "overhead_pct": breakdown.overhead_pct,
         "epoch_s": [e.seconds for e in result.epochs],
         "gpu_util_mean_pct": result.utilisation.gpu_util_mean_pct,
         "oom_events": [e.micro_batch for e in result.oom_events],

@@ -44,16 +44,17 @@ QUICK = Sizes(samples=2_000, repeats=1, warmup=0)
 
 
 def interleaved(variants: dict[str, Callable[[], float]], sizes: Sizes) -> dict[str, list[float]]:
-    """Seconds per variant per round; rounds alternate the order and the warm-up round is dropped."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    """What each variant returns (seconds, or a rate), per round; rounds alternate the order and the warm-up round
+    is dropped."""
+    results: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for round_ in range(sizes.warmup + sizes.repeats):
         order = names if round_ % 2 == 0 else names[::-1]
         for name in order:
-            seconds = variants[name]()
+            result = variants[name]()
             if round_ >= sizes.warmup:
-                times[name].append(seconds)
-    return times
+                results[name].append(result)
+    return results
 
 
 def mlp() -> nn.Module:
@@ -102,8 +103,8 @@ def quiet_logs() -> Iterator[None]:
 def table(rows: list[Row]) -> str:
     from pipeline.common.markdown import markdown_table
 
-    def met(r: Row) -> str:
-        return "—" if r.met is None else ("yes" if r.met else "**no**")
+    def met(row: Row) -> str:
+        return "—" if row.met is None else ("yes" if row.met else "**no**")
 
     body = [[r.name, r.measured, r.goal, met(r), r.detail] for r in rows]
     return "\n".join(markdown_table(["benchmark", "measured", "goal", "met", "detail"], body))

@@ -300,13 +300,13 @@ def check_picklable(custom: Any, loader: LoaderConfig) -> None:
     )
     for name, obj in (("training set", custom.train), ("validation set", custom.val), ("collate", custom.collate)):
         try:
-            data = pickle.dumps(obj)
+            pickled = pickle.dumps(obj)
         except Exception as err:
             raise DatasetError(f"the {name} cannot be sent to {method} loader workers ({brief(err)}): {fixes}") from err
-        main = next((arg for arg in _globals(data) if arg.startswith("__main__ ")), None)
-        if main is not None:
+        from_main = next((symbol for symbol in _globals(pickled) if symbol.startswith("__main__ ")), None)
+        if from_main is not None:
             raise DatasetError(
-                f"the {name} uses {main.replace(' ', '.')}, defined in __main__, which {method} loader workers "
+                f"the {name} uses {from_main.replace(' ', '.')}, defined in __main__, which {method} loader workers "
                 f"cannot import: {fixes}"
             )
 

@@ -2,17 +2,15 @@
 
 A checkpoint holds everything needed to continue as if nothing happened: model, optimizer, schedule and
 GradScaler state, torch's RNG states, the epoch/batch/step position (the data order is a
-function of the seed and the epoch, see ``data.loaders.EpochOrder``), the micro-batch size, the
+function of the seed and the epoch, see ``pipeline.data.loaders.EpochOrder``), the micro-batch size, the
 config that made it, the class names and the MLflow run id, all of them tensors and plain values, so that
 ``torch.load(path, weights_only=True)`` reads it anywhere, without this package. It is written to a temporary file
-in the same folder
-and renamed over ``last.pt``: a reader sees the previous checkpoint or the new one, never half
-of one. Beside it, ``state.json`` says in a few hundred bytes whose run it is, where it stands
-and whether that run finished, so ``resume=latest`` can choose without loading every checkpoint;
-and ``run.lock`` is held by the process training that run (the OS releases it when the process
-dies, even by SIGKILL), so two processes never train the same run; it is refused on a filesystem
-whose locks only this machine sees (``pipeline.record.filesystems``: NFS ``nolock``, Lustre without
-``-o flock``...), while the checkpoints themselves may be on any. Finding and checking a
+in the same folder and renamed over ``last.pt``: a reader sees the previous checkpoint or the new one, never half
+of one. Beside it, ``state.json`` says in a few hundred bytes whose run it is, where it stands and whether that run
+finished, so ``resume=latest`` can choose without loading every checkpoint; and ``run.lock`` is held by the process
+training that run (the OS releases it when the process dies, even by SIGKILL), so two processes never train the
+same run; it is refused on a filesystem whose locks only this machine sees (``pipeline.record.filesystems``: NFS
+``nolock``, Lustre without ``-o flock``...), while the checkpoints themselves may be on any. Finding and checking a
 checkpoint for ``resume=`` is ``pipeline.engine.resume``'s job.
 """
 

@@ -33,21 +33,21 @@ def own_overrides(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if key_of(o) not in NOT_KEPT]
 
 
-def merged(started: Sequence[str], typed: Sequence[str]) -> list[str]:
+def merged(started: Sequence[str], typed_now: Sequence[str]) -> list[str]:
     """The run's overrides with those typed now in place of any of the same key (typed ones last, as typed)."""
-    now = {key_of(o) for o in typed}
-    return [*(o for o in started if key_of(o) not in now), *typed]
+    typed_keys = {key_of(o) for o in typed_now}
+    return [*(o for o in started if key_of(o) not in typed_keys), *typed_now]
 
 
-def continued(typed: Sequence[str]) -> tuple[list[str], list[str]]:
+def continued(typed_now: Sequence[str]) -> tuple[list[str], list[str]]:
     """The overrides a resume runs with, and the run's own overrides for its next checkpoint.
 
     Args:
-        typed: the overrides typed now (a ``resume=`` among them).
+        typed_now: the overrides typed now (a ``resume=`` among them).
 
     Returns:
         ``(merged, own)``: the run's recorded overrides with those typed now in their place, and the same without
-        ``resume=``/``fork=``. A checkpoint written before overrides were kept gives ``typed`` alone.
+        ``resume=``/``fork=``. A checkpoint written before overrides were kept gives ``typed_now`` alone.
 
     Raises:
         CheckpointError: no such checkpoint; a recorded override whose value was masked (a secret) and is not
@@ -55,29 +55,29 @@ def continued(typed: Sequence[str]) -> tuple[list[str], list[str]]:
     """
     from pipeline.engine.resume import locate
 
-    saved = load_checkpoint(locate(load(typed)))
+    saved = load_checkpoint(locate(load(typed_now)))
     started = saved.get("overrides")
-    now = {key_of(o) for o in typed}
-    hidden = [key_of(o) for o in started or () if MASK in o and key_of(o) not in now]
-    if hidden:
-        keys = ", ".join(hidden)
+    typed_keys = {key_of(o) for o in typed_now}
+    masked_keys = [key_of(o) for o in started or () if MASK in o and key_of(o) not in typed_keys]
+    if masked_keys:
+        keys = ", ".join(masked_keys)
         raise CheckpointError(
             f"run {saved['run_id'] or saved['run_name']} was started with {keys} set to a secret, which is never "
-            f"recorded: type {' '.join(f'{k}=...' for k in hidden)} again with the resume"
+            f"recorded: type {' '.join(f'{k}=...' for k in masked_keys)} again with the resume"
         )
-    overrides = merged(started or (), typed)
-    _check_length(saved, load(overrides), typed=now)
+    overrides = merged(started or (), typed_now)
+    _check_length(saved, load(overrides), typed_keys=typed_keys)
     return overrides, own_overrides(overrides)
 
 
-def _check_length(saved: Mapping[str, Any], cfg: RunConfig, *, typed: set[str]) -> None:
+def _check_length(saved: Mapping[str, Any], cfg: RunConfig, *, typed_keys: set[str]) -> None:
     """Refuse a resume that would end the run earlier than it was started to, unless that is typed now."""
-    was = saved["config"]["trainer"]
-    now = {"trainer.epochs": cfg.trainer.epochs, "trainer.max_steps": cfg.trainer.max_steps}
+    started_with = saved["config"]["trainer"]
+    lengths_now = {"trainer.epochs": cfg.trainer.epochs, "trainer.max_steps": cfg.trainer.max_steps}
     shorter = {
-        key: (was[key.split(".")[1]], value)
-        for key, value in now.items()
-        if key not in typed and _ends_earlier(key, was[key.split(".")[1]], value)
+        key: (started_with[key.split(".")[1]], value)
+        for key, value in lengths_now.items()
+        if key not in typed_keys and _ends_earlier(key, started_with[key.split(".")[1]], value)
     }
     if shorter:
         listed = "; ".join(f"{k}={a} when it started, {b} now" for k, (a, b) in shorter.items())

@@ -26,7 +26,7 @@ def restore(state: Any, resumed: Resumed, device: torch.device, optimizer_cfg: O
 
     The optimizer's hyper-parameters are this run's (``check_resumable`` let them differ only for a fork); a fork's
     new ``optimizer.lr`` under a schedule scales the schedule (its base and its current rate) by new / old.
-    The data order needs nothing: it is the epoch's (``data.loaders.EpochOrder``).
+    The data order needs nothing: it is the epoch's (``pipeline.data.loaders.EpochOrder``).
 
     Raises:
         CheckpointError: the states do not fit this model, optimizer or schedule (named with the file).

@@ -197,18 +197,18 @@ def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in changes.items())
 
 
-def start_point(cfg: RunConfig, recorded: Mapping[str, Any], group: Any) -> FreshStart | Resumed:
+def start_point(cfg: RunConfig, masked_config: Mapping[str, Any], group: Any) -> FreshStart | Resumed:
     """Where this run starts: the checkpoint ``resume=`` names (``shared_point``), or step 0."""
-    return shared_point(cfg, recorded, group) if cfg.resume else FreshStart()
+    return shared_point(cfg, masked_config, group) if cfg.resume else FreshStart()
 
 
-def shared_point(cfg: RunConfig, recorded: Mapping[str, Any], group: Any) -> Resumed:
+def shared_point(cfg: RunConfig, masked_config: Mapping[str, Any], group: Any) -> Resumed:
     """``resume_point`` for every rank of a job: rank 0 finds and checks the checkpoint (and holds the run's
     lock); the others load the file it found. A refusal on rank 0 is raised on every rank."""
     found: list[Resumed] = []
 
     def find_on_rank_0() -> str:
-        found.append(resume_point(cfg, recorded, world_size=group.world_size))
+        found.append(resume_point(cfg, masked_config, world_size=group.world_size))
         return str(found[0].path)
 
     path = Path(group.share(find_on_rank_0))
@@ -228,8 +228,9 @@ def locate(cfg: RunConfig) -> Path:
     )
 
 
-def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int = 1) -> Resumed:
-    """The checkpoint ``cfg.resume`` names, checked against this run's config and the record.
+def resume_point(cfg: RunConfig, masked_config: Mapping[str, Any], *, world_size: int = 1) -> Resumed:
+    """The checkpoint ``cfg.resume`` names, checked against this run's config as its record keeps it
+    (``masked_config``: secrets masked).
 
     Runs before any data is loaded or any MLflow run is opened, so a refusal changes nothing. For
     the same run, its ``RunLock`` is taken and held until the run ends.
@@ -257,9 +258,9 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int
                 f"run {run} is recorded elsewhere ({_listed(elsewhere)}): resume it with the tracking.uri and "
                 f"tracking.experiment it was recorded with, or add fork=true to continue it in a new run here"
             )
-    changes = config_changes(flatten(saved["config"]), flatten(recorded))
+    changes = config_changes(flatten(saved["config"]), flatten(masked_config))
     check_resumable(changes, fork=cfg.fork, run=run)
-    position, t = saved["position"], cfg.trainer
+    position, trainer = saved["position"], cfg.trainer
     saved_world = saved.get("world_size", 1)
     if saved_world != world_size and position.batch:
         raise CheckpointError(
@@ -267,12 +268,12 @@ def resume_point(cfg: RunConfig, recorded: Mapping[str, Any], *, world_size: int
             f"there counts their batches: resume it with {saved_world} process(es) "
             f"(torchrun --nproc_per_node={saved_world}); from the next epoch on the number may change"
         )
-    if position.epoch > t.epochs or 0 < t.max_steps <= position.step:
+    if position.epoch > trainer.epochs or 0 < trainer.max_steps <= position.step:
         raise CheckpointError(
             f"resume={cfg.resume}: run {run} has trained {position.step} steps "
             f"(epoch {position.epoch if position.batch else position.epoch - 1} done"
-            f"{'' if not position.batch else ' in part'}); nothing to do with trainer.epochs={t.epochs} "
-            f"trainer.max_steps={t.max_steps}: raise one of them to train further"
+            f"{'' if not position.batch else ' in part'}); nothing to do with trainer.epochs={trainer.epochs} "
+            f"trainer.max_steps={trainer.max_steps}: raise one of them to train further"
         )
     lock = None
     if not cfg.fork:

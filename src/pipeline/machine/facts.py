@@ -114,14 +114,14 @@ def gather(probe: Probe | None = None) -> Facts:
     facts.arch_list = list(torch.cuda.get_arch_list()) if torch.version.cuda else []
     if facts.cuda_available:
         for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
+            props = torch.cuda.get_device_properties(i)
             facts.torch_gpus.append(
                 {
                     "index": i,
-                    "name": p.name,
-                    "capability": [p.major, p.minor],
-                    "memory_mb": p.total_memory // 2**20,
-                    "uuid": str(getattr(p, "uuid", "")),
+                    "name": props.name,
+                    "capability": [props.major, props.minor],
+                    "memory_mb": props.total_memory // 2**20,
+                    "uuid": str(getattr(props, "uuid", "")),
                 }
             )
         with contextlib.suppress(Exception):  # the GPU may be unusable: the compute check says so
@@ -216,13 +216,13 @@ def _nvml(facts: Facts) -> None:
         version = pynvml.nvmlSystemGetCudaDriverVersion()  # e.g. 12040
         facts.driver_cuda = f"{version // 1000}.{version % 1000 // 10}"
         for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             facts.nvidia_gpus.append(
                 NvidiaGpu(
                     i,
-                    _text(pynvml.nvmlDeviceGetName(h)),
-                    _text(pynvml.nvmlDeviceGetUUID(h)),
-                    pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+                    _text(pynvml.nvmlDeviceGetName(handle)),
+                    _text(pynvml.nvmlDeviceGetUUID(handle)),
+                    pynvml.nvmlDeviceGetMemoryInfo(handle).total // 2**20,
                 )
             )
     except Exception as err:

@@ -111,7 +111,7 @@ class NvmlBackend:
         nvml = self.nvml
         util = self._field(index, "utilization", lambda: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
         memory = self._field(index, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
-        temp = self._field(index, "temperature", lambda: float(nvml.nvmlDeviceGetTemperature(handle, 0)))
+        temp_c = self._field(index, "temperature", lambda: float(nvml.nvmlDeviceGetTemperature(handle, 0)))
         power = self._field(index, "power", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
         limit = self._field(index, "power limit", lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0)
         return GpuReading(
@@ -119,7 +119,7 @@ class NvmlBackend:
             util_pct=util,
             mem_used_mb=memory.used / 1e6 if memory else None,
             mem_total_mb=memory.total / 1e6 if memory else None,
-            temp_c=temp,
+            temp_c=temp_c,
             power_w=power,
             power_limit_w=limit,
         )

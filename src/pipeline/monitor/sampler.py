@@ -42,7 +42,7 @@ BUSY_OTHERS_PCT = 25.0
 
 @dataclass(frozen=True)
 class Sample:
-    t: float  # seconds since the sampler started
+    elapsed_s: float  # seconds since the sampler started
     cpu_pct: float  # whole machine
     process_cpu_pct: float  # this process (and its loader workers, if any); 100 = one core
     ram_used_mb: float
@@ -193,7 +193,7 @@ class Sampler:
     def read(self) -> Sample:
         memory = psutil.virtual_memory()
         return Sample(
-            t=self.now(),
+            elapsed_s=self.now(),
             cpu_pct=psutil.cpu_percent(interval=None),
             process_cpu_pct=self._process_cpu(),
             ram_used_mb=memory.used / 1e6,
@@ -235,7 +235,7 @@ class Sampler:
         self._family = family
 
     def summary(self, since: float = 0.0, until: float | None = None) -> UtilSummary:
-        window = [s for s in list(self.samples) if s.t >= since and (until is None or s.t <= until)]
+        window = [s for s in list(self.samples) if s.elapsed_s >= since and (until is None or s.elapsed_s <= until)]
         return summarize(window)
 
 

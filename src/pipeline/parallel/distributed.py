@@ -218,11 +218,10 @@ class Group(Solo):
     ) -> tuple[bool, int, torch.Tensor | None]:
         """``loss.backward()``, DDP's all-reduce overlapped (None: this rank failed the step and sends zeros), and the
         step's agreement taken meanwhile (``agree``'s answer); an error ends the job cleanly
-        (``pipeline.parallel.overlap``).
-        On the CPU the agreement travels with the gradients' all-reduce, and ``carry`` (e.g. a logging interval's
-        losses) with it: the third value is its mean over ranks (None: not carried, on CUDA or when too long); on
-        CUDA the agreement is issued on the Gloo group before the backward and read after it, so no rank waits for
-        its GPU to read it."""
+        (``pipeline.parallel.overlap``). On the CPU the agreement travels with the gradients' all-reduce, and
+        ``carry`` (e.g. a logging interval's losses) with it: the third value is its mean over ranks (None: not
+        carried, on CUDA or when too long); on CUDA the agreement is issued on the Gloo group before the backward and
+        read after it, so no rank waits for its GPU to read it."""
         from pipeline.parallel import overlap
 
         if self._control is None:

@@ -15,10 +15,10 @@ read only when the run's process ran under this machine's current boot and in th
 there a live pid keeps a run with an old heartbeat open (its store may have been down), and a gone
 pid makes the run stale at once, however fresh its heartbeat (a run SIGKILLed before its next beat,
 a run recorded before heartbeats existed, a sweep's parent run). Runs without a heartbeat on
-another machine or namespace are listed as unknown and never closed. A stale run with an outbox
-file in ./unsent_metrics (its store was down when it ended) is not closed either: the file holds
-how it really ended, and the command that imports it is
-printed instead. Clocks of the machines must agree within minutes (NTP).
+another machine or namespace are listed as unknown and never closed. A stale run with an outbox file in
+./unsent_metrics (its store was down when it ended) is not closed either: the file holds how it really
+ended, and the command that imports it is printed instead. Clocks of the machines must agree within
+minutes (NTP).
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ migration (``duplicate column name: step``) and through experiment creation. ``c
 a file lock beside the database while the store is created, migrated and the experiment looked
 up or made, so every process lands its run; a new store is built under another name and published
 whole (``create_sqlite``), so a plain MLflow client, which takes no lock of ours, never migrates it
-at the same moment. ``retrying`` repeats a write that SQLite refused
-with "database is locked". ``disk_full`` tells a write that failed for want of space (mid-run) from
-other errors, and ``DiskFull.explain`` names where; ``server_down`` tells a server that stopped
-answering from a write it refused. Whether a URI can work at all, before a run starts, is
-``pipeline.record.reachability``'s question.
+at the same moment. ``retrying`` repeats a write that SQLite refused with "database is locked".
+``disk_full`` tells a write that failed for want of space (mid-run) from other errors, and
+``DiskFull.explain`` names where; ``server_down`` tells a server that stopped answering from a write it
+refused. Whether a URI can work at all, before a run starts, is ``pipeline.record.reachability``'s
+question.
 """
 
 from __future__ import annotations

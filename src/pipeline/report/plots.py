@@ -43,15 +43,15 @@ def utilisation_timeline(
     cores = cpu_count or os.cpu_count() or 1
     gpu_indices = sorted({g.index for s in samples for g in s.gpus})
     fig, axes = _figure(2 if gpu_indices else 1, 5.5 if gpu_indices else 3.2)
-    t = [s.t for s in samples]
+    elapsed_s = [s.elapsed_s for s in samples]
     cpu = axes[0][0]
-    cpu.plot(t, [s.cpu_pct for s in samples], label="CPU, whole machine %")
-    cpu.plot(t, [s.process_cpu_pct / cores for s in samples], label="CPU, this run (% of the machine)")
-    cpu.plot(t, [s.ram_pct for s in samples], label="RAM %", linestyle=":")
+    cpu.plot(elapsed_s, [s.cpu_pct for s in samples], label="CPU, whole machine %")
+    cpu.plot(elapsed_s, [s.process_cpu_pct / cores for s in samples], label="CPU, this run (% of the machine)")
+    cpu.plot(elapsed_s, [s.ram_pct for s in samples], label="RAM %", linestyle=":")
     cpu.set_ylabel("%")
     for index in gpu_indices:
         gpu = axes[1][0]
-        readings = [(s.t, g) for s in samples for g in s.gpus if g.index == index]
+        readings = [(s.elapsed_s, g) for s in samples for g in s.gpus if g.index == index]
         gpu.plot(
             [x for x, g in readings if g.util_pct is not None],
             [g.util_pct for _, g in readings if g.util_pct is not None],

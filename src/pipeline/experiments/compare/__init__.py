@@ -28,7 +28,7 @@ read.
 The sweep callback calls the same pieces: ``select(client, experiment, sweep=...)``, ``report(client,
 selection.runs, note=selection.note)`` and ``attach(client, selection.parent.id, result)``.
 
-The modules, in the order the data flows: ``selection`` (reading MLflow into ``RunRecord``s, ``records``),
+The modules, in the order the data flows: ``selection`` (reading MLflow into ``ComparedRun``s, ``runs``),
 ``rows`` (repeats into rows), ``table`` (the comparisons, from ``pipeline.common.stats``), ``formats`` (Markdown, CSV),
 ``terminal`` (what is printed), ``charts`` (the chart), ``reporting`` (all of it with the links, written or
 attached) and ``cli`` (``main``).
@@ -39,7 +39,18 @@ from pipeline.common.uris import UI_URL, ui_base
 from pipeline.experiments.compare.charts import chart
 from pipeline.experiments.compare.cli import main
 from pipeline.experiments.compare.formats import table_csv, table_markdown
-from pipeline.experiments.compare.records import (
+from pipeline.experiments.compare.reporting import ARTIFACTS, FILES, Report, attach, compare_link, report, write
+from pipeline.experiments.compare.rows import (
+    BOOKKEEPING,
+    PROVENANCE,
+    REPEAT_KEYS,
+    SHOWN,
+    Row,
+    config_key,
+    differences,
+    group,
+)
+from pipeline.experiments.compare.runs import (
     CORE,
     DEVICE_PEAK_MB,
     EPOCH_S,
@@ -53,19 +64,8 @@ from pipeline.experiments.compare.records import (
     STEP_PARTS,
     THROUGHPUT,
     VAL_ACC,
+    ComparedRun,
     CompareError,
-    RunRecord,
-)
-from pipeline.experiments.compare.reporting import ARTIFACTS, FILES, Report, attach, compare_link, report, write
-from pipeline.experiments.compare.rows import (
-    BOOKKEEPING,
-    PROVENANCE,
-    REPEAT_KEYS,
-    SHOWN,
-    Row,
-    config_key,
-    differences,
-    group,
 )
 from pipeline.experiments.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
 from pipeline.experiments.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
@@ -96,10 +96,10 @@ __all__ = [
     "UI_URL",
     "VAL_ACC",
     "CompareError",
+    "ComparedRun",
     "Line",
     "Report",
     "Row",
-    "RunRecord",
     "Selection",
     "Speedup",
     "Table",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.experiments.compare.records import STEP_PARTS
+from pipeline.experiments.compare.runs import STEP_PARTS
 from pipeline.experiments.compare.table import Line, Table
 from pipeline.report.plots import STEP_COLOURS  # the parts of a step in step_time.png's colours
 

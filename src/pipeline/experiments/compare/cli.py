@@ -15,8 +15,8 @@ from pipeline.common.messages import brief
 from pipeline.common.secrets import mask_text
 from pipeline.common.stats import MIN_EFFECT
 from pipeline.common.uris import UI_URL, absolute, sqlite_path
-from pipeline.experiments.compare.records import PARENT, ROLE
 from pipeline.experiments.compare.reporting import ARTIFACTS, Report, attach, report, write
+from pipeline.experiments.compare.runs import PARENT, ROLE
 from pipeline.experiments.compare.selection import open_store, select
 from pipeline.record.reachability import parse
 

@@ -13,8 +13,8 @@ import textwrap
 
 from pipeline.common.markdown import markdown_table
 from pipeline.common.stats import NOISY, Summary
-from pipeline.experiments.compare.records import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, MFU, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
+from pipeline.experiments.compare.runs import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, MFU, PEAK_MB, STEP_PARTS
 from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
@@ -219,20 +219,20 @@ def compact_markdown(table: Table) -> str:
 
 
 def _drift(table: Table) -> str:
-    d = table.drift
-    if d is None:
+    drift = table.drift
+    if drift is None:
         return "Drift: not measurable (no configuration ran more than once)."
-    if d.real:
-        way = "slower" if d.change < 0 else "faster"
+    if drift.real:
+        way = "slower" if drift.change < 0 else "faster"
         return (
-            f"Drift: this machine ran {abs(d.change):.0%} {way} by the last of these {d.runs} runs than by the first "
-            f"(p={d.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side in "
-            "each round still hold; for the rest, rerun on a quieter machine."
+            f"Drift: this machine ran {abs(drift.change):.0%} {way} by the last of these {drift.runs} runs than by the "
+            f"first (p={drift.p:.2g}, each configuration's own speed taken out). Speed-ups from runs made side by side "
+            "in each round still hold; for the rest, rerun on a quieter machine."
         )
-    way = "slowed" if d.change < 0 else "sped up"
+    way = "slowed" if drift.change < 0 else "sped up"
     return (
-        f"Drift: the machine {way} about {abs(d.change):.0%} from the first to the last of these {d.runs} runs, "
-        f"p={d.p:.2g}: not shown."
+        f"Drift: the machine {way} about {abs(drift.change):.0%} from the first to the last of these {drift.runs} "
+        f"runs, p={drift.p:.2g}: not shown."
     )
 
 
@@ -267,9 +267,9 @@ def gaps(table: Table) -> list[str]:
     """What the rows leave out, wrapped: rows that differ only in code or software, runs lacking metrics."""
     twins = table.twins
     notes = [f"- {a.name} and {b.name} have the same config and differ only in: {', '.join(w)}." for a, b, w in twins]
-    for record, missing in table.lacking:
-        error = f"; error: {record.tags['error'][:120]}" if "error" in record.tags else ""
-        notes.append(f"- run {record.name} ({record.id[:8]}, {record.status}) has no {', '.join(missing)}{error}")
+    for run, missing in table.lacking:
+        error = f"; error: {run.tags['error'][:120]}" if "error" in run.tags else ""
+        notes.append(f"- run {run.name} ({run.id[:8]}, {run.status}) has no {', '.join(missing)}{error}")
     return [wrapped for note in notes for wrapped in wrap(note)]
 
 

@@ -14,7 +14,7 @@ from pipeline.common.stats import MIN_EFFECT
 from pipeline.common.uris import TRAINING_VIEW, run_page, ui_base
 from pipeline.experiments.compare.charts import chart
 from pipeline.experiments.compare.formats import compact_markdown, table_csv, table_markdown
-from pipeline.experiments.compare.records import RunRecord
+from pipeline.experiments.compare.runs import ComparedRun
 from pipeline.experiments.compare.table import Table, build
 from pipeline.experiments.compare.terminal import MAX_WIDTH, table_terminal
 
@@ -47,7 +47,7 @@ def report(
     min_effect: float = MIN_EFFECT,
     rank_by: str | None = None,
 ) -> Report:
-    """The comparison of ``runs`` (MLflow runs from ``search_runs``, or ``RunRecord``s) in table order.
+    """The comparison of ``runs`` (MLflow runs from ``search_runs``, or ``ComparedRun``s) in table order.
 
     Args:
         client: the ``MlflowClient`` they came from; its tracking URI gives the links' base.
@@ -58,8 +58,8 @@ def report(
     Raises:
         CompareError: no runs, or an unknown baseline.
     """
-    records = [r if isinstance(r, RunRecord) else RunRecord.from_run(r) for r in runs]
-    table = build(records, baseline=baseline, ladder=ladder, min_effect=min_effect, rank_by=rank_by)
+    compared = [r if isinstance(r, ComparedRun) else ComparedRun.from_run(r) for r in runs]
+    table = build(compared, baseline=baseline, ladder=ladder, min_effect=min_effect, rank_by=rank_by)
     uri = client.tracking_uri
     base = (ui or ui_base(uri)).rstrip("/")
     shown = [r for line in table.lines for r in line.row.runs]

@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.common.stats import Summary, summarize
 from pipeline.config import target_label
 from pipeline.config.design import REPEAT_KEYS  # runs differing only here are repeats of one configuration
-from pipeline.experiments.compare.records import DEVICE_PEAK_MB, OOM_EVENTS, PEAK_MB, STEP_PARTS, RunRecord
+from pipeline.experiments.compare.runs import DEVICE_PEAK_MB, OOM_EVENTS, PEAK_MB, STEP_PARTS, ComparedRun
 
 # Keys that name, place or watch a run and change nothing it measures: never a reason for two rows.
 BOOKKEEPING_PREFIXES = ("tracking.", "monitor.")
@@ -55,7 +55,7 @@ def bookkeeping(key: str) -> bool:
 class Row:
     """One configuration on one code and software: its repeats, in selection order."""
 
-    runs: tuple[RunRecord, ...]
+    runs: tuple[ComparedRun, ...]
     label: str = ""  # what tells it from rows of the same config (another commit...): appended to the name
 
     @property
@@ -85,14 +85,14 @@ class Row:
         return summarize(self.samples(metric))
 
     def speeds(self) -> list[float]:
-        """Each run's steady-state samples/s: the whole job's under DDP (``RunRecord.speed``)."""
+        """Each run's steady-state samples/s: the whole job's under DDP (``ComparedRun.speed``)."""
         return [s for r in self.runs if (s := r.speed) is not None]
 
     def speed(self) -> Summary | None:
         return summarize(self.speeds())
 
     def by_round(self) -> dict[tuple[str, str], float]:
-        """samples/s by the sweep and round each run ran in (``RunRecord.block``), where each has one run."""
+        """samples/s by the sweep and round each run ran in (``ComparedRun.block``), where each has one run."""
         blocks = Counter(r.block for r in self.runs if r.block is not None)
         return {r.block: r.speed for r in self.runs if r.block is not None and blocks[r.block] == 1 and r.speed}
 
@@ -139,7 +139,7 @@ class Row:
 
     @property
     def busy_runs(self) -> int:
-        """How many of its runs ran on a busy machine (``RunRecord.busy``)."""
+        """How many of its runs ran on a busy machine (``ComparedRun.busy``)."""
         return sum(r.busy for r in self.runs)
 
     @property
@@ -152,32 +152,32 @@ class Row:
         return any(r.single_epoch for r in self.runs)
 
 
-def swept(record: RunRecord) -> frozenset[str]:
+def swept(run: ComparedRun) -> frozenset[str]:
     """The keys the run's sweep varied (its ``sweep.keys`` tag) other than the seed: they always define rows, a
     bookkeeping key included (an A/A sweep over ``+tracking.tags.arm=a,b`` is two rows, not one)."""
-    return frozenset(k for k in record.tags.get("sweep.keys", "").split(",") if k) - REPEAT_KEYS
+    return frozenset(k for k in run.tags.get("sweep.keys", "").split(",") if k) - REPEAT_KEYS
 
 
-def config_params(record: RunRecord) -> tuple[tuple[str, str], ...]:
+def config_params(run: ComparedRun) -> tuple[tuple[str, str], ...]:
     """The params that define what a run measured (no seed, no bookkeeping unless swept), sorted."""
-    varied = swept(record)
+    varied = swept(run)
     return tuple(
-        sorted((k, v) for k, v in record.params.items() if k not in REPEAT_KEYS and (k in varied or not bookkeeping(k)))
+        sorted((k, v) for k, v in run.params.items() if k not in REPEAT_KEYS and (k in varied or not bookkeeping(k)))
     )
 
 
-def config_key(record: RunRecord) -> tuple[Any, ...]:
+def config_key(run: ComparedRun) -> tuple[Any, ...]:
     """What makes runs repeats of each other: the config params and the code and software they ran on."""
-    return (config_params(record), *(record.tags.get(t) for t in PROVENANCE))
+    return (config_params(run), *(run.tags.get(t) for t in PROVENANCE))
 
 
-def group(records: Iterable[RunRecord]) -> list[Row]:
+def group(runs: Iterable[ComparedRun]) -> list[Row]:
     """Repeats into rows, in the order each configuration first appears; rows of one config on different code or
     software are labelled with what tells them apart (``@1a2b3c4d+changes``, ``@torch 2.6.0``)."""
-    groups: dict[tuple[Any, ...], list[RunRecord]] = {}
-    for record in records:
-        groups.setdefault(config_key(record), []).append(record)
-    rows = [Row(tuple(runs)) for runs in groups.values()]
+    groups: dict[tuple[Any, ...], list[ComparedRun]] = {}
+    for run in runs:
+        groups.setdefault(config_key(run), []).append(run)
+    rows = [Row(tuple(repeats)) for repeats in groups.values()]
     by_config: dict[tuple[Any, ...], list[int]] = {}
     for i, row in enumerate(rows):
         by_config.setdefault(config_params(row.runs[0]), []).append(i)
@@ -219,17 +219,17 @@ def _changes(tags: Mapping[str, str], prefix: str) -> str:
     return ("+changes" + (f" {diff[:6]}" if diff else "")) if tags.get(f"{prefix}.dirty") == "true" else "clean"
 
 
-def differences(records: Sequence[RunRecord]) -> tuple[list[str], dict[str, str]]:
-    """The config keys whose values differ between ``records`` (a missing key counts as a value), and the keys
+def differences(runs: Sequence[ComparedRun]) -> tuple[list[str], dict[str, str]]:
+    """The config keys whose values differ between ``runs`` (a missing key counts as a value), and the keys
     equal in all of them with their value; seed, bookkeeping (unless a sweep varied it) and keys with a column of their
     own are in neither."""
-    keys = sorted({k for r in records for k in r.params} - REPEAT_KEYS - set(SHOWN) - COVERED)
-    varied = frozenset().union(*(swept(r) for r in records))
+    keys = sorted({k for r in runs for k in r.params} - REPEAT_KEYS - set(SHOWN) - COVERED)
+    varied = frozenset().union(*(swept(r) for r in runs))
     diff, same = [], {}
     for key in keys:
         if bookkeeping(key) and key not in varied:
             continue
-        values = {r.params.get(key) for r in records}
+        values = {r.params.get(key) for r in runs}
         if len(values) > 1:
             diff.append(key)
         else:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.common.uris import sqlite_path
-from pipeline.experiments.compare.records import PARENT, ROLE, CompareError, RunRecord
+from pipeline.experiments.compare.runs import PARENT, ROLE, ComparedRun, CompareError
 from pipeline.record.reachability import check_reachable
 from pipeline.record.store import retrying
 
@@ -17,8 +17,8 @@ MAX_RUNS = 50_000  # MLflow's largest max_results: one page, one query
 
 @dataclass(frozen=True)
 class Selection:
-    runs: list[RunRecord]  # in table order, sweep parents left out
-    parent: RunRecord | None  # the sweep's parent run (where --log attaches the files), when a sweep was selected
+    runs: list[ComparedRun]  # in table order, sweep parents left out
+    parent: ComparedRun | None  # the sweep's parent run (where --log attaches the files), when a sweep was selected
     note: str  # how the runs were chosen, in words
 
     @property
@@ -113,7 +113,7 @@ def _by_ids(client: Any, run_ids: Sequence[str]) -> Selection:
     return _selection(runs, parents[0] if len(parents) == 1 else None, note, "")
 
 
-def _selection(runs: list[RunRecord], parent: RunRecord | None, note: str, experiment: str) -> Selection:
+def _selection(runs: list[ComparedRun], parent: ComparedRun | None, note: str, experiment: str) -> Selection:
     kept = [r for r in runs if not r.is_parent]
     if not kept:
         where = f" in experiment {experiment!r}" if experiment else ""
@@ -130,13 +130,13 @@ def _search(
     order_by: list[str] | None = None,
     *,
     max_results: int = MAX_RUNS,
-) -> list[RunRecord]:
-    """One ``search_runs`` page (retried while SQLite is locked by a run writing), as records."""
+) -> list[ComparedRun]:
+    """One ``search_runs`` page (retried while SQLite is locked by a run writing), as ``ComparedRun``s."""
     page = retrying(
         lambda: client.search_runs(experiment_ids, filter_string, max_results=max_results, order_by=order_by),
         what="reading runs",
     )
-    return [RunRecord.from_run(run) for run in page]
+    return [ComparedRun.from_run(run) for run in page]
 
 
 def _check_literal(option: str, value: str) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, Drift, compare, drift, holm, repeats_needed
-from pipeline.experiments.compare.records import LOWER_IS_BETTER, STEP_PARTS, VAL_LOSS, CompareError, RunRecord
 from pipeline.experiments.compare.rows import (
     COVERED,
     PROVENANCE,
@@ -27,6 +26,7 @@ from pipeline.experiments.compare.rows import (
     only_provenance,
     provenance_columns,
 )
+from pipeline.experiments.compare.runs import LOWER_IS_BETTER, STEP_PARTS, VAL_LOSS, ComparedRun, CompareError
 
 __all__ = [
     "COVERED",
@@ -130,7 +130,7 @@ class Table:
     total: float | None  # ladders: the last row over the baseline
     per_step: float | None  # ladders: the geometric mean step, total ** (1 / steps)
     drift: Drift | None
-    lacking: list[tuple[RunRecord, list[str]]]  # runs without some CORE metrics, and which
+    lacking: list[tuple[ComparedRun, list[str]]]  # runs without some CORE metrics, and which
     ranked_by: str | None = None  # an objective the rows are sorted by (a search), best first
     quality: str = "val/acc"  # the validation metric shown: the rows' leading one, val/loss where they differ
     min_effect: float = MIN_EFFECT
@@ -138,7 +138,7 @@ class Table:
 
 
 def build(
-    records: Sequence[RunRecord],
+    runs: Sequence[ComparedRun],
     *,
     baseline: str | None = None,
     ladder: bool = False,
@@ -146,10 +146,10 @@ def build(
     alpha: float = ALPHA,
     rank_by: str | None = None,
 ) -> Table:
-    """The table of ``records`` (sweep parents left out), rows in the order given (or by ``rank_by``).
+    """The table of ``runs`` (sweep parents left out), rows in the order given (or by ``rank_by``).
 
     Args:
-        records: the runs, in table order (sweep job, start time or as listed).
+        runs: the runs, in table order (sweep job, start time or as listed).
         baseline: a row's name, or a run's id (or its first 8 characters) or name, whose row the others are
             measured against; default the first row.
         ladder: also compare each row with the one before, and give the total and the mean step.
@@ -159,10 +159,10 @@ def build(
     Raises:
         CompareError: no runs, or ``baseline`` names none of the rows (or several).
     """
-    records = [r for r in records if not r.is_parent]
-    if not records:
+    runs = [r for r in runs if not r.is_parent]
+    if not runs:
         raise CompareError("no runs to compare (sweep parent runs are never rows)")
-    rows = group(records)
+    rows = group(runs)
     if rank_by:
         rows = _ranked(rows, rank_by)
     base = rows[_baseline_index(rows, baseline)] if baseline else rows[0]
@@ -174,9 +174,9 @@ def build(
         previous = (vs_prev[i - 1] if i else None) if ladder else None
         versus = BASELINE if row is base else vs_base[others.index(row)]
         lines.append(Line(row, versus, previous, "" if row is base else step_change(base, row)))
-    diff, same = differences(records)
-    lacking = [(r, missing) for r in records if (missing := r.lacking())]
-    leading = {r.quality for r in records}
+    diff, same = differences(runs)
+    lacking = [(r, missing) for r in runs if (missing := r.lacking())]
+    leading = {r.quality for r in runs}
     total = lines[-1].vs_baseline.ratio if ladder and len(lines) > 1 and lines[-1].row is not base else None
     return Table(
         lines=lines,

@@ -1,4 +1,4 @@
-"""One run as the comparison sees it: ``RunRecord``, the metric names it reads, and ``CompareError``."""
+"""One run as the comparison reads it: ``ComparedRun``, the metric names it reads, and ``CompareError``."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class CompareError(PipelineError):
 
 
 @dataclass(frozen=True)
-class RunRecord:
+class ComparedRun:
     """One run as the table needs it: built from an MLflow run by ``from_run``, or by hand in tests."""
 
     id: str
@@ -53,7 +53,7 @@ class RunRecord:
     start_time: int = 0  # ms since the epoch
 
     @classmethod
-    def from_run(cls, run: Any) -> RunRecord:
+    def from_run(cls, run: Any) -> ComparedRun:
         """From an ``mlflow.entities.Run`` as ``search_runs`` returns it (latest metrics with their steps)."""
         data, info = run.data, run.info
         return cls(
