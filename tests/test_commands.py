@@ -162,7 +162,7 @@ def test_a_bug_during_a_run_is_one_line_exit_1_and_the_run_is_recorded_failed(
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("a bug after training")
 
-    monkeypatch.setattr("pipeline.report.run_record.conclude", broken)
+    monkeypatch.setattr("pipeline.report.logbook.conclude", broken)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -17,7 +17,7 @@ import pipeline.engine.timing as timing_module
 from pipeline.config import ConfigError, RunConfig, load
 from pipeline.engine import compilation
 from pipeline.engine.timing import Breakdown
-from pipeline.report.run_record import compile_seconds
+from pipeline.report.logbook import compile_seconds
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

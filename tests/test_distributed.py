@@ -24,7 +24,7 @@ from pipeline.engine.step import Inputs, run_step
 from pipeline.engine.timing import WallTimer
 from pipeline.parallel import distributed
 from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from
-from pipeline.report.run_record import rank_metrics
+from pipeline.report.logbook import rank_metrics
 from pipeline.train import train
 
 FAULTS = Path(__file__).parent / "faults"  # sitecustomize.py: faults injected into one rank of a real job

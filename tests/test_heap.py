@@ -15,7 +15,7 @@ import pytest
 import pipeline.train as train_module
 from pipeline.common.heap import collector_paused, collector_running
 from pipeline.config import RunConfig
-from pipeline.report import run_record
+from pipeline.report import logbook
 from pipeline.train import train
 
 
@@ -115,7 +115,7 @@ def test_a_run_starts_and_closes_without_the_collector_and_trains_with_it(
 
     for name in ("build", "run_epoch"):
         monkeypatch.setattr(train_module, name, spy(name, getattr(train_module, name)))
-    monkeypatch.setattr(run_record, "conclude", spy("conclude", run_record.conclude))
+    monkeypatch.setattr(logbook, "conclude", spy("conclude", logbook.conclude))
     frozen = gc.get_freeze_count()
     gc.callbacks.append(started)
     try:

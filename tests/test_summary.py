@@ -7,16 +7,16 @@ import pytest
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.experiments import sweep
 from pipeline.monitor.sampler import UtilSummary
-from pipeline.report.summary import EpochRecord, RunResult, format_summary, run_breakdown, steady_epochs
+from pipeline.report.summary import EpochResult, RunResult, format_summary, run_breakdown, steady_epochs
 
 
 def epoch(number: int, samples_per_s: float, *, wait_s: float = 0.0, ranks: dict[str, float] | None = None):
     """An epoch of 10 steps whose 9 steady ones took 1 s of compute (plus ``wait_s`` waiting for data)."""
     steps = Breakdown(wait_s, 0.0, 1.0, 9, round(samples_per_s * (1.0 + wait_s)), 0.1, 10, 1000)
-    return EpochRecord(number, 0.5, {"val/loss": 0.4, "val/acc": 0.9}, 1.2, samples_per_s, steps, ranks or {})
+    return EpochResult(number, 0.5, {"val/loss": 0.4, "val/acc": 0.9}, 1.2, samples_per_s, steps, ranks or {})
 
 
-def result_of(epochs: list[EpochRecord], **kwargs) -> RunResult:
+def result_of(epochs: list[EpochResult], **kwargs) -> RunResult:
     return RunResult(
         "r", "id", "cpu", "CPU", "fp32", "x", 10, 10, 1.0, epochs=epochs, breakdown=run_breakdown(epochs), **kwargs
     )
@@ -50,7 +50,7 @@ def test_one_epochs_speed_has_no_range() -> None:
 
 def test_the_speed_and_the_step_shares_cover_the_same_epochs_steady_steps() -> None:
     timed = [epoch(1, 1_000.0, wait_s=1.0), epoch(2, 3_000.0), epoch(3, 2_000.0, wait_s=3.0)]
-    untimed = EpochRecord(4, 0.5, {}, 0.0, 0.0, combine([]), {})  # an epoch that trained no step
+    untimed = EpochResult(4, 0.5, {}, 0.0, 0.0, combine([]), {})  # an epoch that trained no step
     result = result_of([*timed, untimed])
     assert steady_epochs(result.epochs) == timed
     assert result.breakdown == combine([e.breakdown for e in timed])

@@ -412,11 +412,11 @@ def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatc
 def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() -> None:
     from pipeline.engine.timing import Breakdown
     from pipeline.experiments import sweep
-    from pipeline.report.summary import EpochRecord, RunResult, format_summary
+    from pipeline.report.summary import EpochResult, RunResult, format_summary
 
     steps = Breakdown(0.0, 0.0, 1.0, 9, 900, 0.1, 10, 1000)
     val = {"val/loss": 0.4, "val/acc": 0.9}
-    epoch = EpochRecord(1, 0.5, val, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})
+    epoch = EpochResult(1, 0.5, val, 1.2, 900.0, steps, {"throughput/global_samples_per_s": 1800.0})
     result = RunResult("r", "id", "cpu", "CPU", "fp32", "x", 10, 10, 1.0, epochs=[epoch], breakdown=steps)
     assert sweep.objective(result, "throughput/samples_per_s") == 1800.0  # what Optuna maximises: the job's
     assert "1,800 samples/s in 1 epoch (steady state, all ranks; rank 0 900;" in format_summary(result)

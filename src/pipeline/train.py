@@ -42,9 +42,9 @@ from pipeline.monitor import open_sampler
 from pipeline.parallel import distributed
 from pipeline.record.lifecycle import Tracker, open_tracker
 from pipeline.record.reachability import check_reachable
-from pipeline.report import run_record
-from pipeline.report.run_record import epoch_metrics, rank_metrics, rank_view
-from pipeline.report.summary import EpochRecord, RunResult, format_summary
+from pipeline.report import logbook
+from pipeline.report.logbook import epoch_metrics, rank_metrics, rank_view
+from pipeline.report.summary import EpochResult, RunResult, format_summary
 
 if TYPE_CHECKING:
     from pipeline.experiments.sweep import SweepJob
@@ -98,21 +98,23 @@ def _train(
 ) -> RunResult:
     main = group.is_main  # rank 0 alone records the run and writes checkpoints
     _fail_fast(cfg, main)
-    recorded = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
+    masked_config = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
     hidden = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
-    start = resume.start_point(cfg, recorded, group)  # a resumed run stays locked to this process until it ends
+    start = resume.start_point(cfg, masked_config, group)  # a resumed run stays locked to this process until it ends
     with start, contextlib.ExitStack() as session:
         setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
-        typed = mask_overrides(overrides, cfg.env_keys)
-        setup = _named(setup, typed, sweep) if not cfg.tracking.run_name else setup
+        typed_overrides = mask_overrides(overrides, cfg.env_keys)
+        setup = _named(setup, typed_overrides, sweep) if not cfg.tracking.run_name else setup
         start.restore(setup.state, setup.device, cfg.optimizer)
-        tags = start.run_tags(_tags(recorded, setup, typed, sweep))
+        tags = start.run_tags(_tags(masked_config, setup, typed_overrides, sweep))
         stop, tracker = _open_session(session, cfg, setup, start, tags=tags, secret_values=hidden)
         if main:
-            run_record.start(tracker, setup, cfg, recorded, typed, start)
-        epochs, starts, sampler = _fit(cfg, setup, start, recorded, tracker=tracker, stop=stop, own=own, quiet=quiet)
+            logbook.start(tracker, setup, cfg, masked_config, typed_overrides, start)
+        epochs, starts, sampler = _fit(
+            cfg, setup, start, masked_config, tracker=tracker, stop=stop, own=own, quiet=quiet
+        )
         total_s = time.perf_counter() - started
-        result = run_record.conclude(
+        result = logbook.conclude(
             setup, cfg, epochs, tracker=tracker, sampler=sampler, epoch_starts=starts, total_s=total_s
         )
         summary = format_summary(result)
@@ -145,7 +147,9 @@ def _open_session(
             secret_values=secret_values,
         )
     )
-    session.enter_context(setup.profiler.recording(tracker))  # trainer.profile: where the profiled steps are recorded
+    session.enter_context(
+        setup.profiler.recording(tracker)
+    )  # trainer.profile: where the profiled steps are masked_config
     session.enter_context(setup.snapshot.recording(tracker))  # trainer.memory_snapshot=on_oom: kept at an OOM
     start.continue_record(tracker)  # the same run: steps trained again keep their first points
     return stop, tracker
@@ -161,18 +165,23 @@ def _fail_fast(cfg: RunConfig, main: bool) -> None:
         compilation.fresh()
 
 
-def _named(setup: Setup, typed: list[str], sweep: SweepJob | None) -> Setup:
+def _named(setup: Setup, typed_overrides: list[str], sweep: SweepJob | None) -> Setup:
     """``setup`` under a name of its own: runs whose configurations differ never share one (``tracking.run_name``
     unset)."""
     swept = sweep.values if sweep is not None else {}
     name = sweep_run_name(setup.run_name, swept) if sweep is not None else setup.run_name
-    return dataclasses.replace(setup, run_name=with_overrides(name, typed, list(swept)))
+    return dataclasses.replace(setup, run_name=with_overrides(name, typed_overrides, list(swept)))
 
 
-def _tags(recorded: dict[str, Any], setup: Setup, typed: list[str], sweep: SweepJob | None) -> dict[str, Any]:
+def _tags(
+    masked_config: dict[str, Any], setup: Setup, typed_overrides: list[str], sweep: SweepJob | None
+) -> dict[str, Any]:
     """The run's tags: the configured ones, what ran it, and the sweep's (``mlflow.parentRunId`` nests the run under
     the sweep's parent in the UI)."""
-    tags = {**recorded["tracking"]["tags"], **run_tags(setup.choice, setup.policy, typed, setup.backends)}
+    tags = {
+        **masked_config["tracking"]["tags"],
+        **run_tags(setup.choice, setup.policy, typed_overrides, setup.backends),
+    }
     return {**tags, **sweep.tags()} if sweep is not None else tags
 
 
@@ -180,15 +189,15 @@ def _fit(
     cfg: RunConfig,
     setup: Setup,
     start: FreshStart | Resumed,
-    recorded: dict[str, Any],
+    masked_config: dict[str, Any],
     *,
     tracker: Tracker,
     stop: StopRequests,
     own: list[str],
     quiet: bool,
-) -> tuple[list[EpochRecord], list[float], Any]:
-    """Train from ``start`` with the checkpointer (holding ``recorded``, the masked config) and the utilisation sampler
-    open. Returns the epochs' records, their start times on the sampler's clock, and the sampler (stopped); the last
+) -> tuple[list[EpochResult], list[float], Any]:
+    """Train from ``start`` with the checkpointer (holding ``masked_config``) and the utilisation sampler open.
+    Returns the epochs' results, their start times on the sampler's clock, and the sampler (stopped); the last
     checkpoint is marked finished."""
     saver = checkpoint.Checkpointer.for_run(
         cfg.checkpoint,
@@ -199,7 +208,7 @@ def _fit(
         run_name=setup.run_name,
         state=setup.state,
         device=setup.device,
-        config=recorded,
+        config=masked_config,
         lock=start.lock,
         classes=list(setup.spec.classes) if setup.spec.classes else None,
         overrides=mask_overrides(own, cfg.env_keys),
@@ -241,7 +250,7 @@ def run_epochs(
     saver: checkpoint.Checkpointer,
     stop: StopRequests,
     show_progress: str,
-) -> tuple[list[EpochRecord], list[float]]:
+) -> tuple[list[EpochResult], list[float]]:
     """Train from ``start`` to the last epoch or ``trainer.max_steps``, checkpointing as configured.
 
     Returns the epochs' records and their start times on the sampler's clock (the timeline's
@@ -265,7 +274,7 @@ def run_epochs(
     )
     step, apart = (lambda: setup.state.step), run_progress.set_apart  # profile=false: the timer as it is
     timer = setup.profiler.wrap(make_timer(setup.device), step=step, apart=apart)
-    epochs: list[EpochRecord] = []
+    epochs: list[EpochResult] = []
     epoch_starts: list[float] = []
     for epoch in range(start.epoch, t.epochs + 1):
         skip = start.batch if epoch == start.epoch else 0
@@ -321,7 +330,7 @@ def run_epoch(
     saver: checkpoint.Checkpointer,
     stop: StopRequests,
     skip: int = 0,
-) -> tuple[EpochRecord | None, int]:
+) -> tuple[EpochResult | None, int]:
     """Train one epoch (its batches after ``skip``), evaluate, log the epoch's metrics and write them.
 
     Returns the epoch's record (None when a stop request ended it early) and the batches trained.
@@ -366,7 +375,7 @@ def run_epoch(
         )
     utilisation = sampler.summary(since=since)
     ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
-    record = EpochRecord(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks)
+    record = EpochResult(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks)
     launch = launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}
     tracker.log_metrics(epoch_metrics(setup, record, stats, utilisation, launch), step=epoch)
     tracker.flush()
@@ -374,7 +383,7 @@ def run_epoch(
     return record, steps.done
 
 
-def _log_epoch(record: EpochRecord, epochs: int, primary: str) -> None:
+def _log_epoch(record: EpochResult, epochs: int, primary: str) -> None:
     log.info(
         "epoch %d/%d: train/loss %.4f val/loss %.4f %s %.4f %.2fs %.0f samples/s",
         record.epoch,

@@ -7,8 +7,7 @@
     python -m pipeline.gpu_check --dry-run            # the same plan at tiny sizes on the CPU, in well under a minute
 
 ``scripts/gpu_check.sh`` runs it from a checkout, installed or not (``src/`` first on the path), with whichever
-Python has torch.
-It needs torch and torchvision (any CUDA build) and, from the pipeline's own dependencies, only hydra-core,
+Python has torch. It needs torch and torchvision (any CUDA build) and, from the pipeline's own dependencies, only hydra-core,
 omegaconf, psutil, pyyaml, tqdm and numpy; whatever is missing is named with the ``pip install`` that adds it.
 nvidia-ml-py and GPUtil are optional (their rows are skipped without them). MLflow is needed only by the
 ``profile`` step, whose two runs record into a store in the check's temporary folder to read their artifacts back
@@ -19,8 +18,7 @@ The runs are ``pipeline.train.train`` in this process, with configs from ``pipel
 ``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``:
 every epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop
 reuse the benchmarks' harness (``pipeline.benchmarks.harness``). Every row is guarded: one that fails is an
-ERROR row and the rest still run.
-The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the check cannot
+ERROR row and the rest still run. The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the check cannot
 start (a missing package, no GPU without ``--dry-run``).
 """
 

@@ -223,7 +223,7 @@ def step_resnet(ctx: Context, *, compiled: bool = False) -> list[Row]:
             if figures["peak_mb"] is not None:
                 detail += f", peak {figures['peak_mb']:,.0f} MB"
             if "compile" in key:
-                from pipeline.report.run_record import compile_seconds
+                from pipeline.report.logbook import compile_seconds
 
                 figures["compile_s"] = compile_seconds([e.breakdown for e in result.epochs])
                 if figures["compile_s"] is not None:

@@ -14,7 +14,7 @@ window's two ends, so the window holds its own steps' kernels and no others. An 
 it had (a warning and the summary say so); one that ends before any step was profiled leaves it to the next epoch.
 Once per run.
 
-``record()`` (by ``pipeline.report.run_record.conclude``, or as the run ends early) writes it to the run:
+``record()`` (by ``pipeline.report.logbook.conclude``, or as the run ends early) writes it to the run:
 
 - ``profile/trace.json.gz``: the Chrome trace, gzipped, which https://ui.perfetto.dev and chrome://tracing open;
 - ``profile/operators.md``: the top operators by self time (CPU self time on the CPU; on CUDA, the time of the

@@ -1,3 +1,3 @@
-"""What a run concludes and shows: its record at the start and the end (``run_record``), the summary block,
+"""What a run concludes and shows: its record at the start and the end (``logbook``), the summary block,
 the bottleneck verdict and the utilisation and step-time plots.
 """

@@ -21,7 +21,7 @@ from pipeline.report.verdict import data_wait_words
 
 
 @dataclass(frozen=True)
-class EpochRecord:
+class EpochResult:
     epoch: int
     train_loss: float
     val_metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.tasks)
@@ -68,7 +68,7 @@ class RunResult:
     parameters: int
     steps: int
     total_s: float
-    epochs: list[EpochRecord] = field(default_factory=list)
+    epochs: list[EpochResult] = field(default_factory=list)
     breakdown: Breakdown = field(default_factory=lambda: combine([]))
     utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
     tracking_write_s: float = 0.0  # time the training thread spent writing metrics (between epochs)
@@ -106,14 +106,14 @@ class RunResult:
         return stats.summarize(e.job_samples_per_s for e in steady_epochs(self.epochs))
 
 
-def steady_epochs(epochs: list[EpochRecord]) -> list[EpochRecord]:
+def steady_epochs(epochs: list[EpochResult]) -> list[EpochResult]:
     """The epochs that timed a steady step. The summary's speed is the median of their samples/s and its step-time
     shares are their steady steps pooled (``run_breakdown``): the same steps, weighed differently (the median
     is the middle epoch; the pooled shares weigh each epoch by its time, a slow epoch more)."""
     return [e for e in epochs if e.breakdown.steady_steps > 0]
 
 
-def run_breakdown(epochs: list[EpochRecord]) -> Breakdown:
+def run_breakdown(epochs: list[EpochResult]) -> Breakdown:
     """The run's step-time breakdown (``RunResult.breakdown``): its ``steady_epochs``' breakdowns combined."""
     return combine([e.breakdown for e in steady_epochs(epochs)])
 
@@ -179,7 +179,7 @@ def speed_line(result: RunResult) -> str:
     return f"  speed       {speed.median:,.0f} samples/s{said}steady state{ranks}; {first})"
 
 
-def device_speed(epochs: list[EpochRecord]) -> float | None:
+def device_speed(epochs: list[EpochResult]) -> float | None:
     """This process's median steady samples/s over the epochs the speed line covers: what its device's MFU is read
     at (rank 0's under DDP, where the speed line gives the job's); None when no steady step was timed."""
     own = stats.summarize(e.samples_per_s for e in steady_epochs(epochs))

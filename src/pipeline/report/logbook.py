@@ -25,7 +25,7 @@ from pipeline.monitor import allocator_metrics, job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import ModelCard
 from pipeline.report.plots import step_breakdown, utilisation_timeline
-from pipeline.report.summary import EpochRecord, RunResult, busy_words, device_speed, run_breakdown
+from pipeline.report.summary import EpochResult, RunResult, busy_words, device_speed, run_breakdown
 from pipeline.report.verdict import Mfu, judge
 
 
@@ -33,8 +33,8 @@ def start(
     tracker: Tracker,
     setup: Setup,
     cfg: RunConfig,
-    recorded: dict[str, Any],
-    typed: list[str],
+    masked_config: dict[str, Any],
+    typed_overrides: list[str],
     point: FreshStart | Resumed,
 ) -> None:
     """What a run records before training: its config, data and environment; or, resumed, what changed."""
@@ -47,14 +47,14 @@ def start(
         tracker.set_tags({"amp.cpu_check": probe.describe()})
         if probe.measured:
             tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
-    if said := point.record_tags(tracker, typed):  # resumed: where it continued and what changed
+    if said := point.record_tags(tracker, typed_overrides):  # resumed: where it continued and what changed
         tracker.set_tags(said)
     if point.same_run:
         return  # its params are fixed, and the tags describe the resumed part
-    tracker.log_params({**flatten(recorded), **setup.group.record(cfg.loader.batch_size)})
+    tracker.log_params({**flatten(masked_config), **setup.group.record(cfg.loader.batch_size)})
     tracker.log_dataset(setup.spec, context="train")
-    tracker.log_text(yaml.safe_dump(recorded, sort_keys=False), "config.yaml")
-    tracker.log_text("\n".join(typed) + "\n", "overrides.txt")
+    tracker.log_text(yaml.safe_dump(masked_config, sort_keys=False), "config.yaml")
+    tracker.log_text("\n".join(typed_overrides) + "\n", "overrides.txt")
     environment = doctor.report(smoke=False)  # the doctor's findings, kept with the run
     tracker.log_text(json.dumps(environment, indent=2), "environment.json")
     tracker.set_tags(environment_tags(environment, setup.device))
@@ -75,7 +75,7 @@ def start(
 def conclude(
     setup: Setup,
     cfg: RunConfig,
-    epochs: list[EpochRecord],
+    epochs: list[EpochResult],
     *,
     tracker: Tracker,
     sampler: Any,
@@ -127,7 +127,7 @@ def conclude(
     )
 
 
-def _verdict(setup: Setup, cfg: RunConfig, epochs: list[EpochRecord], breakdown: Breakdown, utilisation: Any) -> Any:
+def _verdict(setup: Setup, cfg: RunConfig, epochs: list[EpochResult], breakdown: Breakdown, utilisation: Any) -> Any:
     """What held the run back (``pipeline.report.verdict.judge``), from its step-time shares and the machine's use."""
     return judge(
         cfg,
@@ -144,7 +144,7 @@ def _verdict(setup: Setup, cfg: RunConfig, epochs: list[EpochRecord], breakdown:
     )
 
 
-def _plots(tracker: Tracker, title: str, sampler: Any, epochs: list[EpochRecord], epoch_starts: list[float]) -> None:
+def _plots(tracker: Tracker, title: str, sampler: Any, epochs: list[EpochResult], epoch_starts: list[float]) -> None:
     tracker.log_figure(
         lambda: utilisation_timeline(sampler.samples, epoch_starts, title=title), "plots/utilisation.png"
     )
@@ -278,7 +278,7 @@ def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 def epoch_metrics(
-    setup: Setup, record: EpochRecord, stats: EpochStats, utilisation: Any, launch: dict[str, float]
+    setup: Setup, record: EpochResult, stats: EpochStats, utilisation: Any, launch: dict[str, float]
 ) -> dict[str, float]:
     """What an epoch logs at its end, each part from the record that holds it (``launch``: the run's first epoch's
     start-up figures, else empty)."""
