@@ -1,0 +1,42 @@
+"""The size rules of docs/development.md, read from the source: modules under 400 lines, no function over 80, and
+the two functions every contributor reads (the epoch loop and the orchestrator) at most 50.
+
+The layer rules are import-linter's (``lint-imports`` in ``make test``); the command modules are
+tests/test_commands.py's.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MODULE_LINES, FUNCTION_LINES, READ_IN_ONE_PASS = 400, 80, 50
+
+
+@functools.cache
+def functions() -> dict[str, int]:
+    """Every function and method in src/, ``path:name`` -> its length in lines (signature and docstring included)."""
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                found[f"{path.relative_to(SRC)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return found
+
+
+def test_every_module_stays_under_400_lines() -> None:
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) >= 400}
+    assert long == {}
+
+
+def test_no_function_is_over_80_lines() -> None:
+    assert {name: n for name, n in functions().items() if n > FUNCTION_LINES} == {}
+
+
+@pytest.mark.parametrize("name", ["pipeline/engine/loop.py:train_epoch", "pipeline/train.py:_train"])
+def test_the_epoch_loop_and_the_orchestrator_read_in_one_pass(name: str) -> None:
+    assert functions()[name] <= READ_IN_ONE_PASS
