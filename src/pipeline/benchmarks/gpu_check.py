@@ -41,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import pipeline
 from pipeline.benchmarks.gpu_goals import (
     DRY_PLAN,
     GPU_PLAN,
@@ -56,6 +57,7 @@ from pipeline.benchmarks.gpu_training import (
     step_resnet,
 )
 from pipeline.common.cli import Parser, command
+from pipeline.common.markdown import markdown_table
 
 # module -> what to pip install. The pipeline's other dependencies are not imported by these runs.
 REQUIRED = {
@@ -185,8 +187,6 @@ def number(value: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    from pipeline.common.markdown import markdown_table
-
     body = [[r.name, number(r.value), r.unit, str(r.goal or "—"), r.status, r.detail] for r in rows]
     return "\n".join(markdown_table(["check", "value", "unit", "goal", "result", "detail"], body))
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     if not plan.dry and not _cuda_or_say_why():
         return 2
-    from pipeline.benchmarks.harness import machine_facts, quiet_logs
+    from pipeline.benchmarks.harness import machine_facts, quiet_logs  # lazy: torch (~1.4 s), checked for first
 
     started = datetime.datetime.now(datetime.timezone.utc)
     facts = machine_facts()
@@ -261,7 +261,7 @@ def _cuda_or_say_why() -> bool:
 
     if torch.cuda.is_available():
         return True
-    from pipeline.machine import doctor
+    from pipeline.machine import doctor  # lazy: torch (~1.4 s), checked for first
 
     finding = doctor.main_finding()
     print(
@@ -310,8 +310,6 @@ def _document(
     rows: list[Row],
 ) -> dict[str, Any]:
     """The raw numbers' JSON document (schema 1)."""
-    import pipeline
-
     return {
         "schema": 1,
         "command": command,
