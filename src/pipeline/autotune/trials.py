@@ -9,9 +9,9 @@ from typing import Any
 
 from pipeline.autotune.candidates import Candidate
 from pipeline.config import LoaderConfig, RunConfig
-from pipeline.engine import compilation
+from pipeline.engine import compilation, loop
 from pipeline.engine.build import build
-from pipeline.engine.loop import StepMetrics, train_epoch
+from pipeline.engine.loop import StepMetrics
 from pipeline.engine.memory import release_memory
 from pipeline.engine.timing import make_timer
 from pipeline.machine import doctor
@@ -120,7 +120,7 @@ class Trials:
 
     def _train(self, live: _Live, steps: int) -> Any:
         setup = live.setup
-        return train_epoch(
+        return loop.train_epoch(
             setup.state,
             live.batches,
             inputs=setup.inputs,  # the run's own input path, GPU augmentation included

@@ -21,7 +21,7 @@ import torch
 
 from pipeline.common.messages import brief
 from pipeline.common.stats import paired_ratio
-from pipeline.engine.amp_check import cpu_flags, time_pairs
+from pipeline.engine import amp_check
 from pipeline.engine.devices import cpu_name, cudnn_version
 from pipeline.machine.platforms import (
     Probe,
@@ -166,7 +166,7 @@ def gather_speed(facts: Facts) -> Facts:
     Only the doctor's own run (and ``report(smoke=True)``) pays for this, never the report
     attached to each training run. Fills ``facts.cpu_bf16_*``, the CPU's bfloat16 flags and ``cpu_peak_tflops``.
     """
-    flags = cpu_flags()  # the amp check's reading of the CPU's flags: one reader of /proc/cpuinfo
+    flags = amp_check.cpu_flags()  # the amp check's reading of the CPU's flags: one reader of /proc/cpuinfo
     facts.cpu_avx512_bf16, facts.cpu_amx = (None, None) if flags is None else _bf16_flags(flags)
     start = time.perf_counter()
     rng = torch.Generator().manual_seed(0)  # leaves the global stream alone when called in-process
@@ -189,7 +189,7 @@ def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> flo
     """float32's time over bfloat16's for ``op(*args)``: the median of interleaved pairs' ratios, as the amp check
     measures (``pipeline.engine.amp_check.time_pairs``); inputs are cast beforehand, so only compute counts."""
     narrow = tuple(t.bfloat16() for t in args)
-    warm, (fp32, bf16) = time_pairs(lambda: op(*args), lambda: op(*narrow), pairs=5, until=until)
+    warm, (fp32, bf16) = amp_check.time_pairs(lambda: op(*args), lambda: op(*narrow), pairs=5, until=until)
     return paired_ratio(fp32, bf16) if fp32 else warm[0] / warm[1]
 
 
