@@ -45,7 +45,7 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     A store that cannot work raises (nothing has started); an MLflow error creating the run is a warning, and the
     jobs are recorded without a parent.
     """
-    # lazy: engine.provenance imports torch (~2 s); every `python -m pipeline` imports this module (end_unfinished)
+    # lazy: engine.provenance imports torch (~1.4 s); every `python -m pipeline` imports this module (end_unfinished)
     from pipeline.engine.provenance import source_tags
 
     experiment = str(config.tracking.experiment)
@@ -192,7 +192,7 @@ def job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:
     """The name a job that failed before its run existed gets: the derived one, with the device as asked."""
     if cfg is None:
         return f"sweep-{job.sweep.short_id}-job{job.number}"
-    from pipeline.engine.provenance import run_name, sweep_run_name, with_overrides  # lazy: torch (~2 s), as above
+    from pipeline.engine.provenance import run_name, sweep_run_name, with_overrides  # lazy: torch (~1.4 s), as above
 
     precision = ("amp" if cfg.precision.dtype == "auto" else cfg.precision.dtype) if cfg.amp else "fp32"
     name = sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)
