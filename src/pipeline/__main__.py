@@ -27,9 +27,10 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
     import hydra
     from omegaconf import DictConfig
 
-    from pipeline.common.cli import DEBUG_FLAG
-    from pipeline.common.errors import PipelineError
+    from pipeline.common.cli import DEBUG_FLAG, debugging, report_bug
+    from pipeline.common.errors import OverrideError, PipelineError
     from pipeline.common.heap import frozen_at_exit
+    from pipeline.common.secrets import mask_overrides
     from pipeline.config import RunConfig, check_search_space, config_dir, from_dictconfig, load, sweep_jobs
     from pipeline.engine.stopping import Stopped
 except KeyboardInterrupt:
@@ -58,8 +59,6 @@ def run(cfg: DictConfig) -> float | None:
     except Stopped as stop:
         _stop(stop)
     except Exception as err:  # a bug, or a fault of the machine: the run is recorded FAILED with it already
-        from pipeline.common.cli import debugging, report_bug
-
         if debugging():
             raise  # Hydra prints the whole traceback (HYDRA_FULL_ERROR=1 is set by --debug)
         report_bug(err, debug=False)
@@ -76,7 +75,7 @@ def run_sweep_job(cfg: DictConfig) -> float | None:
     Returns:
         The sweep's ``optimized_metric`` for this job (what Optuna maximises), None when it failed.
     """
-    from pipeline.experiments import sweep, sweep_files
+    from pipeline.experiments import sweep, sweep_files  # lazy: 45 modules (~0.03 s) that bad input never needs
 
     job = sweep.current_job()
     if sweep_files.stop_requested(job.folder):  # a stopped parallel sweep: this job was still queued in a worker
@@ -111,13 +110,13 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     """``train`` with the overrides as typed; a full disk mid-run becomes ``DiskFull``, one line naming where."""
     from hydra.core.hydra_config import HydraConfig
 
-    from pipeline.train import train  # imported late: `--help` and bad input skip torch's import
+    from pipeline.train import train  # lazy: torch and the run's modules (~1.6 s); --help and bad input skip them
 
     try:
         typed_overrides = list(HydraConfig.get().overrides.task) if _TYPED_OVERRIDES is None else _TYPED_OVERRIDES
         return train(run_cfg, overrides=typed_overrides, quiet=job is not None, sweep=job, own_overrides=_OWN_OVERRIDES)
     except Exception as err:
-        from pipeline.record.store import DiskFull, disk_full
+        from pipeline.record.store import DiskFull, disk_full  # lazy: 10 modules (~5 ms), for a failed run only
 
         if not disk_full(err):
             raise
@@ -173,7 +172,7 @@ def _main() -> None:
     try:
         run()
     finally:  # a sweep Hydra ended early (a stop request, a sweeper's error) still gets its parent run closed
-        from pipeline.experiments.sweep import end_unfinished
+        from pipeline.experiments.sweep import end_unfinished  # lazy: as run_sweep_job's; bad input exits first
 
         end_unfinished()
 
@@ -189,7 +188,7 @@ def _continue_the_run(args: list[str]) -> None:
     """A resume composes the run's own overrides (from its checkpoint) plus those typed now
     (``pipeline.engine.continuation``): Hydra is handed the merged list, the record keeps what was typed."""
     global _TYPED_OVERRIDES, _OWN_OVERRIDES
-    from pipeline.engine.continuation import continued
+    from pipeline.engine.continuation import continued  # lazy: torch (~1.4 s), for a resume only
 
     merged, _OWN_OVERRIDES = continued(args)
     _TYPED_OVERRIDES = list(args)
@@ -203,8 +202,6 @@ def check_flags(args: list[str]) -> None:
         OverrideError: ``--config-dir`` names no folder.
     """
     from hydra._internal.utils import get_args_parser
-
-    from pipeline.common.errors import OverrideError
 
     parsed, _ = get_args_parser().parse_known_args(args)
     if parsed.config_dir and not Path(parsed.config_dir).is_dir():
@@ -237,8 +234,6 @@ def check_sweep(args: list[str]) -> None:
         try:
             load(job)
         except PipelineError as err:
-            from pipeline.common.secrets import mask_overrides
-
             raise PipelineError(
                 f"sweep job {number} of {len(jobs)} ({' '.join(mask_overrides(job))}): {err}; no job was started"
             ) from err
@@ -246,8 +241,6 @@ def check_sweep(args: list[str]) -> None:
 
 def _fail(err: PipelineError) -> NoReturn:
     """One line; under ``--debug`` the traceback of what caused it first (a user's factory that raised)."""
-    from pipeline.common.cli import debugging
-
     if debugging() and err.__cause__ is not None:
         import traceback
 

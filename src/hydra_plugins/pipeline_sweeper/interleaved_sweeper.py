@@ -27,6 +27,7 @@ class InterleavedSweeper(BasicSweeper):
         self.seed = seed
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:  # type: ignore[override]
+        # lazy: Hydra imports every plugin as it starts, in any Hydra app here: these are 26 modules (~0.03 s)
         from pipeline.config.design import draw_seed, interleave
         from pipeline.config.search_space import axes
         from pipeline.experiments.sweep_files import save_design

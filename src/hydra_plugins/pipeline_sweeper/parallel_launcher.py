@@ -25,6 +25,8 @@ from types import FrameType
 from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher  # joblib itself: only in launch
 
+from pipeline.common.signals import signal_name
+
 
 class ParallelLauncher(JoblibLauncher):
     """Hydra's ``JoblibLauncher``; a batch that loses a worker is recorded and ends the sweep (exit 1)."""
@@ -32,6 +34,7 @@ class ParallelLauncher(JoblibLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from joblib.externals.loky.process_executor import TerminatedWorkerError
 
+        # lazy: Hydra imports every plugin as it starts, in any Hydra app here: these are 48 modules (~0.03 s)
         from pipeline.engine.stopping import stop_signals
         from pipeline.experiments import sweep
 
@@ -73,8 +76,7 @@ class StopSweep:
         self.workers: list[int] = []
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        from pipeline.common.signals import signal_name
-        from pipeline.experiments import sweep_files
+        from pipeline.experiments import sweep_files  # lazy: as launch's imports (loaded by now)
 
         if self.signum is not None:
             print(f"{signal_name(signum)} received: the sweep is already stopping (kill -9 abandons it)", flush=True)
@@ -103,8 +105,7 @@ class StopSweep:
     def end(self) -> None:
         """Stop loky's workers (idle by now, or dropping a queued job), record the jobs left, end the parent KILLED,
         exit 128 + the signal's number."""
-        from pipeline.common.signals import signal_name
-        from pipeline.experiments import sweep
+        from pipeline.experiments import sweep  # lazy: as launch's imports (loaded by now)
 
         assert self.signum is not None
         stop_workers(self.workers)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.common.device_memory import free_memory
 from pipeline.common.errors import PipelineError
 from pipeline.config import LoaderConfig
 
@@ -114,8 +115,6 @@ def resident_fits(spec: Any, device: Any) -> bool:
     """Whether ``loader.resident=true`` is worth a trial: the dataset (``DataSpec``) can be held whole (map-style, of
     tensors alone), and both splits take at most ``RESIDENT_SHARE`` of the memory free where they would live (the
     CUDA device's, else the host's, which MPS shares)."""
-    from pipeline.common.device_memory import free_memory
-
     needs = spec.resident_bytes
     return needs is not None and needs <= RESIDENT_SHARE * free_memory(device).bytes
 

@@ -16,7 +16,10 @@ from pipeline.autotune.search import Settings, tune
 from pipeline.autotune.trials import Trials
 from pipeline.common.cli import Parser, command
 from pipeline.common.errors import PipelineError
+from pipeline.config import load
 from pipeline.engine.memory import out_of_memory_is_an_error
+from pipeline.engine.provenance import run_name
+from pipeline.record.reachability import check_reachable
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -62,10 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     settings = Settings(args.budget_s, args.steps, args.warmup, args.rounds, args.batch_size, args.confirm)
     try:
-        from pipeline.config import load
-        from pipeline.engine.provenance import run_name
-        from pipeline.record.reachability import check_reachable
-
         cfg = load(args.overrides)
         if args.no_track:
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, enabled=False))

@@ -11,8 +11,10 @@ from typing import Any
 from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.search import Outcome, Settings, Tally
 from pipeline.common.errors import PipelineError
+from pipeline.common.secrets import env_values, mask_tree
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, min_p_paired, summarize
-from pipeline.config import LoaderConfig, RunConfig
+from pipeline.config import LoaderConfig, RunConfig, flatten
+from pipeline.record.lifecycle import open_tracker
 
 
 def gain(a: Tally, b: Tally) -> float:
@@ -267,10 +269,6 @@ def log_tuning_run(
     cfg: RunConfig, outcome: Outcome, report: str, *, overrides: Sequence[str], settings: Settings, name: str
 ) -> list[str]:
     """An MLflow run with the settings, the report, every trial, the plot and the winner; returns where it is."""
-    from pipeline.common.secrets import env_values, mask_tree
-    from pipeline.config import flatten
-    from pipeline.record.lifecycle import open_tracker
-
     ranking, current = outcome.ranking(), outcome.tally(outcome.current)
     tags = {
         **cfg.tracking.tags,

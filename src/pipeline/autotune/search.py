@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.autotune.candidates import Candidate, Machine, candidates, prefetch_variant, worker_ladder
+from pipeline.common.device_memory import is_oom
 from pipeline.config import LoaderConfig
 
 PLATEAU_GAIN = 0.03  # a doubling of the workers that gains less than this ends the ladder
@@ -319,8 +320,6 @@ def _search_batch_size(current: LoaderConfig, session: _Session, *, cap: int) ->
     """The fastest of 2x, 4x, ... the current batch, doubling until an out-of-memory error (the micro-batch
     fallback off), ``cap``, a doubling that gains under ``PLATEAU_GAIN`` (on a CPU, past the caches, a larger batch
     can be slower) or ``BATCH_SEARCH_SHARE`` of the budget; the current batch if none was timed."""
-    from pipeline.common.device_memory import is_oom
-
     best, tried, size = current.batch_size, [], current.batch_size * 2
     rates: dict[int, float] = {}
     while size <= cap:

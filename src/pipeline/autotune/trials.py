@@ -9,6 +9,12 @@ from typing import Any
 
 from pipeline.autotune.candidates import Candidate
 from pipeline.config import LoaderConfig, RunConfig
+from pipeline.engine import compilation, loop
+from pipeline.engine.build import build
+from pipeline.engine.loop import StepMetrics
+from pipeline.engine.memory import release_memory
+from pipeline.engine.timing import make_timer
+from pipeline.machine import doctor
 
 
 @dataclass
@@ -49,8 +55,6 @@ class Trials:
         self.cfg = cfg
         self._live: dict[Candidate, _Live] = {}
         if cfg.trainer.compile:
-            from pipeline.engine import compilation
-
             compilation.fresh()
             # Each live candidate is a model of its own, and each one's graphs count towards the same forward's
             # recompile limit: room for a dozen candidates' shapes, beyond which it still raises, never runs eager.
@@ -94,7 +98,6 @@ class Trials:
         live = self._live.pop(candidate, None)
         if live is None:
             return
-        from pipeline.engine.memory import release_memory
 
         device = live.setup.device
         live.close_batches()
@@ -107,10 +110,6 @@ class Trials:
 
     def _get(self, candidate: Candidate) -> _Live:
         if candidate not in self._live:
-            from pipeline.engine.build import build
-            from pipeline.engine.timing import make_timer
-            from pipeline.machine import doctor
-
             oom = dataclasses.replace(self.cfg.oom, enabled=self.cfg.oom.enabled and candidate.oom_fallback)
             setup = build(
                 dataclasses.replace(self.cfg, loader=candidate.loader, oom=oom), explain_missing_gpu=doctor.main_finding
@@ -120,10 +119,8 @@ class Trials:
         return self._live[candidate]
 
     def _train(self, live: _Live, steps: int) -> Any:
-        from pipeline.engine.loop import StepMetrics, train_epoch
-
         setup = live.setup
-        return train_epoch(
+        return loop.train_epoch(
             setup.state,
             live.batches,
             inputs=setup.inputs,  # the run's own input path, GPU augmentation included

@@ -43,6 +43,13 @@ from pipeline.benchmarks.harness import (
 from pipeline.common.cli import Parser, command
 from pipeline.common.messages import brief
 from pipeline.common.stats import paired_ratio
+from pipeline.config import DataConfig, load
+from pipeline.data.sources import load_data
+from pipeline.monitor import Sampler, gpu_targets
+from pipeline.monitor.gpu import GputilBackend, NvmlBackend
+from pipeline.record.store import experiment_id
+from pipeline.record.tracking import MlflowTracker
+from pipeline.train import train
 
 # ---------------------------------------------------------------------------------------------
 # What is compared
@@ -82,9 +89,6 @@ def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None
 
 def pipeline_run(overrides: list[str], store: Path) -> Any:
     """A one-epoch ``python -m pipeline`` run in-process, on the CPU, tracked in ``store``: its ``RunResult``."""
-    from pipeline.config import load
-    from pipeline.train import train
-
     base = ["device=cpu", "trainer.epochs=1", "trainer.progress=false", f"tracking.uri=sqlite:///{store}"]
     cfg = load([*base, "tracking.experiment=bench", "monitor.plots=false", *overrides])
     with contextlib.redirect_stdout(io.StringIO()):
@@ -97,9 +101,6 @@ def pipeline_run(overrides: list[str], store: Path) -> Any:
 
 def bench_overhead(sizes: Sizes, work: Path) -> list[Row]:
     """Pipeline (tracking, sampler, timing) vs a bare loop; sampler on/off; tracking cost."""
-    from pipeline.config import DataConfig
-    from pipeline.data.sources import load_data
-
     data = ["data=synthetic", f"data.num_samples={sizes.samples}", "data.val_samples=500", "loader=resident"]
     bundle = load_data(
         DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=sizes.samples, val_samples=500)
@@ -164,9 +165,6 @@ def tracking_call_cost(store: Path) -> Row:
     """The tracker's own price on the training thread: buffered calls and the per-epoch hand-off."""
     from mlflow import MlflowClient
 
-    from pipeline.record.store import experiment_id
-    from pipeline.record.tracking import MlflowTracker
-
     client = MlflowClient(f"sqlite:///{store}")
     experiment = experiment_id(client, "calls")
     run = client.create_run(experiment)
@@ -197,9 +195,6 @@ def tracking_call_cost(store: Path) -> Row:
 
 def bench_sampler_backends(sizes: Sizes) -> list[Row]:
     """Microseconds per reading of each backend that works here."""
-    from pipeline.monitor import Sampler, gpu_targets
-    from pipeline.monitor.gpu import GputilBackend, NvmlBackend
-
     rows = []
     n = 50 if sizes is QUICK else 500
 

@@ -20,6 +20,8 @@ from pipeline.benchmarks.harness import (
     interleaved,
 )
 from pipeline.common.stats import paired_ratio
+from pipeline.engine.amp_check import probe_cpu_amp
+from pipeline.engine.models import resnet
 
 
 def bench_amp(sizes: Sizes, work: Path) -> list[Row]:
@@ -31,9 +33,6 @@ def bench_amp(sizes: Sizes, work: Path) -> list[Row]:
 def bench_amp_resnet(sizes: Sizes) -> list[Row]:
     """One ResNet-50 training step (small stem, 28 px, batch 16) in float32 and under autocast, interleaved,
     against the run's start-up check (``amp_check.probe_cpu_amp``) at its own batch."""
-    from pipeline.engine.amp_check import probe_cpu_amp
-    from pipeline.engine.models import resnet
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
         return []

@@ -26,8 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.benchmarks.harness import QUICK, Row, Sizes, interleaved
+from pipeline.autotune import (
+    Machine,
+    Settings,
+    Trials,
+    confirmed_gain,
+    override_line,
+    resident_fits,
+    suggestion,
+    tune,
+    worker_limit,
+)
+from pipeline.benchmarks.harness import QUICK, Row, Sizes, bare_epoch, interleaved
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, paired_ratio, summarize
+from pipeline.config import DataConfig, load
+from pipeline.data.sources import load_data
+from pipeline.engine.amp_check import probe_cpu_amp
+from pipeline.engine.models import mlp, resnet
+from pipeline.train import train
 
 CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
 
@@ -51,19 +67,6 @@ def _quick(sizes: Sizes) -> bool:
 def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
     """``python -m pipeline.autotune`` on MNIST-shaped synthetic data, then its suggestion against the current
     setting in real ``python -m pipeline`` runs (two epochs each, the second's steady samples/s), interleaved."""
-    from pipeline.autotune import (
-        Machine,
-        Settings,
-        Trials,
-        confirmed_gain,
-        override_line,
-        resident_fits,
-        suggestion,
-        tune,
-        worker_limit,
-    )
-    from pipeline.config import load
-
     samples = 2_000 if _quick(sizes) else 20_000
     base = ["device=cpu", "data=synthetic", f"data.num_samples={samples}", "data.val_samples=500"]
     base += ["tracking=none", "monitor.enabled=false", "trainer.progress=false"]
@@ -106,9 +109,6 @@ def bench_autotune(sizes: Sizes, work: Path) -> list[Row]:
 
 
 def _epoch_rate(overrides: list[str], work: Path) -> float:
-    from pipeline.config import load
-    from pipeline.train import train
-
     cfg = load([*overrides, f"checkpoint.dir={work / 'checkpoints'}"])
     with contextlib.redirect_stdout(io.StringIO()):
         return train(cfg, echo=False, quiet=True).epochs[-1].samples_per_s
@@ -117,9 +117,6 @@ def _epoch_rate(overrides: list[str], work: Path) -> float:
 def bench_amp_check(sizes: Sizes) -> list[Row]:
     """The CPU amp check (``pipeline.engine.amp_check.probe_cpu_amp``) run ``repeats + 2`` times on the same model and
     batch: does it give one verdict, and ratios within ±15% of their median?"""
-    from pipeline.engine.amp_check import probe_cpu_amp
-    from pipeline.engine.models import mlp, resnet
-
     torch.manual_seed(0)
     images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     models = {"MLP 784-512-10": mlp((784,), 10, [512])}
@@ -190,11 +187,6 @@ def bench_compile(sizes: Sizes) -> list[Row]:
 def bench_profile(sizes: Sizes, work: Path) -> list[Row]:
     """``trainer.profile``: off, the pipeline's MLP epoch against the bare loop (off adds nothing to a step: the timer
     is not wrapped); on, its steady samples/s against off's (the profiled steps are left out of the steady state)."""
-    from pipeline.benchmarks.harness import bare_epoch
-    from pipeline.config import DataConfig, load
-    from pipeline.data.sources import load_data
-    from pipeline.train import train
-
     samples = sizes.samples
     images, labels = load_data(
         DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=samples, val_samples=500)

@@ -28,6 +28,17 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from pipeline.benchmarks.harness import Row, Sizes, bare_step, interleaved, mlp
+from pipeline.common.stats import paired_ratio
+from pipeline.config import DataConfig, load
+from pipeline.data.sources import load_data
+from pipeline.engine.build import build
+from pipeline.engine.loop import StepMetrics, train_epoch
+from pipeline.engine.step import Inputs
+from pipeline.engine.timing import make_timer
+from pipeline.parallel.distributed import from_env
+from pipeline.train import train
+
 RANKS = 2
 BATCH = 64  # per rank: the set-up recipe's MNIST batch
 CHUNK = 50  # steps per side of a round in the loop-level comparison
@@ -39,10 +50,6 @@ def _tutorial(samples: int) -> tuple[Any, Any, Any, Any]:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    from pipeline.benchmarks.harness import mlp
-    from pipeline.config import DataConfig
-    from pipeline.data.sources import load_data
 
     rank, world = dist.get_rank(), dist.get_world_size()
     bundle = load_data(DataConfig("synthetic", shape=[1, 28, 28], num_classes=10, num_samples=samples, val_samples=64))
@@ -56,8 +63,6 @@ def textbook(samples: int, batch: int, epochs: int) -> float:
     """The tutorial's DDP loop over this rank's shard; the last epoch's seconds."""
     import torch
     import torch.distributed as dist
-
-    from pipeline.benchmarks.harness import bare_step
 
     model, optimizer, images, labels = _tutorial(samples)
     seconds = 0.0
@@ -73,8 +78,6 @@ def textbook(samples: int, batch: int, epochs: int) -> float:
 
 
 def _config(samples: int, batch: int, epochs: int, store: Path) -> Any:
-    from pipeline.config import load
-
     return load(
         [
             "device=cpu",
@@ -96,8 +99,6 @@ def _config(samples: int, batch: int, epochs: int, store: Path) -> Any:
 
 def pipeline(samples: int, batch: int, epochs: int, store: Path) -> float:
     """``pipeline.train`` on this rank, as ``torchrun -m pipeline`` runs it; the last epoch's seconds."""
-    from pipeline.train import train
-
     result = train(_config(samples, batch, epochs, store), echo=False, quiet=True)
     return result.epochs[-1].seconds
 
@@ -111,13 +112,6 @@ def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], flo
 
     import torch
     import torch.distributed as dist
-
-    from pipeline.benchmarks.harness import bare_step
-    from pipeline.engine.build import build
-    from pipeline.engine.loop import StepMetrics, train_epoch
-    from pipeline.engine.step import Inputs
-    from pipeline.engine.timing import make_timer
-    from pipeline.parallel.distributed import from_env
 
     model, optimizer, images, labels = _tutorial(samples)
     cfg = _config(samples, batch, 1, store)
@@ -182,9 +176,6 @@ def chunk_rounds(sizes) -> int:
 def bench_ddp(sizes, work: Path) -> list:
     """The pipeline's global samples/s under DDP as a share of the textbook loop's: its training loop in short
     interleaved chunks, then whole runs (second epochs), rounds interleaved."""
-    from pipeline.benchmarks.harness import Row
-    from pipeline.common.stats import paired_ratio
-
     both = run_job(sizes, work)
     rows = []
     for kind, seconds in (("loop", both["loop"]), ("run", both["run"])):
@@ -218,8 +209,6 @@ def main(argv: list[str]) -> int:
     """One rank of the benchmark job: ``SAMPLES REPEATS WARMUP CHUNK_ROUNDS BATCH EPOCHS OUT.json`` (torchrun
     starts it). Whole runs first, then the loops in chunks (one warm-up round each)."""
     import torch.distributed as dist
-
-    from pipeline.benchmarks.harness import Sizes, interleaved
 
     samples, repeats, warmup, chunks, batch, epochs = map(int, argv[:6])
     out = Path(argv[6])

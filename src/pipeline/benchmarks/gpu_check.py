@@ -7,19 +7,19 @@
     python -m pipeline.gpu_check --dry-run            # the same plan at tiny sizes on the CPU, in well under a minute
 
 ``scripts/gpu_check.sh`` runs it from a checkout, installed or not (``src/`` first on the path), with whichever
-Python has torch. It needs torch and torchvision (any CUDA build) and, from the pipeline's own dependencies, only hydra-core,
-omegaconf, psutil, pyyaml, tqdm and numpy; whatever is missing is named with the ``pip install`` that adds it.
-nvidia-ml-py and GPUtil are optional (their rows are skipped without them). MLflow is needed only by the
+Python has torch. It needs torch and torchvision (any CUDA build) and, from the pipeline's own dependencies, only
+hydra-core, omegaconf, psutil, pyyaml, tqdm and numpy; whatever is missing is named with the ``pip install`` that
+adds it. nvidia-ml-py and GPUtil are optional (their rows are skipped without them). MLflow is needed only by the
 ``profile`` step, whose two runs record into a store in the check's temporary folder to read their artifacts back
-(its rows are skipped without it); every other run is ``tracking=none``. No run writes a checkpoint, and all train on
-synthetic data made in memory, so nothing is downloaded and nothing is left behind but the JSON file.
+(its rows are skipped without it); every other run is ``tracking=none``. No run writes a checkpoint, and all train
+on synthetic data made in memory, so nothing is downloaded and nothing is left behind but the JSON file.
 
 The runs are ``pipeline.train.train`` in this process, with configs from ``pipeline.config.load`` and
-``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``:
-every epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop
-reuse the benchmarks' harness (``pipeline.benchmarks.harness``). Every row is guarded: one that fails is an
-ERROR row and the rest still run. The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the check cannot
-start (a missing package, no GPU without ``--dry-run``).
+``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``: every
+epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop reuse the
+benchmarks' harness (``pipeline.benchmarks.harness``). Every row is guarded: one that fails is an ERROR row and the
+rest still run. The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the
+check cannot start (a missing package, no GPU without ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import pipeline
 from pipeline.benchmarks.gpu_goals import (
     DRY_PLAN,
     GPU_PLAN,
@@ -54,6 +55,7 @@ from pipeline.benchmarks.gpu_training import (
     step_resnet,
 )
 from pipeline.common.cli import Parser, command
+from pipeline.common.markdown import markdown_table
 
 # module -> what to pip install. The pipeline's other dependencies are not imported by these runs.
 REQUIRED = {
@@ -183,8 +185,6 @@ def number(value: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    from pipeline.common.markdown import markdown_table
-
     body = [[r.name, number(r.value), r.unit, str(r.goal or "—"), r.status, r.detail] for r in rows]
     return "\n".join(markdown_table(["check", "value", "unit", "goal", "result", "detail"], body))
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     if not plan.dry and not _cuda_or_say_why():
         return 2
-    from pipeline.benchmarks.harness import machine_facts, quiet_logs
+    from pipeline.benchmarks.harness import machine_facts, quiet_logs  # lazy: torch (~1.4 s), checked for first
 
     started = datetime.datetime.now(datetime.timezone.utc)
     facts = machine_facts()
@@ -259,7 +259,7 @@ def _cuda_or_say_why() -> bool:
 
     if torch.cuda.is_available():
         return True
-    from pipeline.machine import doctor
+    from pipeline.machine import doctor  # lazy: torch (~1.4 s), checked for first
 
     finding = doctor.main_finding()
     print(
@@ -308,8 +308,6 @@ def _document(
     rows: list[Row],
 ) -> dict[str, Any]:
     """The raw numbers' JSON document (schema 1)."""
-    import pipeline
-
     return {
         "schema": 1,
         "command": command,

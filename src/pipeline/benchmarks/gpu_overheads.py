@@ -27,6 +27,8 @@ from pipeline.benchmarks.gpu_training import (
     train_run,
 )
 from pipeline.common.messages import brief
+from pipeline.common.stats import paired_ratio
+from pipeline.config import DataConfig
 
 
 class Poller:
@@ -59,8 +61,8 @@ def gpu_backends(plan: Plan) -> tuple[dict[str, Any], dict[str, str]]:
         return {}, {"nvml": DRY_GPU, "gputil": DRY_GPU}
     import torch
 
-    from pipeline.monitor import gpu_targets
-    from pipeline.monitor.gpu import GputilBackend, NvmlBackend
+    from pipeline.monitor import gpu_targets  # lazy: torch (~1.4 s), checked for first
+    from pipeline.monitor.gpu import GputilBackend, NvmlBackend  # lazy: torch, as above
 
     targets = gpu_targets(torch.device("cuda", 0))
     opened, why = {}, {}
@@ -81,7 +83,7 @@ def bare_resnet(plan: Plan, *, amp: bool, channels_last: bool, seconds: float) -
     import torch
     import torch.nn.functional as F
 
-    from pipeline.engine.models import resnet
+    from pipeline.engine.models import resnet  # lazy: torch (~1.4 s), checked for first
 
     device = torch.device(plan.device)
     if device.type == "cuda":
@@ -123,8 +125,6 @@ def bare_resnet(plan: Plan, *, amp: bool, channels_last: bool, seconds: float) -
 
 def augment_available() -> bool:
     """Whether this checkout has ``data.augment`` (GPU crop/flip); without it the input row runs unaugmented."""
-    from pipeline.config import DataConfig
-
     return "augment" in {f.name for f in dataclasses.fields(DataConfig)}
 
 
@@ -204,8 +204,8 @@ def step_input(ctx: Context) -> list[Row]:
 def step_sampler(ctx: Context) -> list[Row]:
     """What one reading costs through NVML and through GPUtil (``pipeline.benchmarks.bench``'s sampler benchmark),
     and the mean utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
-    from pipeline.benchmarks.bench import bench_sampler_backends
-    from pipeline.benchmarks.harness import Sizes
+    from pipeline.benchmarks.bench import bench_sampler_backends  # lazy: torch (~1.4 s), checked for first
+    from pipeline.benchmarks.harness import Sizes  # lazy: torch, as above
 
     plan = ctx.plan
     rows: list[Row] = []
@@ -266,11 +266,9 @@ def step_overhead(ctx: Context) -> list[Row]:
     def make() -> Row:
         from statistics import median
 
-        from pipeline.benchmarks.bench import pipeline_epoch
-        from pipeline.benchmarks.harness import Sizes, bare_epoch, interleaved
-        from pipeline.common.stats import paired_ratio
-        from pipeline.config import DataConfig
-        from pipeline.data.sources import load_data
+        from pipeline.benchmarks.bench import pipeline_epoch  # lazy: torch (~1.4 s), checked for first
+        from pipeline.benchmarks.harness import Sizes, bare_epoch, interleaved  # lazy: torch, as above
+        from pipeline.data.sources import load_data  # lazy: torch, as above
 
         sizes = Sizes(samples=plan.overhead_samples, repeats=plan.overhead_repeats, warmup=0 if plan.dry else 1)
         bundle = load_data(

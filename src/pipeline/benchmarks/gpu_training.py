@@ -22,12 +22,12 @@ from pipeline.benchmarks.gpu_goals import (
     Row,
     guarded,
 )
+from pipeline.config import load
 
 
 def train_run(overrides: list[str]) -> Any:
     """``python -m pipeline <overrides>`` in this process, printing nothing; returns its ``RunResult``."""
-    from pipeline.config import load
-    from pipeline.train import train
+    from pipeline.train import train  # lazy: torch (~1.4 s), checked for first
 
     return train(load(overrides), echo=False, quiet=True)
 
@@ -88,7 +88,7 @@ def step_doctor(ctx: Context) -> list[Row]:
     """``python -m pipeline.doctor``'s checks, as one row: how many failed, and which warned or failed."""
 
     def make() -> Row:
-        from pipeline.machine import doctor
+        from pipeline.machine import doctor  # lazy: torch (~1.4 s), checked for first
 
         report = doctor.report(smoke=True)
         counts = Counter(c["status"] for c in report["checks"])
@@ -117,7 +117,7 @@ def step_doctor(ctx: Context) -> list[Row]:
 def timed_evaluations(seconds: list[float]) -> Iterator[None]:
     """Time each evaluation pass of the runs inside. ``evaluate`` ends with a host sync (its sums become
     numbers), so its wall clock is the device's time too."""
-    import pipeline.train as train_module
+    import pipeline.train as train_module  # lazy: torch (~1.4 s), checked for first
 
     original = train_module.evaluate
 
@@ -223,7 +223,7 @@ def step_resnet(ctx: Context, *, compiled: bool = False) -> list[Row]:
             if figures["peak_mb"] is not None:
                 detail += f", peak {figures['peak_mb']:,.0f} MB"
             if "compile" in key:
-                from pipeline.report.logbook import compile_seconds
+                from pipeline.report.logbook import compile_seconds  # lazy: torch (~1.4 s), checked for first
 
                 figures["compile_s"] = compile_seconds([e.breakdown for e in result.epochs])
                 if figures["compile_s"] is not None:
@@ -259,7 +259,7 @@ def injected_oom_above(limit: int) -> Iterator[None]:
     stand-in for a card that is too small (a CPU has no allocator cap to hit)."""
     import torch
 
-    import pipeline.engine.build as build_module
+    import pipeline.engine.build as build_module  # lazy: torch (~1.4 s), checked for first
 
     original = build_module.build_model
 
@@ -317,7 +317,7 @@ def step_oom(ctx: Context) -> list[Row]:
             if peak is None:  # run alone (--only oom): measure the fitting batch's peak first
                 train_run([*resnet_overrides(plan, *precision, epochs=1, samples=samples), "trainer.max_steps=2"])
                 peak = peak_mb(plan)
-                from pipeline.benchmarks.harness import release  # torch: once the check may run
+                from pipeline.benchmarks.harness import release  # lazy: torch (~1.4 s), checked for first
 
                 release()
             total = torch.cuda.get_device_properties(0).total_memory / 1e6

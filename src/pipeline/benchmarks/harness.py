@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.common.markdown import markdown_table
+from pipeline.engine.devices import cpu_name
+
 
 @dataclass(frozen=True)
 class Row:
@@ -101,8 +104,6 @@ def quiet_logs() -> Iterator[None]:
 
 
 def table(rows: list[Row]) -> str:
-    from pipeline.common.markdown import markdown_table
-
     def met(row: Row) -> str:
         return "—" if row.met is None else ("yes" if row.met else "**no**")
 
@@ -112,8 +113,6 @@ def table(rows: list[Row]) -> str:
 
 def machine_facts() -> dict[str, Any]:
     """The machine a measurement ran on: Python, torch and its CUDA, the CPU, and the first GPU if there is one."""
-    from pipeline.engine.devices import cpu_name
-
     facts: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -23,6 +23,9 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from pipeline.common.errors import ConfigError
+from pipeline.common.uris import absolute, sqlite_database
+
 MASK = "***"
 URI_CREDENTIALS = re.compile(
     r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]+):(?P<password>[^@/\s]+)@", re.IGNORECASE
@@ -80,8 +83,6 @@ def env_values(cfg: Any) -> frozenset[str]:
             as such, and masking it would file every such run under one experiment called ``***``; refusing is
             the only choice that neither leaks nor silently merges experiments.
     """
-    from pipeline.common.errors import ConfigError
-
     if "tracking.experiment" in cfg.env_keys and cfg.tracking.enabled:
         raise ConfigError(
             "tracking.experiment",
@@ -187,8 +188,6 @@ def _forms(value: str) -> set[str]:
     """``value`` as typed, and as it shows up once used: a path without its trailing slash, normalised, expanded
     and resolved (``data.root`` is recorded resolved), a ``sqlite:///`` URI made absolute and its database's path
     as typed and resolved (``tracking.uri``), and JSON-escaped (environment.json, the dataset input)."""
-    from pipeline.common.uris import absolute, sqlite_database  # store masks with this module: imported when used
-
     forms = {value, value.rstrip("/\\"), json.dumps(value)[1:-1]}
     if "://" not in value and (value.startswith(("/", ".", "~")) or "/" in value.strip("/")):
         forms.add(os.path.normpath(value))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.common.errors import ConfigError, OverrideError
+from pipeline.common.secrets import env_keys
 from pipeline.config.schema import MAX_TAG_KEY, MISSING_VALUE, MOVED, TAGS_PREFIX, RunConfig, _at_most
 from pipeline.config.targets import TargetConfig
 
@@ -108,8 +109,6 @@ def from_dictconfig(cfg: Any) -> RunConfig:
     """
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from pipeline.common.secrets import env_keys
 
     sensitive: frozenset[str] = frozenset()
     if isinstance(cfg, DictConfig):

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from pipeline.common.errors import DatasetError
 from pipeline.common.messages import brief
-from pipeline.common.targets import bind, instantiate, source_file
+from pipeline.common.targets import FactoryFailed, bind, instantiate, source_file
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import structures
 
@@ -186,8 +186,6 @@ def _item(dataset: Any, index: int, split: str, path: str) -> Any:
     except DatasetError:
         raise
     except Exception as err:
-        from pipeline.common.targets import FactoryFailed
-
         raise FactoryFailed(
             f"data._target_={path}: reading {split} item {index} raised {brief(err, first_line=True)} "
             "(--debug shows the traceback)"

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from pipeline.common.device_memory import FLOAT32, check_data
 from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, target_label
+from pipeline.data import custom, structures
 from pipeline.data.archives import read_published
 from pipeline.data.images import image_folder
 
@@ -332,8 +333,6 @@ def _synthetic(cfg: DataConfig) -> DataBundle:
 
 def _custom(cfg: DataConfig) -> DataBundle:
     """The user's datasets (``pipeline.data.custom``), described by their first batch."""
-    from pipeline.data import custom, structures
-
     made = custom.load(cfg)
     inputs = made.first[0]
     spec = DataSpec(

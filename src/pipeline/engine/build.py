@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.common.errors import ConfigError
+from pipeline.common.errors import ConfigError, DatasetError
 from pipeline.config import LoaderConfig, RunConfig
 from pipeline.data import (
     AsGiven,
@@ -26,6 +26,7 @@ from pipeline.data import (
     EpochLoader,
     Normalize,
     ResidentLoader,
+    custom,
     first_batch,
     load_data,
     make_augment,
@@ -282,8 +283,6 @@ def _loaders(
 ) -> tuple[Any, Any]:
     """The training and validation batches (this rank's share), each behind a device prefetcher where wanted; the
     user's datasets are checked for what their workers and ranks need first."""
-    from pipeline.data import custom
-
     seed, shard = cfg.trainer.seed, {"rank": group.rank, "world": group.world_size}
     steps = None
     if data.spec.iterable:
@@ -314,8 +313,6 @@ def _splitter(data: DataBundle) -> Any:
     def cut(batch: Any, pieces: int) -> list[Any]:
         parts = list(hook(batch, pieces))
         if len(parts) != pieces:
-            from pipeline.common.errors import DatasetError
-
             raise DatasetError(f"data.split_batch returned {len(parts)} micro-batches where {pieces} were asked for")
         return parts
 

@@ -17,6 +17,7 @@ from pipeline.common.secrets import MASK
 from pipeline.config import RunConfig, load
 from pipeline.engine.checkpoint import Checkpointer, CheckpointError, Position
 from pipeline.engine.checkpoint import load as load_checkpoint
+from pipeline.engine.resume import locate
 from pipeline.engine.stopping import Stopped
 
 NOT_KEPT = ("resume", "fork")  # how this process started, not the run's configuration
@@ -53,8 +54,6 @@ def continued(typed_now: Sequence[str]) -> tuple[list[str], list[str]]:
         CheckpointError: no such checkpoint; a recorded override whose value was masked (a secret) and is not
             typed again; or a length shorter than the run was started with that is not typed now.
     """
-    from pipeline.engine.resume import locate
-
     saved = load_checkpoint(locate(load(typed_now)))
     started = saved.get("overrides")
     typed_keys = {key_of(o) for o in typed_now}

@@ -27,6 +27,7 @@ import torch
 
 from pipeline.common.device_memory import FLOAT32, DoesNotFit, free_memory, size
 from pipeline.config import RunConfig
+from pipeline.engine.models import build_model
 
 HALF = 2  # bytes: activations under amp (float16 or bfloat16)
 
@@ -57,8 +58,6 @@ def estimate(
     the meta device (nothing is allocated, whatever the sizes). Without ``model``, the pipeline's own factory makes
     it there; a user's model, made already, runs on meta copies of its tensors (``torch.func.functional_call``).
     Inputs that are no single tensor (``in_shape`` None) count the state alone."""
-    from pipeline.engine.models import build_model
-
     if model is None:
         with torch.device("meta"):
             model = build_model(cfg.model, in_shape=in_shape, num_classes=num_classes)

@@ -22,11 +22,14 @@ from typing import Any
 
 import torch
 
+import pipeline
 from pipeline import __version__
+from pipeline.common.targets import resolve, source_file
 from pipeline.config import RunConfig, target_label
 from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
 from pipeline.engine.devices import DeviceChoice, cudnn_version
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.record.heartbeat import identity_tags
 
 
 def run_tags(
@@ -55,8 +58,6 @@ def source_tags() -> dict[str, str]:
     """Who started a run, from where, in which process, with which code: the tags a sweep's parent run shares. The
     pipeline's own code (``pipeline_tags``) and the launch folder's checkout (``git_tags``) are read apart: either
     may be outside git, and neither tells the other's state."""
-    import pipeline
-
     return {
         "mlflow.source.name": "python -m pipeline",
         "mlflow.source.type": "LOCAL",
@@ -94,8 +95,6 @@ def process_tags() -> dict[str, str]:
     """The process training the run, so a run it left RUNNING (SIGKILL) can be found: ``pipeline.record.stale``. The
     boot id and pid namespace (``pipeline.record.heartbeat.identity_tags``) say whether its pid can be looked up."""
     import psutil
-
-    from pipeline.record.heartbeat import identity_tags
 
     return {
         "process.host": socket.gethostname(),
@@ -241,8 +240,6 @@ def code_tags(prefix: str, obj: Any, *, target: str) -> dict[str, str]:
     ``<prefix>.file`` (the file its ``_target_`` is defined in) and ``<prefix>.file_sha256`` (a hash of that file's
     bytes): the provenance of code that lives outside this package, beside the launch folder's own git commit
     (``git_tags``). Targets of this package or of installed libraries carry no file."""
-    from pipeline.common.targets import resolve, source_file
-
     tags = {}
     if obj is not None:
         tags[f"{prefix}.class"] = f"{type(obj).__module__}.{type(obj).__qualname__}"
@@ -260,8 +257,6 @@ def code_tags(prefix: str, obj: Any, *, target: str) -> dict[str, str]:
 
 def _installed(path: str) -> bool:
     """A file of this package or of an installed library (site-packages), not the user's own code."""
-    import pipeline
-
     package = os.path.dirname(os.path.abspath(pipeline.__file__))
     return os.path.abspath(path).startswith(package) or "site-packages" in path or "dist-packages" in path
 

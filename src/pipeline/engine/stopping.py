@@ -23,7 +23,6 @@ from typing import Any
 
 from pipeline.common.errors import Interruption
 from pipeline.common.signals import signal_name
-from pipeline.data.workers import LoaderError
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +124,8 @@ def workers_stopped_too(stop: StopRequests, fn: Any) -> Any:
     process group (SLURM's time limit, ``kill -- -PGID``) kills the workers too, and their deaths can surface
     anywhere in a step. The run ends KILLED, as stopped, but writes no checkpoint from a step that may be half done:
     the last checkpoint stands, and a resume replays from it."""
+    # lazy: pipeline.data imports torch (~1.4 s); __main__ imports Stopped before it checks the config
+    from pipeline.data.workers import LoaderError
 
     def run(*args: Any, **kwargs: Any) -> Any:
         try:

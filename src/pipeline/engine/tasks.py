@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.common.errors import DatasetError, PipelineError
-from pipeline.common.targets import bind, instantiate
+from pipeline.common.targets import bind, instantiate, resolve
 from pipeline.config import TargetConfig, TaskConfig
 from pipeline.data.structures import count, describe
 
@@ -325,8 +325,6 @@ class Custom:
 
 def _callable(cfg: TargetConfig, key: str) -> Any:
     """A class is made with the keywords (then called per batch); a function is bound to them (``_partial_``)."""
-    from pipeline.common.targets import resolve
-
     partial = cfg._partial_
     if partial is None:
         partial = not inspect.isclass(resolve(cfg._target_, key=key))

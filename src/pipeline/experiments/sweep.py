@@ -45,7 +45,8 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.common.cli import bug_line, debugging
 from pipeline.common.errors import ConfigError, PipelineError
 from pipeline.common.messages import brief
-from pipeline.common.secrets import mask_overrides, mask_text
+from pipeline.common.secrets import env_values, mask_overrides, mask_text
+from pipeline.engine.outputs import make_output_folder
 from pipeline.experiments.sweep_files import (
     JOBS_DIR,
     NOT_RUN,
@@ -62,6 +63,8 @@ from pipeline.experiments.sweep_files import (
     sweep_folder,
 )
 from pipeline.experiments.sweep_parent import close_parent, failed_run, open_parent, parent_links
+from pipeline.parallel.slurm import check_slurm_commands
+from pipeline.record.filesystems import check_slurm_store
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -94,8 +97,6 @@ class SweepCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """A single run: its output folder made first, in one line when it cannot be (Hydra's is a traceback)."""
-        from pipeline.engine.outputs import make_output_folder
-
         try:
             make_output_folder(config.hydra, "hydra.run.dir")
         except PipelineError as err:
@@ -127,10 +128,6 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
         SqliteUnderSlurm: ``hydra/launcher=slurm`` with an SQLite store (``pipeline.record.filesystems``).
         TrackingUnavailable: the store cannot work (``pipeline.record.reachability.check_reachable``).
     """
-    from pipeline.engine.outputs import make_output_folder
-    from pipeline.parallel.slurm import check_slurm_commands
-    from pipeline.record.filesystems import check_slurm_store
-
     if metric not in get_args(Metric) and not VALIDATION.fullmatch(metric):
         raise ConfigError(
             "hydra.callbacks.sweep.optimized_metric", metric, f"{_one_of(get_args(Metric))} or a val/<name> metric"
@@ -354,7 +351,6 @@ def end_unfinished() -> None:
 def _secret_values(cfg: RunConfig | None) -> frozenset[str]:
     if cfg is None:
         return frozenset()
-    from pipeline.common.secrets import env_values
 
     try:
         return env_values(cfg)

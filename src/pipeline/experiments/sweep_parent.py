@@ -18,14 +18,17 @@ from omegaconf import DictConfig
 
 from pipeline.common.errors import ConfigError
 from pipeline.common.messages import best_effort
-from pipeline.common.secrets import mask_overrides, mask_text
-from pipeline.common.uris import run_page, ui_base
+from pipeline.common.secrets import env_keys, mask_overrides, mask_text
+from pipeline.common.uris import absolute, run_page, ui_base
 from pipeline.experiments.sweep_files import (
     JobOutcome,
     Sweep,
     SweepJob,
     sweep_folder,
 )
+from pipeline.record.reachability import check_reachable
+from pipeline.record.runs import create_run
+from pipeline.record.store import connect, retrying
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
@@ -42,12 +45,8 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     A store that cannot work raises (nothing has started); an MLflow error creating the run is a warning, and the
     jobs are recorded without a parent.
     """
-    from pipeline.common.secrets import env_keys
-    from pipeline.common.uris import absolute
-    from pipeline.engine.provenance import source_tags  # imports torch: only here, once per sweep
-    from pipeline.record.reachability import check_reachable
-    from pipeline.record.runs import create_run
-    from pipeline.record.store import connect
+    # lazy: engine.provenance imports torch (~1.4 s); every `python -m pipeline` imports this module (end_unfinished)
+    from pipeline.engine.provenance import source_tags
 
     experiment = str(config.tracking.experiment)
     if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job
@@ -103,8 +102,6 @@ def close_parent(
     summary as a terminal shows it ("" when it could not be made: the parent still ends)."""
     from mlflow import MlflowClient
 
-    from pipeline.record.store import retrying
-
     client = MlflowClient(sweep.uri)
     where = f"tags.`mlflow.parentRunId` = '{sweep.parent_run_id}'"
     table = ""
@@ -132,6 +129,7 @@ def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], 
     """Log the sweep's comparison (``pipeline.experiments.compare``: Markdown, CSV, a chart) on its parent run, and the
     table as the run's description (with links relative to the UI's page). Returns the terminal's view (printed
     at the end of the sweep). A search's rows are ranked by what it searched for."""
+    # lazy: compare's 19 modules (~0.05 s); every python -m pipeline, --help too, imports this one (end_unfinished)
     from pipeline.experiments import compare
 
     parent = client.get_run(parent_run_id)
@@ -146,8 +144,6 @@ def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], 
 def _end_parent(sweep: Sweep, status: str, tags: dict[str, str]) -> None:
     from mlflow import MlflowClient
     from mlflow.entities import RunTag
-
-    from pipeline.record.store import retrying
 
     client = MlflowClient(sweep.uri)
     # the exit status and the failures printed still tell the user
@@ -168,9 +164,6 @@ def failed_run(
     if not (sweep.parent_run_id and sweep.uri and sweep.experiment_id):
         return None, None
     from mlflow import MlflowClient
-
-    from pipeline.record.runs import create_run
-    from pipeline.record.store import retrying
 
     client = MlflowClient(sweep.uri)
     # the outcome file and the list at the end still record the failure
@@ -199,7 +192,7 @@ def job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:
     """The name a job that failed before its run existed gets: the derived one, with the device as asked."""
     if cfg is None:
         return f"sweep-{job.sweep.short_id}-job{job.number}"
-    from pipeline.engine.provenance import run_name, sweep_run_name, with_overrides
+    from pipeline.engine.provenance import run_name, sweep_run_name, with_overrides  # lazy: torch (~1.4 s), as above
 
     precision = ("amp" if cfg.precision.dtype == "auto" else cfg.precision.dtype) if cfg.amp else "fp32"
     name = sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from pipeline.common.messages import brief
-from pipeline.engine.devices import cudnn_version
+from pipeline.common.stats import paired_ratio
+from pipeline.engine import amp_check
+from pipeline.engine.devices import cpu_name, cudnn_version
 from pipeline.machine.platforms import (
     Probe,
     Toolkit,
@@ -31,6 +33,7 @@ from pipeline.machine.platforms import (
     shadowing_cudnn,
     vendor_of,
 )
+from pipeline.monitor.peaks import cpu_peak
 
 # CUDA versions of PyTorch's wheel indexes (download.pytorch.org/whl/cuXYZ), newest last
 WHEEL_CUDA = ["11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0"]
@@ -163,9 +166,7 @@ def gather_speed(facts: Facts) -> Facts:
     Only the doctor's own run (and ``report(smoke=True)``) pays for this, never the report
     attached to each training run. Fills ``facts.cpu_bf16_*``, the CPU's bfloat16 flags and ``cpu_peak_tflops``.
     """
-    from pipeline.engine.amp_check import cpu_flags
-
-    flags = cpu_flags()  # the amp check's reading of the CPU's flags: one reader of /proc/cpuinfo
+    flags = amp_check.cpu_flags()  # the amp check's reading of the CPU's flags: one reader of /proc/cpuinfo
     facts.cpu_avx512_bf16, facts.cpu_amx = (None, None) if flags is None else _bf16_flags(flags)
     start = time.perf_counter()
     rng = torch.Generator().manual_seed(0)  # leaves the global stream alone when called in-process
@@ -180,9 +181,6 @@ def gather_speed(facts: Facts) -> Facts:
 
 def cpu_peaks() -> dict[str, float]:
     """The CPU's matmul peaks that runs read MFU against, measured again (about 0.7 s) and cached for them."""
-    from pipeline.engine.devices import cpu_name
-    from pipeline.monitor.peaks import cpu_peak
-
     measured = {dtype: cpu_peak(dtype, cpu=cpu_name(), refresh=True).tflops for dtype in ("fp32", "bf16")}
     return {dtype: tflops for dtype, tflops in measured.items() if tflops is not None}
 
@@ -190,11 +188,8 @@ def cpu_peaks() -> dict[str, float]:
 def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> float:
     """float32's time over bfloat16's for ``op(*args)``: the median of interleaved pairs' ratios, as the amp check
     measures (``pipeline.engine.amp_check.time_pairs``); inputs are cast beforehand, so only compute counts."""
-    from pipeline.common.stats import paired_ratio
-    from pipeline.engine.amp_check import time_pairs
-
     narrow = tuple(t.bfloat16() for t in args)
-    warm, (fp32, bf16) = time_pairs(lambda: op(*args), lambda: op(*narrow), pairs=5, until=until)
+    warm, (fp32, bf16) = amp_check.time_pairs(lambda: op(*args), lambda: op(*narrow), pairs=5, until=until)
     return paired_ratio(fp32, bf16) if fp32 else warm[0] / warm[1]
 
 

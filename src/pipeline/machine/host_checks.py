@@ -15,6 +15,7 @@ from pipeline.machine.facts import Check, Facts, nvidia_adapters, version_tuple
 from pipeline.machine.platforms import (
     vendor_of,
 )
+from pipeline.monitor.peaks import CPU_MATMUL_N, cache_file
 
 # bfloat16 below this fraction of float32's speed makes amp=true on the CPU a slowdown
 CPU_BF16_SLOW = 0.9
@@ -148,8 +149,6 @@ def cpu_bf16_check(facts: Facts) -> Check:
 def cpu_peak_check(facts: Facts) -> Check:
     """What MFU is read against on this CPU: its measured matmul peaks, cached for the runs."""
     import torch
-
-    from pipeline.monitor.peaks import CPU_MATMUL_N, cache_file
 
     if not facts.cpu_peak_tflops:
         return Check("CPU peak (MFU)", "INFO", "not measured (gather_speed did not run)")

@@ -29,6 +29,8 @@ from torch import nn
 
 from pipeline.common.messages import brief
 from pipeline.config import DeviceConfig
+from pipeline.parallel import overlap
+from pipeline.parallel.overlap import posted_failure
 from pipeline.parallel.ranks import DistributedError, Launch, cuda_index, launch_from
 
 log = logging.getLogger(__name__)
@@ -165,8 +167,6 @@ class Group(Solo):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP around the model and the step's agreement (``pipeline.parallel.overlap.wrap``)."""
-        from pipeline.parallel import overlap
-
         self._clock = overlap.CommClock(next(model.parameters()).device)
         return overlap.wrap(model)
 
@@ -201,8 +201,6 @@ class Group(Solo):
 
     def average_gradients(self, model: nn.Module) -> None:
         """Every trainable parameter's gradient averaged over the ranks, after the step's agreement."""
-        from pipeline.parallel import overlap
-
         overlap.average_by_hand(model, world_size=self.world_size, clock=self._clock)
 
     def reduce_in_backward(
@@ -222,8 +220,6 @@ class Group(Solo):
         ``carry`` (e.g. a logging interval's losses) with it: the third value is its mean over ranks (None: not
         carried, on CUDA or when too long); on CUDA the agreement is issued on the Gloo group before the backward and
         read after it, so no rank waits for its GPU to read it."""
-        from pipeline.parallel import overlap
-
         if self._control is None:
             agreement: Any = (failed, stop, carry if carry is not None and len(carry) <= overlap.CARRY else None)
         else:
@@ -278,8 +274,6 @@ class Group(Solo):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The model behind DDP (and ``torch.compile`` around it): what outlives the job's process group."""
-        from pipeline.parallel import overlap
-
         return overlap.unwrap(model)
 
     def close(self, *, clean: bool = True) -> None:
@@ -317,8 +311,6 @@ class Group(Solo):
 def _left_or(err: RuntimeError) -> Exception:
     """A broken collective ("connection closed"): why a rank that left says it did (``pipeline.parallel.overlap``), else
     ``err`` itself."""
-    from pipeline.parallel.overlap import posted_failure
-
     return posted_failure() or err
 
 

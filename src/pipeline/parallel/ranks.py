@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.common.errors import PipelineError
+from pipeline.parallel.slurm import in_job_step, torch_env
 
 
 class DistributedError(PipelineError):
@@ -37,8 +38,6 @@ def launch_from(environ: Mapping[str, str]) -> Launch | None:
     """
     env: Mapping[str, str] = environ
     if "WORLD_SIZE" not in env and "RANK" not in env:
-        from pipeline.parallel.slurm import torch_env
-
         env = torch_env(environ) or environ
         if env is not environ:
             os.environ.update({k: v for k, v in env.items() if k not in environ})  # MASTER_ADDR & co. for the group
@@ -69,8 +68,6 @@ def cuda_index(local_rank: int, environ: Mapping[str, str] | None = None) -> int
     Raises:
         DistributedError: fewer GPUs than processes on this node.
     """
-    from pipeline.parallel.slurm import in_job_step
-
     environ = os.environ if environ is None else environ
     count = torch.cuda.device_count()
     if local_rank < count:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pipeline
+
 log = logging.getLogger(__name__)
 
 NAME = "model"  # runs:/<run id>/model
@@ -147,8 +149,6 @@ def _source(cls: type) -> str | None:
 
 
 def _installed(path: str) -> bool:
-    import pipeline
-
     here = str(Path(pipeline.__file__).resolve().parent)
     resolved = str(Path(path).resolve())
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}

@@ -36,6 +36,8 @@ from pipeline.common.secrets import mask_text
 from pipeline.common.uris import absolute
 from pipeline.record import outbox
 from pipeline.record.heartbeat import BEAT_EVERY_S, last_beat, same_pid_space
+from pipeline.record.reachability import check_exists, check_reachable
+from pipeline.record.store import TrackingUnavailable
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 AFTER_MIN = 10.0  # default threshold: ten missed beats
@@ -159,9 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             f"a live run would look stale; use {MIN_BEATS * BEAT_EVERY_S / 60:g} or more"
         )
     from mlflow import MlflowClient
-
-    from pipeline.record.reachability import check_exists, check_reachable
-    from pipeline.record.store import TrackingUnavailable
 
     uri = absolute(args.uri)
     try:

@@ -52,7 +52,7 @@ from pipeline.common.uris import run_page, ui_base
 from pipeline.record import outbox
 from pipeline.record.dataset_input import dataset_inputs
 from pipeline.record.heartbeat import Heartbeat
-from pipeline.record.logged_model import ModelCard
+from pipeline.record.logged_model import ModelCard, log_model
 from pipeline.record.outage import Outage
 from pipeline.record.store import retrying, server_down
 
@@ -357,8 +357,6 @@ class MlflowTracker:
         """The trained model as the run's logged model (``pipeline.record.logged_model``), its metrics linked; returns
         the URI that loads it. A store that refuses it costs the run nothing else: a warning, and None."""
         from mlflow.exceptions import MlflowException
-
-        from pipeline.record.logged_model import log_model
 
         self.flush()  # the final metrics are in the store before they are linked to the model
         if self._outage.over():  # a model is many requests: none is made to a server past its deadline

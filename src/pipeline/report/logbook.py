@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import RunConfig, flatten
+from pipeline.data.structures import call_model, move
 from pipeline.engine.build import Setup
 from pipeline.engine.loop import EpochStats
 from pipeline.engine.memory import batchnorm_note
@@ -204,8 +205,6 @@ def model_card(setup: Setup, model: Any) -> ModelCard:
     """What the logged model carries (``pipeline.record.logged_model``): two samples as the model takes them (the
     built-in sources' after normalisation), its output for them, the classes and how inputs were prepared."""
     import torch
-
-    from pipeline.data.structures import call_model, move
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     inputs = setup.prepare(move(setup.first[0], setup.device, non_blocking=False))  # the first two samples

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pipeline.config import RunConfig
-
-if TYPE_CHECKING:
-    from pipeline.engine.amp_check import AmpProbe
+from pipeline.engine.amp_check import AmpProbe, has_amx
 
 INPUT_BOUND_PCT = 30.0
 INPUT_WITH_IDLE_GPU_PCT = 15.0
@@ -186,7 +183,6 @@ def _cpu_compute_hint(precision: str, amp_check: AmpProbe | None, mfu: Mfu | Non
             hint += "; on this CPU the model's own arithmetic is the limit"
     if precision != "fp32":
         return f"{hint}; {cpu_amp_hint(amp_check)}"
-    from pipeline.engine.amp_check import has_amx
 
     if has_amx():
         hint += "; this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains"
