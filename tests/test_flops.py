@@ -54,15 +54,15 @@ def test_a_run_logs_the_mfu_of_its_steps_on_a_faked_clock(
     """Each training forward takes 10 ms on the step timer's clock, so the steady throughput is exact (32 samples a
     step: 3,200 samples/s) and the MFU against a peak of 0.01 TFLOP/s is the formula's, to the digit."""
     import pipeline.engine.build as build_module
-    import pipeline.engine.loop as loop_module
+    import pipeline.engine.step as step_module
 
-    forward = loop_module.call_model
+    forward = step_module.call_model
 
     def timed(model, inputs):  # type: ignore[no-untyped-def]
         clock.spend(0.010)
         return forward(model, inputs)
 
-    monkeypatch.setattr(loop_module, "call_model", timed)
+    monkeypatch.setattr(step_module, "call_model", timed)  # the training step's forward
     monkeypatch.setattr(build_module, "device_peak", lambda *a, **k: Peak("fp32", 0.01, "this CPU", "a test"))
     result = train(make_cfg("model=mlp", "loader.batch_size=32", "trainer.max_steps=3"), echo=False)
     metrics = MlflowClient(store_uri).get_run(result.run_id).data.metrics

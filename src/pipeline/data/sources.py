@@ -210,7 +210,7 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits as ``load_digits`` gives them: ``(images [1797, 8, 8] float, labels int)``.
 
     Read from the CSV that ships inside scikit-learn, without importing ``sklearn.datasets``: that import costs
-    1-3 s (scipy and the rest of the library), longer than the default run's whole training. ``load_digits``
+    1-3 s (the rest of the library and what it imports), longer than the default run's whole training. ``load_digits``
     reads the same file, and is used if a future scikit-learn moves it.
     """
     spec = importlib.util.find_spec("sklearn")  # finds the package without running it
