@@ -96,10 +96,10 @@ def _train(
     quiet: bool,
     sweep: SweepJob | None,
 ) -> RunResult:
-    main = group.is_main  # rank 0 alone records the run and writes checkpoints
-    _fail_fast(cfg, main)
+    is_main = group.is_main  # rank 0 alone records the run and writes checkpoints
+    _fail_fast(cfg, is_main)
     masked_config = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
-    hidden = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
+    secret_values = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
     start = resume.start_point(cfg, masked_config, group)  # a resumed run stays locked to this process until it ends
     with start, contextlib.ExitStack() as session:
         setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
@@ -107,8 +107,8 @@ def _train(
         setup = _named(setup, typed_overrides, sweep) if not cfg.tracking.run_name else setup
         start.restore(setup.state, setup.device, cfg.optimizer)
         tags = start.run_tags(_tags(masked_config, setup, typed_overrides, sweep))
-        stop, tracker = _open_session(session, cfg, setup, start, tags=tags, secret_values=hidden)
-        if main:
+        stop, tracker = _open_session(session, cfg, setup, start, tags=tags, secret_values=secret_values)
+        if is_main:
             logbook.start(tracker, setup, cfg, masked_config, typed_overrides, start)
         epochs, starts, sampler = _fit(
             cfg, setup, start, masked_config, tracker=tracker, stop=stop, own=own, quiet=quiet
@@ -119,7 +119,7 @@ def _train(
         )
         summary = format_summary(result)
         tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})
-    if echo and main:
+    if echo and is_main:
         print(summary, flush=True)
     return result
 
@@ -257,11 +257,10 @@ def run_epochs(
     epoch marks). Raises ``Stopped`` after writing a checkpoint when a stop request ended an epoch.
     ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``).
     """
-    t = trainer
     total = steps_to_train(
-        epochs=t.epochs,
+        epochs=trainer.epochs,
         per_epoch=len(setup.train_batches),
-        max_steps=t.max_steps,
+        max_steps=trainer.max_steps,
         epoch=start.epoch,
         batch=start.batch,
         step=start.step,
@@ -276,14 +275,14 @@ def run_epochs(
     timer = setup.profiler.wrap(make_timer(setup.device), step=step, apart=apart)
     epochs: list[EpochResult] = []
     epoch_starts: list[float] = []
-    for epoch in range(start.epoch, t.epochs + 1):
+    for epoch in range(start.epoch, trainer.epochs + 1):
         skip = start.batch if epoch == start.epoch else 0
         setup.train_batches.set_epoch(epoch, skip=skip)  # the epoch's order, minus the batches done before
         epoch_starts.append(sampler.now())
         record, done = run_epoch(
             setup,
             epoch,
-            trainer=t,
+            trainer=trainer,
             tracker=tracker,
             sampler=sampler,
             timer=timer,
@@ -300,8 +299,8 @@ def run_epochs(
         epochs.append(record)
         complete = done == len(setup.train_batches)
         saver.write(checkpoint.Position(epoch + 1, 0, setup.state.step) if complete else position)
-        if 0 < t.max_steps <= setup.state.step:
-            log.info("trainer.max_steps=%d reached", t.max_steps)
+        if 0 < trainer.max_steps <= setup.state.step:
+            log.info("trainer.max_steps=%d reached", trainer.max_steps)
             break
     return epochs, epoch_starts
 
@@ -335,13 +334,13 @@ def run_epoch(
 
     Returns the epoch's record (None when a stop request ended it early) and the batches trained.
     """
-    t, state = trainer, setup.state
+    state = setup.state
     since = sampler.now()  # the sampler's clock, for this epoch's utilisation summary
     started_at = time.time()
     batches_left = len(setup.train_batches)
-    steps_left = batches_left if t.max_steps < 0 else min(batches_left, t.max_steps - state.step)
-    bar = ProgressBar(total=steps_left, epoch=epoch, epochs=t.epochs) if show_bar else NoProgress()
-    progress.start_epoch(epoch, t.epochs)
+    steps_left = batches_left if trainer.max_steps < 0 else min(batches_left, trainer.max_steps - state.step)
+    bar = ProgressBar(total=steps_left, epoch=epoch, epochs=trainer.epochs) if show_bar else NoProgress()
+    progress.start_epoch(epoch, trainer.epochs)
     steps = EpochSteps(bar, progress)
     with stop.interruptible():  # a second Ctrl-C or SIGTERM in here stops at once
         stats = train_epoch(
@@ -349,8 +348,8 @@ def run_epoch(
             setup.train_batches,
             inputs=setup.inputs,
             timer=timer,
-            metrics=StepMetrics(steps.logging_to(tracker), every=t.log_every_n_steps),
-            max_steps=t.max_steps,
+            metrics=StepMetrics(steps.logging_to(tracker), every=trainer.log_every_n_steps),
+            max_steps=trainer.max_steps,
             group=setup.group,
             stop=stop,
             checkpoints=MidwayCheckpoints(saver, tracker, lambda at: checkpoint.Position(epoch, skip + steps.done, at)),
@@ -379,7 +378,7 @@ def run_epoch(
     launch = launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}
     tracker.log_metrics(epoch_metrics(setup, record, stats, utilisation, launch), step=epoch)
     tracker.flush()
-    _log_epoch(record, t.epochs, setup.task.primary)
+    _log_epoch(record, trainer.epochs, setup.task.primary)
     return record, steps.done
 
 

@@ -103,10 +103,10 @@ def build(
     """
     group = group or Solo()
     choice = _device(cfg, group, explain_missing_gpu)
-    device, t = choice.device, cfg.trainer
+    device, trainer = choice.device, cfg.trainer
     policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
-    backends = configure_backends(cfg.precision, t, device, amp=cfg.amp)  # may refuse a CUDA-only switch
-    torch.manual_seed(t.seed)
+    backends = configure_backends(cfg.precision, trainer, device, amp=cfg.amp)  # may refuse a CUDA-only switch
+    torch.manual_seed(trainer.seed)
     data = load_data(cfg.data)
     spec = data.spec
     task = make_task(cfg.task).to(device)
@@ -114,26 +114,28 @@ def build(
     batchnorm = has_batchnorm(model)
     train_loader = _batchnorm_safe(cfg, batchnorm=batchnorm, samples=spec.train_size, world=group.world_size)
     if spec.builtin:
-        prepare: Normalize | AsGiven = Normalize(spec.mean, spec.std, device=device, channels_last=t.channels_last)
+        prepare: Normalize | AsGiven = Normalize(
+            spec.mean, spec.std, device=device, channels_last=trainer.channels_last
+        )
     else:
-        prepare = AsGiven(channels_last=t.channels_last)
+        prepare = AsGiven(channels_last=trainer.channels_last)
     first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
-    model_flops = _model_flops(model, task, first, prepare=prepare, choice=choice, policy=policy, trainer=t)
-    if t.channels_last:
+    model_flops = _model_flops(model, task, first, prepare=prepare, choice=choice, policy=policy, trainer=trainer)
+    if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     augment = None
     if spec.builtin:  # the user's data arrives augmented by its own transform
         augment = make_augment(
-            cfg.data, in_shape=spec.in_shape, seed=t.seed, device=device, rank=group.rank, world=group.world_size
+            cfg.data, in_shape=spec.in_shape, seed=trainer.seed, device=device, rank=group.rank, world=group.world_size
         )
     amp_probe = check_cpu_amp(policy, model, _first_prepared(data, cfg.loader, prepare, device), loss=task.loss)
     parameters = count_parameters(model)
-    model = _wrapped(model, group, t)
+    model = _wrapped(model, group, trainer)
     # the model's own parameters: not DDP's agreement (pipeline.parallel.overlap.Agreeing)
     optimizer = build_optimizer(cfg.optimizer, group.unwrap(model).parameters())
     train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
-    snapshot = make_snapshot(t, device)  # called by both micro-batchers at an out-of-memory error
-    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(t, len(train_batches)))
+    snapshot = make_snapshot(trainer, device)  # called by both micro-batchers at an out-of-memory error
+    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(trainer, len(train_batches)))
     state = _train_state(cfg, model, optimizer, policy, scheduler, task, data, batchnorm=batchnorm, snapshot=snapshot)
     batch = cfg.loader.batch_size
     setup = Setup(
@@ -154,7 +156,7 @@ def build(
         amp_probe=amp_probe,
         group=group,
         model_flops=model_flops,
-        profiler=make_profiler(t, device),
+        profiler=make_profiler(trainer, device),
         snapshot=snapshot,
     )
     _announce(setup, cfg)
