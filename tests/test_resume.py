@@ -789,6 +789,12 @@ HOLDS = Path(__file__).parent / "holds"  # sitecustomize.py: holds a real proces
 NOTHING = "interrupted before the first step: nothing was recorded, nothing to resume"
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the child, whatever the suite was started from: a shell's background job
+    ignores SIGINT, the ignore is inherited, and Python then never raises KeyboardInterrupt (the test would hang)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "line"),
@@ -806,7 +812,15 @@ def test_ctrl_c_in_any_phase_is_one_line_and_exit_130(tmp_path: Path, phase: str
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(PIPELINE_HOLD=phase, PYTHONPATH=os.pathsep.join([str(HOLDS), env.get("PYTHONPATH", "")]))
     args = [sys.executable, "-m", "pipeline", "device=cpu", "trainer.epochs=1", "trainer.max_steps=3"]
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,
+    )
     assert proc.stderr is not None
     first = proc.stderr.readline()  # blocks until the process is held in the phase (or has ended)
     assert first == f"holding at {phase}\n", first + proc.stderr.read()
