@@ -111,11 +111,13 @@ def _stores_from_the_template(
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _cache_home: Path) -> Iterator[None]:
     """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI and a cache folder of
     the session's, and take back the logging handlers a test added (Hydra's entry point points some at a captured,
-    later closed, stream)."""
+    later closed, stream) and the ``HYDRA_FULL_ERROR=1`` that an in-process ``--debug`` sets (a later test in the
+    same worker would get tracebacks instead of one-line errors)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(_cache_home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     yield
