@@ -164,8 +164,9 @@ def test_on_a_busy_machine_the_verdict_says_its_evidence_is_unreliable(make_cfg:
 
 
 def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
-    make_cfg: MakeCfg, store_uri: str, tmp_path: Path
+    make_cfg: MakeCfg, store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # the plots are drawn without pyplot (its import)
     result = train(make_cfg("trainer.epochs=2", "trainer.max_steps=-1", "monitor.interval_s=0.05"), echo=False)
     client = MlflowClient(store_uri)
     run = client.get_run(result.run_id)

@@ -226,14 +226,13 @@ class DownClient:
 def test_tags_and_artifacts_written_while_the_server_is_down_do_not_stop_training(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    open_before = set(plt.get_fignums())  # other tests in this process may have left theirs
     tracker = MlflowTracker(DownClient(), uri="http://127.0.0.1:1", experiment_id="1", experiment="e", run_id="r1")
     with caplog.at_level(logging.WARNING, logger="pipeline.record.tracking"):
         tracker.set_tags({"bottleneck": "compute"})
         tracker.log_text("a: 1\n", "config.yaml")
-        tracker.log_figure(lambda: plt.figure(), "plots/step_time.png")
+        tracker.log_figure(Figure, "plots/step_time.png")
         path = tracker.end("FINISHED", tags={"mlflow.note.content": "the summary"})
     assert path is not None and outbox.load(path).tags == {
         "bottleneck": "compute",
@@ -242,7 +241,6 @@ def test_tags_and_artifacts_written_while_the_server_is_down_do_not_stop_trainin
     assert (
         "config.yaml could not be written" in caplog.text and "plots/step_time.png could not be written" in caplog.text
     )
-    assert set(plt.get_fignums()) == open_before  # the figure was closed all the same
 
 
 @pytest.mark.parametrize("write", ["set_tags", "log_text"])

@@ -214,12 +214,10 @@ def format_report(outcome: Outcome, overrides: Sequence[str], *, title: str) -> 
 def workers_figure(outcome: Outcome, *, title: str) -> Any:
     """Samples/s against num_workers (median, whiskers min–max), one line per pin/prefetch/batch setting;
     resident as a dashed line over its range, the current setting starred."""
-    import matplotlib
+    from matplotlib.figure import Figure  # without pyplot: headless, nothing to close
 
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
     measured = [t for t in outcome.tallies if t.measured]
     loaders = [t for t in measured if not t.candidate.loader.resident]
     xs = sorted({t.candidate.loader.num_workers for t in loaders})
