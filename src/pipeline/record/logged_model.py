@@ -12,8 +12,8 @@ shipped with the model (``code_paths``) and found by ``load_model`` wherever it 
 inputs, so it is not used. Pickle runs code when loaded: load models from stores you trust.
 
 What it costs: about 0.1 s a call, because the pip requirements are passed (torch, numpy, cloudpickle at this run's
-versions) instead of inferred, which MLflow does by running the model in a subprocess (about 3-9 s), and MLflow's
-check of those requirements against this environment, which they come from, is skipped (about 1 s). The model's
+versions) instead of inferred, which MLflow does by running the model in a subprocess (about 3-9 s), and two of
+MLflow's checks that can tell this run nothing are skipped (``_self_checks_skipped``: about 1 s and 0.7 s). The model's
 val metrics are linked to it (the UI's Models column shows them) by writing the run's own last points again with the
 model's id: MLflow keeps one point per (key, value, time, step), so the run's history does not change.
 """
@@ -35,7 +35,11 @@ import pipeline
 log = logging.getLogger(__name__)
 
 NAME = "model"  # runs:/<run id>/model
-REQUIREMENTS_CHECK = "warn_dependency_requirement_mismatches"  # mlflow.utils.environment's: _requirements_unchecked
+# MLflow's functions that _self_checks_skipped replaces for the call: (module, name)
+SELF_CHECKS = (
+    ("mlflow.utils.environment", "warn_dependency_requirement_mismatches"),
+    ("mlflow.models.utils", "_validate_serving_input"),
+)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def log_model(
     model.eval()
     signature = _signature(card)
     example = _numpy(card.inputs) if signature is not None else None
-    with _quiet(), _fluent_store(uri, experiment_id), _requirements_unchecked():
+    with _quiet(), _fluent_store(uri, experiment_id), _self_checks_skipped():
         info = mlflow.pytorch.log_model(
             model,
             name=NAME,
@@ -195,22 +199,33 @@ def _fluent_store(uri: str, experiment_id: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _requirements_unchecked() -> Iterator[None]:
-    """MLflow checks the requirements it is handed against this environment, to warn of a mismatch, by mapping every
-    installed distribution's files to its modules (``importlib_metadata.packages_distributions``): about 1 s on 2
-    cores, 85% of ``log_model``, every run. Ours are this process's own versions (``requirements``), so the check
-    can find nothing; it is skipped for this call. It writes nothing to the model either way."""
-    from mlflow.utils import environment
+def _self_checks_skipped() -> Iterator[None]:
+    """Two checks ``log_model`` runs that can tell this run nothing, skipped for this call (``SELF_CHECKS``):
 
-    check = getattr(environment, REQUIREMENTS_CHECK, None)  # an MLflow that has none costs its time, nothing else;
-    if check is None:  # tests/test_logged_model.py fails on such an MLflow, so the time comes back knowingly
-        yield
-        return
-    setattr(environment, REQUIREMENTS_CHECK, lambda requirements: None)
+    - the requirements it is handed, against this environment, to warn of a mismatch, by mapping every installed
+      distribution's files to its modules (``importlib_metadata.packages_distributions``): about 1 s on 2 cores,
+      85% of ``log_model``. Ours are this process's own versions (``requirements``), so it can find nothing;
+    - the input example served: the model loaded back through ``mlflow.pyfunc`` in this process and run on it,
+      about 0.7 s of imports (the scoring server's) in a process that loads no other model. Its only outcome is a
+      warning, which ``_quiet`` keeps at ERROR, and in this process the model's classes import whatever was shipped.
+      The tests check it instead: tests/test_logged_model.py serves a logged model's example through
+      ``mlflow.pyfunc``, tests/test_user_project.py loads one in a fresh process without the user's code.
+
+    Neither writes anything to the model. A name MLflow no longer has costs its time, nothing else; the test of this
+    fails on such an MLflow, so the time comes back knowingly."""
+    import importlib
+
+    saved = []
+    for module_name, name in SELF_CHECKS:
+        module = importlib.import_module(module_name)
+        if hasattr(module, name):
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, lambda *args, **kwargs: None)
     try:
         yield
     finally:
-        setattr(environment, REQUIREMENTS_CHECK, check)
+        for module, name, check in saved:
+            setattr(module, name, check)
 
 
 @contextlib.contextmanager
