@@ -322,7 +322,8 @@ def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
         )[0]
         return run.data.metrics["time/launch_to_first_step_s"]
 
-    first_step()  # creates the store, so its one-off migration is not counted
+    if sizes.warmup:  # a run first creates the store, so its one-off migration is not counted (--quick: smoke only)
+        first_step()
     seconds = interleaved({"imports": imports, "first_step": first_step}, sizes)
     return [
         Row(
