@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,6 +154,26 @@ def test_the_cached_peak_belongs_to_the_thread_count_it_was_measured_at(monkeypa
     assert "1 threads" in one and torch.__version__ in one
 
 
+def test_a_dtype_too_slow_for_the_budget_is_measured_on_smaller_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float16 is emulated on most CPUs: one 1024-sided matmul took 2.5 s, and four of them a first fp16 run's
+    start. The side doubles from 256 only while the next size's matmul fits the budget (0.3 s)."""
+    clock = {"now": 0.0}
+    flops_per_s = {torch.float32: 1e11, torch.float16: 2e9}
+
+    def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        clock["now"] += 2 * a.shape[0] ** 3 / flops_per_s[a.dtype]
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(peaks, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    assert peaks.matmul_side(torch.float32) == peaks.CPU_MATMUL_N == 1024
+    assert peaks.matmul_side(torch.float16) == 512  # 256: 17 ms, x8 fits; 512: 134 ms, x8 does not
+    began = clock["now"]
+    assert peaks.measure_cpu_matmul(torch.float16) == pytest.approx(2e9 / 1e12)
+    assert clock["now"] - began < 1.5  # the sizing and four 512-sided matmuls, not four 1024-sided ones (4.3 s)
+    assert peaks.measure_cpu_matmul(torch.float32) == pytest.approx(1e11 / 1e12)
+
+
 def test_a_real_cpu_matmul_measurement_is_a_plausible_rate() -> None:
     tflops = peaks.measure_cpu_matmul(torch.float32, n=128, budget_s=0.02)
     assert 1e-4 < tflops < 1e3  # between a slow core's scalar loop and far beyond any CPU's vector units
@@ -212,5 +233,5 @@ def test_the_doctor_measures_the_cpu_peak_again_and_says_what_runs_read_mfu_agai
     assert found["facts"]["cpu_peak_tflops"] == {"fp32": 0.5, "bf16": 0.5}
     assert measured == [torch.float32, torch.float32, torch.bfloat16]
     check = next(c for c in found["checks"] if c["name"] == "CPU peak (MFU)")
-    assert check["evidence"].startswith("fp32 0.5 TFLOP/s, bf16 0.5 TFLOP/s: the fastest 1024x1024 matmul at ")
+    assert check["evidence"].startswith("fp32 0.5 TFLOP/s, bf16 0.5 TFLOP/s: the fastest matmul of up to 1024x1024 at ")
     assert str(peaks.cache_file()) in check["evidence"]

@@ -156,7 +156,7 @@ def cpu_peak_check(facts: Facts) -> Check:
     return Check(
         "CPU peak (MFU)",
         "INFO",
-        f"{figures}: the fastest {CPU_MATMUL_N}x{CPU_MATMUL_N} matmul at {torch.get_num_threads()} thread(s), "
+        f"{figures}: the fastest matmul of up to {CPU_MATMUL_N}x{CPU_MATMUL_N} at {torch.get_num_threads()} thread(s), "
         f"measured now and cached in {cache_file()}; a CPU run's MFU is its model FLOPs per second over this. "
         "Measured on a busy machine it reads low (and MFU high): run the doctor again when the machine is quiet",
     )

@@ -3,7 +3,8 @@
 - **A CUDA GPU**: the dense datasheet figure for the dtype the run computes in, from the table in
   ``pipeline.monitor.gpu_peaks``. A card not in the table gets no peak and the reason, never another card's.
 - **A CPU**: no datasheet says what a given CPU, torch build and thread count reach, so the peak is *measured*: square
-  matmuls (``torch.mm``, ``CPU_MATMUL_N`` a side) in the dtype, the best of repeats within ``CPU_BUDGET_S``. It is
+  matmuls (``torch.mm``, ``CPU_MATMUL_N`` a side, less for a dtype too slow for that in the budget) in the dtype,
+  the best of repeats within ``CPU_BUDGET_S``. It is
   cached per machine, torch version, thread count and dtype in ``$XDG_CACHE_HOME/pipeline/cpu_peaks.json``
   (``~/.cache`` by default), so only a machine's first run pays it; ``python -m pipeline.doctor`` measures again.
   A peak measured while other processes used the CPUs reads low, and MFU against it reads high: the doctor's
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 CPU_MATMUL_N = 1024  # a side of the measured matmuls: 2.1 GFLOP each, large enough for every core's kernels
 CPU_BUDGET_S = 0.3  # per dtype: with the first (untimed) matmul, well under a second for fp32 and bf16
 MAX_TIMED = 1000  # matmuls at most, whatever the clock says
+PROBE_SIDE = 256  # the first size matmul_side times on the way up to CPU_MATMUL_N
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -95,11 +97,13 @@ def cpu_peak(dtype: str, *, cpu: str, refresh: bool = False, cache: Path | None 
 
 
 def measure_cpu_matmul(dtype: torch.dtype, *, n: int = CPU_MATMUL_N, budget_s: float = CPU_BUDGET_S) -> float:
-    """TFLOP/s of the fastest of repeated ``n``-sided matmuls in ``dtype`` (2n³ FLOPs each) within ``budget_s``,
+    """TFLOP/s of the fastest of repeated square matmuls in ``dtype`` (2 side³ FLOPs each) within ``budget_s``,
     after one untimed one; at least three are timed. The fastest, not the median: the peak is what the CPU can do,
-    and other processes only ever slow a matmul down."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
+    and other processes only ever slow a matmul down. The side is ``n``, or less where one such matmul would take
+    far longer than the budget (``matmul_side``: float16, emulated on most CPUs, took 2.5 s for 1024 a side)."""
+    side = matmul_side(dtype, n=n, budget_s=budget_s)
+    a, b = torch.randn(side, side).to(dtype), torch.randn(side, side).to(dtype)
+    out = torch.empty(side, side, dtype=dtype)
     torch.mm(a, b, out=out)  # the first call pays for the kernel's set-up
     best, began, timed = float("inf"), time.perf_counter(), 0
     while timed < 3 or (time.perf_counter() - began < budget_s and timed < MAX_TIMED):
@@ -107,7 +111,26 @@ def measure_cpu_matmul(dtype: torch.dtype, *, n: int = CPU_MATMUL_N, budget_s: f
         torch.mm(a, b, out=out)
         best = min(best, time.perf_counter() - start)
         timed += 1
-    return 2 * n**3 / max(best, 1e-9) / 1e12
+    return 2 * side**3 / max(best, 1e-9) / 1e12
+
+
+def matmul_side(dtype: torch.dtype, *, n: int = CPU_MATMUL_N, budget_s: float = CPU_BUDGET_S) -> int:
+    """The side to measure ``dtype`` at: doubled from ``PROBE_SIDE`` up to ``n`` while the next size's matmul (8x
+    the arithmetic of the fastest of two of this size) would take at most ``budget_s``. A small matmul's rate says
+    little of a large one's in some dtypes (bfloat16's kernels change with the size), so each size is timed."""
+    side = min(n, PROBE_SIDE)
+    while side < n:
+        a = torch.randn(side, side).to(dtype)
+        torch.mm(a, a)  # set-up
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            torch.mm(a, a)
+            best = min(best, time.perf_counter() - start)
+        if 8 * best > budget_s:
+            break
+        side = min(n, 2 * side)
+    return side
 
 
 def machine_key(dtype: str, cpu: str) -> str:
