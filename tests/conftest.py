@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy
 from mlflow.store.tracking import sqlalchemy_store
 
-from helpers import TINY, StepClock
+from helpers import TINY, StepClock, freeze_the_heap
 from pipeline.common.uris import sqlite_path, sqlite_uri
 from pipeline.config import RunConfig, load
 
@@ -39,6 +39,18 @@ def _no_fsync(connection: object, record: object) -> None:
         pass
     finally:
         connection.execute(f"PRAGMA busy_timeout={int(waits_ms)}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _heap_frozen_after_the_imports() -> None:
+    """What the imports made, frozen once (``freeze_the_heap``); the modules a run imports on its way are imported
+    first, so their objects are frozen too."""
+    import matplotlib.figure  # noqa: F401  (a run's plots)
+    import mlflow.pyfunc
+    import mlflow.pytorch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the FLOP counter and the memory estimate's meta forward)
+
+    freeze_the_heap()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -112,11 +112,13 @@ def test_the_probe_runs_without_the_models_hooks() -> None:
 def test_the_probe_batch_is_the_runs_own_capped_by_arithmetic_not_by_how_busy_the_machine_is() -> None:
     images = torch.randn(256, 1, 4, 4)
     assert probe_batch(mlp(), images, 64) == 64  # a small model: the run's own batch
-    wide = nn.Sequential(nn.Flatten(), nn.Linear(16, 400_000), nn.Linear(400_000, 3))  # 2 x 7.6 MFLOP a sample
+    with torch.device("meta"):  # FLOPs are counted by shape: the large models' weights need not exist
+        wide = nn.Sequential(nn.Flatten(), nn.Linear(16, 400_000), nn.Linear(400_000, 3))  # 2 x 7.6 MFLOP a sample
+        huge = nn.Sequential(nn.Flatten(), nn.Linear(16, 40_000_000))
+    shapes = images.to("meta")
     flops = 3 * 2 * (16 * 400_000 + 400_000 * 3)
-    assert probe_batch(wide, images, 256) == int(amp_check.PROBE_FLOPS // flops) == 175  # fixed by the model
-    huge = nn.Sequential(nn.Flatten(), nn.Linear(16, 40_000_000))
-    assert probe_batch(huge, images, 256) == amp_check.PROBE_MIN_BATCH
+    assert probe_batch(wide, shapes, 256) == int(amp_check.PROBE_FLOPS // flops) == 175  # fixed by the model
+    assert probe_batch(huge, shapes, 256) == amp_check.PROBE_MIN_BATCH
 
 
 def test_identical_configurations_get_the_same_verdict_on_a_noisy_machine(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,11 +85,11 @@ def test_the_cli_reports_it_in_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
 def test_float16_skipped_steps_are_counted_not_fatal(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
 ) -> None:
-    base = ["amp=true", "precision=fp16", "trainer.max_steps=-1"]
+    base = ["amp=true", "precision=fp16", "trainer.max_steps=12"]  # float16 on a CPU is emulated: a few steps
     clean = train(make_cfg(*base, "tracking=none"), echo=False)
     poison_step(monkeypatch, 4, float("inf"))
     result = train(make_cfg(*base), echo=False)  # the GradScaler skips that step; training goes on
-    assert result.steps == clean.steps == 45
+    assert result.steps == clean.steps == 12
     client = MlflowClient(store_uri)
     (run,) = client.search_runs(experiment_ids=["1"])
     assert run.info.status == "FINISHED"

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import pipeline.train as train_module
+from helpers import freeze_the_heap
 from pipeline.common.heap import collector_paused, collector_running
 from pipeline.config import RunConfig
 from pipeline.report import logbook
@@ -22,8 +23,9 @@ from pipeline.train import train
 @pytest.fixture(autouse=True)
 def _thawed() -> Iterator[None]:
     yield
-    gc.unfreeze()  # the frozen objects back to the collector: the rest of the suite runs as before
+    gc.unfreeze()  # what a test froze back to the collector, then the session's heap frozen again, as conftest did
     gc.enable()
+    freeze_the_heap()
 
 
 def test_no_collection_runs_inside_and_the_collector_is_back_after() -> None:
@@ -124,7 +126,8 @@ def test_a_run_starts_and_closes_without_the_collector_and_trains_with_it(
         gc.callbacks.remove(started)
     assert collector_on == {"build": False, "run_epoch": True, "conclude": False}
     assert full_passes_before["build"] == 0 and full_passes_before["run_epoch"] == 1  # start-up's one, then training's
-    assert gc.isenabled() and gc.get_freeze_count() == frozen  # as it was: nothing of this process frozen
+    # as it was: nothing of this run frozen (frozen objects the run let go of leave the count: the tests freeze theirs)
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen
 
 
 @pytest.mark.slow
