@@ -24,10 +24,10 @@ test: $(STAMP) ## lint, then the whole test suite (what CI runs)
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings that --strict counts
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --dist worksteal  # an idle worker takes tests queued for the other
 
 test-fast: $(STAMP) ## the quick inner loop: tests not marked slow
-	$(PY) -m pytest -m "not slow" -x -q -n 2
+	$(PY) -m pytest -m "not slow" -x -q -n 2 --dist worksteal
 
 docs: $(STAMP) ## build the documentation pages (docs/) into site/; a broken link or anchor fails
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

@@ -20,6 +20,8 @@ from pipeline.__main__ import main
 
 # A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
+# For tests of many tracked runs whose subject is neither the plots nor the logged model (a run's ~0.3 s of both)
+LEAN = ["monitor.plots=false", "tracking.log_model=false"]
 
 
 def freeze_the_heap() -> None:

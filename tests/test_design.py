@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 import pipeline.engine.timing as timing_module
 import pipeline.train
-from helpers import run_main
+from helpers import LEAN, run_main
 from pipeline.config import sweep_jobs
 from pipeline.config.design import interleave
 from pipeline.experiments.compare import ComparedRun, build
@@ -121,7 +121,7 @@ def drifting_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, penalty: 
     monkeypatch.setattr(timing_module, "time", machine)
     monkeypatch.setattr(pipeline.train, "train", machine.train(pipeline.train.train))
     store = tmp_path / f"drift-{penalty}.db"
-    args = ["-m", "trainer.log_every_n_steps=100,101", "trainer.seed=1,2,3,4", *TINY]
+    args = ["-m", "trainer.log_every_n_steps=100,101", "trainer.seed=1,2,3,4", *TINY, *LEAN]
     assert run_main(monkeypatch, *args, f"tracking.uri=sqlite:///{store}") == 0
     chosen = select(MlflowClient(f"sqlite:///{store}"))  # as python -m pipeline.compare chooses and orders them:
     return build(chosen.runs)  # rows in the order typed (the baseline log_every_n_steps=100), whatever order ran

@@ -101,9 +101,9 @@ def test_process_cpu_counts_a_busy_child_process_across_readings() -> None:
         for _ in range(4):  # the first reading primes the child's counters; the next three cover 0.2 s each
             readings.append(sampler.read().process_cpu_pct)
             time.sleep(0.2)
-        # One busy core is 100; the test process itself sleeps, so the figure is the child's work.
-        # 40 leaves room for a second core shared with other jobs.
-        assert max(readings[1:]) > 40, readings
+        # One busy core is 100; the test process itself sleeps (~0), so the figure is the child's work. 10 leaves
+        # room for a machine shared with other jobs (at load 7 on 2 cores the child got 33-38)
+        assert max(readings[1:]) > 10, readings
     finally:
         child.kill()
         child.wait()
