@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from helpers import run_main
+from helpers import LEAN, run_main
 from servers import free_port, mlflow_server
 
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
@@ -105,8 +105,11 @@ def test_a_sweeps_parent_page_keeps_its_about_panel_and_child_runs_and_its_links
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with mlflow_server(tmp_path / "server") as server:
-        sweep = ["-m", "amp=false,true", "loader.num_workers=0,1", "trainer.seed=1,2", f"tracking.uri={server.uri}"]
-        tiny = ["trainer.epochs=1", "trainer.max_steps=3", "device=cpu", "monitor.enabled=false"]
+        # three axes make the parent's table wide; cheap ones (amp=true timed both formats, num_workers=1 spawned
+        # a loader worker, in each of their jobs)
+        axes = ["optimizer.lr=0.01,0.02", "trainer.log_every_n_steps=10,11", "trainer.seed=1,2"]
+        sweep = ["-m", *axes, f"tracking.uri={server.uri}"]
+        tiny = ["trainer.epochs=1", "trainer.max_steps=3", "device=cpu", "monitor.enabled=false", *LEAN]
         assert run_main(monkeypatch, *sweep, *tiny) == 0
         printed = capsys.readouterr().out
         assert "MLflow's compare page for these 8 runs: the link is in compare.md (" in printed  # too long to print
