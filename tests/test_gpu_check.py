@@ -62,6 +62,7 @@ def rows_by_key(document: dict) -> dict[str, dict]:
     return {row["key"]: row for row in document["rows"]}
 
 
+@pytest.mark.slow  # the whole plan at tiny sizes: eight training runs, ResNet-50 among them (~25 s alone)
 def test_the_dry_run_prints_every_row_of_the_plan_and_writes_its_numbers(
     gpu_check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
