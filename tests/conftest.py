@@ -11,11 +11,24 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy
+import torch
 from mlflow.store.tracking import sqlalchemy_store
 
 from helpers import TINY, StepClock, freeze_the_heap
 from pipeline.common.uris import sqlite_path, sqlite_uri
 from pipeline.config import RunConfig, load
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist (``make test``: two workers), each worker gets its share of the cores for torch's threads, and
+    the processes it starts inherit it (``OMP_NUM_THREADS``, unless set already): two workers of one thread each on
+    two cores, not two of two threads contending (an in-process training test took ~20% more wall time and CPU that
+    way, spinning in OpenMP). A worker's tests see one thread count; one that sets its own gets it back
+    (``_isolated``)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        share = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", share)))
 
 
 @pytest.fixture(scope="session")
@@ -123,8 +136,8 @@ def _stores_from_the_template(
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _cache_home: Path) -> Iterator[None]:
     """Run in tmp_path (mlflow.db, mlruns/, outputs/ land there) with no inherited tracking URI and a cache folder of
     the session's, and take back the logging handlers a test added (Hydra's entry point points some at a captured,
-    later closed, stream) and the ``HYDRA_FULL_ERROR=1`` that an in-process ``--debug`` sets (a later test in the
-    same worker would get tracebacks instead of one-line errors)."""
+    later closed, stream), the ``HYDRA_FULL_ERROR=1`` that an in-process ``--debug`` sets (a later test in the
+    same worker would get tracebacks instead of one-line errors) and torch's thread count."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(_cache_home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -132,9 +145,12 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _cache_home: Path
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    threads = torch.get_num_threads()
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    if torch.get_num_threads() != threads:  # the benchmarks set their own (--threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -145,13 +145,15 @@ def test_the_cpu_peak_is_measured_once_then_read_from_the_cache(
 
 def test_the_cached_peak_belongs_to_the_thread_count_it_was_measured_at(monkeypatch: pytest.MonkeyPatch) -> None:
     threads = torch.get_num_threads()
+    keys = {}
     try:
-        torch.set_num_threads(1)
-        one = peaks.machine_key("fp32", CPU)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            keys[count] = peaks.machine_key("fp32", CPU)
     finally:
         torch.set_num_threads(threads)
-    assert one != peaks.machine_key("fp32", CPU) or threads == 1
-    assert "1 threads" in one and torch.__version__ in one
+    assert keys[1] != keys[2]
+    assert "1 threads" in keys[1] and "2 threads" in keys[2] and torch.__version__ in keys[1]
 
 
 def test_a_dtype_too_slow_for_the_budget_is_measured_on_smaller_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
