@@ -224,7 +224,8 @@ def test_a_hanging_gpu_monitor_does_not_stop_training(
 ) -> None:
     folder = tmp_path / "bin"
     folder.mkdir()
-    (folder / "nvidia-smi").write_text("#!/bin/sh\nsleep 60\n")
+    # GPUtil's query hangs; the run's start-up facts (the doctor's plain nvidia-smi, 10 s bound) get a quick failure
+    (folder / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in *utilization.gpu*) sleep 60 ;; esac\nexit 9\n')
     (folder / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{folder}:/usr/bin:/bin")
     monkeypatch.setattr(monitor, "gpu_targets", lambda device: [GpuTarget(0, "GPU-0000")])
