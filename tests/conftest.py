@@ -179,8 +179,52 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
     return fake
 
 
+SLOW_WEIGHT = 20  # a slow test against a quick one, roughly (~10 s, against under 0.5 s)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first (in their files' order), then the rest: with two workers (``make test``), the minutes-long
-    subprocess and server tests start at once, side by side, and the many short tests fill in the end, so neither
-    worker is left alone with a long test while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Each worker's share of the tests starts with its share of the slow ones. ``--dist worksteal`` hands each worker
+    an equal count of this order, one contiguous slice each, and an idle worker takes the tail of another's queue.
+    So the test files are dealt out whole (their module-scoped servers and shared runs are set up once), heaviest
+    first, to the lighter share, and quick tests move from the end of a share to even out the counts; the order is
+    the shares one after the other, each its slow tests (subprocesses, servers), then its quick ones. Both workers
+    start on slow tests side by side, and the short tests come last, where stealing evens the workers out in small
+    pieces (a plain slow-first order gave the first slice every slow test: one worker ran them in turn, and the last
+    was taken over whole)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    files: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def weight(tests: list[pytest.Item]) -> int:
+        return sum(SLOW_WEIGHT if item.get_closest_marker("slow") else 1 for item in tests)
+
+    dealt: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for tests in sorted(files.values(), key=weight, reverse=True):  # stable: equal weights keep the files' order
+        min(dealt, key=weight).extend(tests)
+    shares = [Share(tests) for tests in dealt]
+    sizes = [len(items) // workers + (k < len(items) % workers) for k in range(workers)]
+    sizes.reverse()  # xdist's split: len // workers to the first, the remainder to the last ones
+    moved = [item for share, size in zip(shares, sizes, strict=True) for item in share.cut_to(size)]
+    for share, size in zip(shares, sizes, strict=True):
+        share.fill_to(size, moved)
+    items[:] = [item for share in shares for item in (*share.slow, *share.quick)]
+
+
+class Share:
+    """One worker's first slice of the tests: its slow ones, then its quick ones."""
+
+    def __init__(self, tests: list[pytest.Item]) -> None:
+        self.slow = [item for item in tests if item.get_closest_marker("slow")]
+        self.quick = [item for item in tests if not item.get_closest_marker("slow")]
+
+    def cut_to(self, size: int) -> list[pytest.Item]:
+        """The tests over ``size``, taken from the end (quick ones first)."""
+        cut = []
+        while len(self.slow) + len(self.quick) > size:
+            cut.append((self.quick or self.slow).pop())
+        return cut
+
+    def fill_to(self, size: int, spare: list[pytest.Item]) -> None:
+        while len(self.slow) + len(self.quick) < size:
+            self.quick.append(spare.pop())
