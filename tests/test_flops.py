@@ -49,6 +49,21 @@ def test_mfu_is_the_formula() -> None:
     )
 
 
+def test_a_run_above_a_measured_cpu_peak_says_the_peak_is_low_and_how_to_measure_it_again() -> None:
+    """A CPU peak measured while the machine was busy stays cached, and a later run can do more than it: the summary
+    says why the share is over 100%, not a bare 101%."""
+    measured = ModelFlops(2e6, Peak("fp32", 0.05, "this CPU", "measured matmul, 2 thread(s)"))
+    said = measured.describe(30_000)  # 0.06 TFLOP/s
+    assert said.startswith("120% of this CPU's fp32 peak (MFU): 0.06 of 0.05 TFLOP/s (measured matmul, 2 thread(s))")
+    assert said.endswith(
+        "; over 100%: the cached peak is lower than this run reached (measured while the machine was busier?): "
+        "python -m pipeline.doctor measures it again"
+    )
+    assert "over 100%" not in measured.describe(20_000)  # 80%
+    datasheet = ModelFlops(2e9, Peak("bf16", 100.0, "this GPU", "a known datasheet"))
+    assert "doctor" not in datasheet.describe(60_000)  # a datasheet's peak is not measured again
+
+
 def test_a_run_logs_the_mfu_of_its_steps_on_a_faked_clock(
     make_cfg: Callable[..., RunConfig], store_uri: str, monkeypatch: pytest.MonkeyPatch, clock
 ) -> None:

@@ -114,10 +114,16 @@ class ModelFlops:
         mfu, peak = self.mfu_pct(samples_per_s), self.peak
         if mfu is None:
             return f"{achieved:.3g} TFLOP/s ({work}); {self.why_none()}"
-        return (
+        said = (
             f"{mfu:.0f}% of {peak.holder}'s {peak.dtype} peak (MFU): {achieved:.3g} of {peak.tflops:.3g} TFLOP/s "
             f"({peak.basis}); {work}"
         )
+        if mfu > 100 and peak.measured:  # measured once and cached: a busy machine's figure stays too low
+            said += (
+                "; over 100%: the cached peak is lower than this run reached (measured while the machine was "
+                "busier?): python -m pipeline.doctor measures it again"
+            )
+        return said
 
 
 def flops_words(flops: float) -> str:

@@ -46,6 +46,11 @@ class Peak:
     reason: str = ""  # why there is no peak (tflops None)
 
     @property
+    def measured(self) -> bool:
+        """Measured on this machine (a CPU's matmuls, cached), not read from a datasheet."""
+        return self.basis.startswith("measured")
+
+    @property
     def what(self) -> str:
         """``this GPU's bf16 peak (H100 SXM datasheet)``."""
         return f"{self.holder}'s {self.dtype} peak ({self.basis})"
