@@ -65,6 +65,16 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def fake_command(folder: Path, name: str, body: str) -> Path:
+    """An executable shell script ``folder/name`` running ``body`` (a stand-in for nvidia-smi, nvcc, ...); returns
+    its path. Put ``folder`` first on PATH for the code under test to find it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / name
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return script
+
+
 def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
     """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds. The hook
     goes once it has fired, so the model the run logs at its end carries none (an action holding a lock could not

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import fake_command
 from pipeline.config import DeviceConfig
 from pipeline.engine.devices import DeviceError, resolve_device
 
@@ -62,9 +63,7 @@ def test_cuda_requested_without_a_gpu_is_an_error_saying_what_was_found(
 
 def test_cuda_error_names_the_driver_tool_when_present(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake_gpus(monkeypatch)
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nexit 9\n")
-    smi.chmod(0o755)
+    smi = fake_command(tmp_path, "nvidia-smi", "exit 9\n")
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(DeviceError, match=f"CPU-only build.*nvidia-smi at {smi}"):

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 import pipeline.engine.build as build_module
 import pipeline.monitor as monitor
-from helpers import StepClock
+from helpers import StepClock, fake_command
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
 from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
@@ -223,10 +223,8 @@ def test_a_hanging_gpu_monitor_does_not_stop_training(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     folder = tmp_path / "bin"
-    folder.mkdir()
     # GPUtil's query hangs; the run's start-up facts (the doctor's plain nvidia-smi, 10 s bound) get a quick failure
-    (folder / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in *utilization.gpu*) sleep 60 ;; esac\nexit 9\n')
-    (folder / "nvidia-smi").chmod(0o755)
+    fake_command(folder, "nvidia-smi", 'case "$*" in *utilization.gpu*) sleep 60 ;; esac\nexit 9\n')
     monkeypatch.setenv("PATH", f"{folder}:/usr/bin:/bin")
     monkeypatch.setattr(monitor, "gpu_targets", lambda device: [GpuTarget(0, "GPU-0000")])
     result = train(

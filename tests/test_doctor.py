@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import fake_command
 from pipeline.config import DeviceConfig
 from pipeline.engine import amp_check
 from pipeline.engine.devices import DeviceError, resolve_device
@@ -229,15 +230,14 @@ def test_the_worker_advice_sets_no_limit_a_sweep_would_contradict(cpus: int, swe
 
 
 def test_nvidia_smi_is_read_when_nvml_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    script = tmp_path / "nvidia-smi"
-    script.write_text(
-        "#!/bin/sh\n"
+    fake_command(
+        tmp_path,
+        "nvidia-smi",
         'if [ "$1" = "--query-gpu=index,name,uuid,memory.total" ]; then\n'
         '  echo "0, Tesla T4, GPU-aaaa, 15360"; exit 0\n'
         "fi\n"
-        'echo "| NVIDIA-SMI 550.54    Driver Version: 550.54    CUDA Version: 12.4 |"\n'
+        'echo "| NVIDIA-SMI 550.54    Driver Version: 550.54    CUDA Version: 12.4 |"\n',
     )
-    script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.setitem(sys.modules, "pynvml", None)
     facts = gather()
@@ -245,11 +245,11 @@ def test_nvidia_smi_is_read_when_nvml_is_missing(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_broken_driver_in_nvidia_smi_is_evidence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    script = tmp_path / "nvidia-smi"
-    script.write_text(
-        '#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n'
+    fake_command(
+        tmp_path,
+        "nvidia-smi",
+        'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n',
     )
-    script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.setitem(sys.modules, "pynvml", None)
     facts = gather()

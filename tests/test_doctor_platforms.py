@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import fake_command
 from pipeline.machine.doctor import checks, main, report
 from pipeline.machine.facts import Check, Facts, NvidiaGpu, gather
 from pipeline.machine.platforms import (
@@ -305,20 +306,16 @@ def test_a_linux_laptop_in_the_prime_intel_profile_is_told_to_switch_it(tmp_path
 
 
 def fake_nvcc(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "nvcc"
-    script.write_text(f"#!/bin/sh\ncat <<'EOF'\n{recorded('nvcc_11.6.txt')}EOF\n")
-    script.chmod(0o755)
-    return script
+    return fake_command(folder, "nvcc", f"cat <<'EOF'\n{recorded('nvcc_11.6.txt')}EOF\n")
 
 
 def test_nvcc_older_than_torchs_cuda_is_information_that_the_driver_matters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     nvcc = fake_nvcc(tmp_path / "bin")
-    smi = tmp_path / "bin" / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\ncat <<'EOF'\n{recorded('nvidia-smi_rtx3060_laptop_windows.txt')}EOF\n")
-    smi.chmod(0o755)
+    fake_command(
+        tmp_path / "bin", "nvidia-smi", f"cat <<'EOF'\n{recorded('nvidia-smi_rtx3060_laptop_windows.txt')}EOF\n"
+    )
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)

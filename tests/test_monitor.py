@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from helpers import fake_command
 from pipeline.monitor import BUSY_OTHERS_PCT, GpuTarget, RankCpu, Sampler, job_summary, summarize, system_metrics
 from pipeline.monitor.gpu import GpuReading, GputilBackend, NoGpu, NvmlBackend, open_backend
 from pipeline.monitor.sampler import Sample
@@ -27,12 +28,7 @@ CSV = (  # what `nvidia-smi --query-gpu=... --format=csv,noheader,nounits` print
 
 def fake_smi(tmp_path: Path, body: str) -> Path:
     """Put an `nvidia-smi` shell script first on PATH; returns the folder."""
-    folder = tmp_path / "bin"
-    folder.mkdir(exist_ok=True)
-    script = folder / "nvidia-smi"
-    script.write_text("#!/bin/sh\n" + body + "\n")
-    script.chmod(0o755)
-    return folder
+    return fake_command(tmp_path / "bin", "nvidia-smi", body + "\n").parent
 
 
 def use_path(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
