@@ -848,3 +848,48 @@ def test_ctrl_c_while_a_resume_builds_leaves_the_run_as_it_was_in_one_line(
     )
     assert checkpoint.RunLock(Path("checkpoints") / run_id).free()
     assert checkpoint.read_state(Path("checkpoints") / run_id)["status"] == "stopped"
+
+
+def _stopped_run(monkeypatch: pytest.MonkeyPatch, *overrides: str) -> str:
+    """A run of ``overrides`` stopped by Ctrl-C at its third step, through the entry point: its run id."""
+    with monkeypatch.context() as patch:
+        at_training_step(patch, 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        assert run_main(monkeypatch, "device=cpu", "trainer.epochs=2", "loader.batch_size=256", *overrides) == 130
+    (run,) = MlflowClient(f"sqlite:///{Path.cwd() / 'mlflow.db'}").search_runs(experiment_ids=["1"])
+    return run.info.run_id
+
+
+def test_a_refused_resume_names_the_changed_model_key_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36 (15): the refusal used to lead with every possible cause; it names the key that changed, first."""
+    run = _stopped_run(monkeypatch)
+    capsys.readouterr()
+    assert run_main(monkeypatch, f"resume={run}", "model.hidden_sizes=[64]") == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: cannot resume run {run}: model.hidden_sizes: [512] in the checkpoint, [64] now")
+    assert "optimizer" not in line and "batch size" not in line and "schedule" not in line
+
+
+def test_a_resume_that_chooses_another_data_group_is_refused_for_the_changed_data(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36 (15): the run's own data.num_samples used to be applied onto data=digits and refused as a new key."""
+    run = _stopped_run(monkeypatch, "data=synthetic", "data.num_samples=4000", "tracking.log_model=false")
+    capsys.readouterr()
+    assert run_main(monkeypatch, f"resume={run}", "data=digits") == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: cannot resume run {run}: data.")  # the changed data keys, first
+    assert "data.name: 'synthetic' in the checkpoint, 'digits' now" in line and "is not a key of data" not in line
+
+
+def test_a_group_chosen_now_replaces_the_runs_own_keys_of_that_group() -> None:
+    from pipeline.engine.continuation import merged
+
+    started = ["data=synthetic", "data.num_samples=4000", "+model.width=2", "optimizer.lr=0.1"]
+    assert merged(started, ["resume=x", "data=digits"]) == [
+        "+model.width=2",
+        "optimizer.lr=0.1",
+        "resume=x",
+        "data=digits",
+    ]

@@ -383,6 +383,32 @@ def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest
 
 
 @pytest.mark.slow
+def test_an_optuna_search_with_its_search_space_on_the_command_line_needs_no_m(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 36 (16): the search config sets hydra.mode=MULTIRUN; choice() typed beside it was refused as needing
+    --multirun by the entry point's own check of plain overrides."""
+    space = ["optimizer.lr=choice(0.01,1e30)", "loader.batch_size=choice(32,64)"]
+    args = ["hparams_search=accuracy_optuna", "hydra.sweeper.n_trials=4", *space, *TINY, "monitor.plots=false"]
+    code = run_main(monkeypatch, *args)
+    assert "requires --multirun" not in capsys.readouterr().err
+    parent, children = sweep_runs(tmp_path)
+    assert parent.info.status == ("FAILED" if code else "FINISHED")
+    assert len(children) == 4 and code == (2 if any(r.info.status == "FAILED" for r in children) else 0)
+    for run in children:  # a diverging rate fails its trial; the others finish
+        assert run.info.status == ("FAILED" if run.data.params["optimizer.lr"] == "1e+30" else "FINISHED")
+        assert run.data.params["loader.batch_size"] in {"32", "64"}
+
+
+def test_search_values_without_m_or_a_multirun_config_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_main(monkeypatch, "loader.batch_size=choice(32,64)") == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: loader.batch_size=choice(32,64) lists values to sweep: add -m")
+
+
+@pytest.mark.slow
 def test_an_optuna_search_whose_every_trial_fails_still_closes_its_parent_and_lists_them(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

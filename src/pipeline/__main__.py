@@ -31,7 +31,16 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
     from pipeline.common.errors import OverrideError, PipelineError
     from pipeline.common.heap import frozen_at_exit
     from pipeline.common.secrets import mask_overrides
-    from pipeline.config import RunConfig, check_search_space, config_dir, from_dictconfig, load, sweep_jobs
+    from pipeline.config import (
+        RunConfig,
+        check_multirun,
+        check_search_space,
+        config_dir,
+        from_dictconfig,
+        load,
+        sweep_jobs,
+        sweep_values,
+    )
     from pipeline.engine.stopping import Stopped
 except KeyboardInterrupt:
     print(BEFORE_THE_FIRST_STEP, file=sys.stderr, flush=True)
@@ -159,7 +168,10 @@ def _main() -> None:
     args = sys.argv[1:]
     plain = not any(a.startswith("-") for a in args)  # Hydra's own overrides (hydra/launcher=..., hydra.x=...) too
     try:
-        if plain:
+        if plain and sweep_values(args):  # a search whose config runs it as a sweep (hydra.mode: MULTIRUN)
+            check_multirun(args)
+            check_sweep(args)
+        elif plain:
             load(args)  # Hydra reports these in several lines and exits 1; we say it in one and exit 2
             if any(a.startswith("resume=") for a in args):
                 _continue_the_run(args)
@@ -224,9 +236,9 @@ def check_sweep(args: list[str]) -> None:
     shows = (parsed.help, parsed.hydra_help, parsed.cfg, parsed.info, parsed.shell_completion, parsed.run)
     if unknown or any(elsewhere) or any(shows):
         return
-    own = [o for o in parsed.overrides if o.lstrip("+~").startswith("hydra")]  # Hydra's groups: its launcher...
-    if own:
-        load(own)  # ...and sweeper, which the jobs leave out: a wrong one is one line, not Hydra's listing
+    if any(o.lstrip("+~").startswith("hydra") for o in parsed.overrides):  # Hydra's groups: its launcher...
+        listed = sweep_values(parsed.overrides)  # ...and sweeper (with what chooses it: hparams_search=...), which
+        load([o for o in parsed.overrides if o not in listed])  # the jobs leave out: a wrong one is one line
     jobs = sweep_jobs(parsed.overrides)
     if jobs is None:  # an interval() or another sweeper: refused here only where the sweeper cannot run it
         check_search_space(parsed.overrides)

@@ -29,7 +29,7 @@ from pipeline.config.schema import (
     cuda_only_expected,
     tree,
 )
-from pipeline.config.search_space import check_search_space, sweep_jobs
+from pipeline.config.search_space import check_multirun, check_search_space, sweep_jobs, sweep_values
 from pipeline.config.targets import (
     ModelConfig,
     OptimizerConfig,
@@ -56,6 +56,7 @@ __all__ = [
     "TaskConfig",
     "TrackingConfig",
     "TrainerConfig",
+    "check_multirun",
     "check_search_space",
     "compose",
     "config_dir",
@@ -64,6 +65,7 @@ __all__ = [
     "from_dictconfig",
     "load",
     "sweep_jobs",
+    "sweep_values",
     "target_label",
     "tree",
 ]

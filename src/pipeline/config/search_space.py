@@ -101,3 +101,39 @@ def check_search_space(overrides: list[str]) -> None:
             f"hparams_search=throughput_optuna, or hydra/sweeper=optuna); the {sweeper.rpartition('.')[2]} runs "
             "lists (a,b,c), range() and choice() only"
         )
+
+
+def sweep_values(overrides: Sequence[str]) -> list[str]:
+    """The overrides that list values to sweep (``a,b``, ``choice()``, ``range()``, ``interval()``), as typed; [] for
+    a single run's. One that Hydra cannot parse is left to the composition, which says so in one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException:
+        return []
+    return [o.input_line for o in parsed if o.is_sweep_override() and not o.is_hydra_override()]
+
+
+def check_multirun(overrides: Sequence[str]) -> None:
+    """Values to sweep typed without ``-m`` are a sweep only where the composed config says so (an Optuna search's
+    ``hydra.mode: MULTIRUN``, e.g. ``hparams_search=accuracy_optuna``).
+
+    Raises:
+        OverrideError: naming the first of them and the ``-m`` to add.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    listed = sweep_values(overrides)
+    fixed = [o for o in overrides if o not in listed]
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            mode = compose("config", overrides=fixed, return_hydra_config=True).hydra.mode
+    except HydraException:  # a bad group or key: the job checks say so, in one line
+        return
+    if str(mode) != "RunMode.MULTIRUN" and str(mode) != "MULTIRUN":
+        raise OverrideError(
+            f"{listed[0]} lists values to sweep: add -m (python -m pipeline -m {' '.join(overrides)}), or set one value"
+        )

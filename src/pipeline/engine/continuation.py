@@ -35,9 +35,12 @@ def own_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 def merged(started: Sequence[str], typed_now: Sequence[str]) -> list[str]:
-    """The run's overrides with those typed now in place of any of the same key (typed ones last, as typed)."""
+    """The run's overrides with those typed now in place of any of the same key (typed ones last, as typed). A group
+    chosen now (``data=digits``) also replaces the run's own keys inside that group (``data.num_samples=4000``): they
+    belonged to the option it had, and the comparison with the checkpoint then names the group's change."""
     typed_keys = {key_of(o) for o in typed_now}
-    return [*(o for o in started if key_of(o) not in typed_keys), *typed_now]
+    groups = tuple(f"{key}." for key in typed_keys if "." not in key)
+    return [*(o for o in started if key_of(o) not in typed_keys and not key_of(o).startswith(groups)), *typed_now]
 
 
 def continued(typed_now: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -177,10 +177,10 @@ def check_resumable(changes: Mapping[str, tuple[Any, Any]], *, fork: bool, run: 
     """
     structural = {k: v for k, v in changes.items() if k.startswith(STRUCTURAL) or k in STRUCTURAL_KEYS}
     if structural:
+        reasons = dict.fromkeys(_why_structural(key) for key in structural)
         raise CheckpointError(
-            f"cannot resume run {run} with a different model (its _target_, architecture or keywords), data, data "
-            f"shape, optimizer, schedule or batch size "
-            f"({_listed(structural)}): drop these overrides, or start a new run without resume="
+            f"cannot resume run {run}: {_listed(structural)}; {' and '.join(reasons)}: drop these overrides, or "
+            f"start a new run without resume="
         )
     if fork:
         return
@@ -191,6 +191,17 @@ def check_resumable(changes: Mapping[str, tuple[Any, Any]], *, fork: bool, run: 
             f"{_listed(computed)}. Drop these overrides, or add fork=true to continue its weights in a new run "
             f"with these values"
         )
+
+
+def _why_structural(key: str) -> str:
+    """Why a change of ``key`` (a ``STRUCTURAL`` one) leaves the checkpoint unusable, in a few words."""
+    if key.startswith("model."):
+        return "the checkpoint's weights belong to the model it was written with"
+    if key.startswith("data."):
+        return "the run trained on other data"
+    if key == "loader.batch_size":
+        return "its position counts batches of the checkpoint's size"
+    return f"its {key.split('.')[0]} state fits only the one it was written with"
 
 
 def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
