@@ -75,6 +75,14 @@ def fake_command(folder: Path, name: str, body: str) -> Path:
     return script
 
 
+def without_first_batch_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leave out the start-up check of the first batch (one more forward, before the run), so that faults injected
+    into the model's forwards land where a test puts them; the run then knows of no input example."""
+    from pipeline.engine.inputs import FirstBatch
+
+    monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: FirstBatch(True, ((), {})))
+
+
 def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
     """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds. The hook
     goes once it has fired, so the model the run logs at its end carries none (an action holding a lock could not

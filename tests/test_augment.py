@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
-from helpers import sigterm_at_step
+from helpers import sigterm_at_step, without_first_batch_check
 from pipeline.config import ConfigError, DataConfig, RunConfig, load
 from pipeline.data import CropFlip, Normalize, load_data, make_augment
 from pipeline.data.augment import Draws
@@ -147,7 +147,7 @@ def test_padding_as_wide_as_the_images_is_refused_when_the_image_size_is_known(m
 def watch_training_inputs(monkeypatch: pytest.MonkeyPatch, train_inputs: list, eval_inputs: list, oom_above: int):
     """Record what the model receives; raise a fake out-of-memory error for training inputs over ``oom_above``."""
     original = build_module.build_model
-    monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: None)  # faults in the run only
+    without_first_batch_check(monkeypatch)  # faults in the run only
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)

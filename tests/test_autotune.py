@@ -424,7 +424,7 @@ def test_no_timed_batch_was_made_before_its_trial_began(
             image.view(-1)[:8] = torch.frombuffer(bytearray(struct.pack("d", time.monotonic())), dtype=torch.uint8)
             return image, index % 10
 
-    def load_data(cfg):  # the digits' shape, with samples that say when they were made
+    def load_data(cfg, **kwargs):  # the digits' shape, with samples that say when they were made
         bundle = tensor_bundle(
             "stamped", train=(torch.zeros(8, 1, 8, 8, dtype=torch.uint8), torch.zeros(8, dtype=torch.long)),
             val=(torch.zeros(8, 1, 8, 8, dtype=torch.uint8), torch.zeros(8, dtype=torch.long)),

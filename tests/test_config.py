@@ -35,6 +35,7 @@ NEEDS = {
     "task=custom": ["task.loss._target_=losses.huber"],
     "optimizer=custom": ["optimizer._target_=RMSprop"],
     "scheduler=custom": ["scheduler._target_=ExponentialLR"],
+    "step=custom": ["step._target_=hooks.tbptt"],
     "precision=fp16": ["amp=true"],
     "precision=bf16": ["amp=true"],
 }
@@ -164,10 +165,6 @@ def test_bad_values_name_the_key_the_value_and_what_is_allowed(overrides: list[s
         ),
         (["trainer.lr=0.1"], r"^trainer\.lr moved: use optimizer\.lr$"),
         (["trainer.optimizer=adamw"], r"^trainer\.optimizer moved: use optimizer=sgd\|adamw\|adam\|custom"),
-        (
-            ["model=custom", "model._target_=nets.Tiny", "model.width=3"],
-            r"^model\.width is not a key of model yet: .* add it with a \+: \+model\.width=\.\.\.$",
-        ),
         (["data=imagenet"], r"^data=imagenet is not an option: expected one of .*digits.*synthetic"),
         (["loader.bogus=1"], r"^loader\.bogus is not a config key of loader"),
         (["loader.batch_size=[1"], r"^cannot parse the overrides 'loader\.batch_size=\[1'"),
@@ -177,6 +174,15 @@ def test_unknown_options_and_keys_are_one_line_errors(overrides: list[str], matc
     with pytest.raises(OverrideError, match=match) as info:
         compose(overrides)
     assert "\n" not in str(info.value)
+
+
+def test_a_keyword_of_a_target_group_needs_no_plus_new_or_not() -> None:
+    """Issue 36 (14): one command line of research code needed twelve +model.x=..."""
+    cfg = load(["model=custom", "model._target_=nets.Tiny", "model.width=3", "+model.depth=2"])
+    assert cfg.model.keywords == {"width": 3, "depth": 2}
+    more = load(["step=custom", "step._target_=hooks.tbptt", "step.window=4", "optimizer.betas=[0.9,0.95]"])
+    assert more.step.keywords == {"window": 4} and more.optimizer.keywords["betas"] == [0.9, 0.95]
+    assert load(["data=custom", "data._target_=sets.make", "data.n=10"]).data.keywords == {"n": 10}
 
 
 @pytest.mark.parametrize("blank", ["''", "'   '", "'\t'"])

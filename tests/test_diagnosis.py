@@ -71,7 +71,7 @@ def slow_bundle(delay_s: float, clock: StepClock, n: int = 96) -> DataBundle:
 def test_a_slow_dataset_is_judged_input_bound(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, clock: StepClock
 ) -> None:
-    monkeypatch.setattr(build_module, "load_data", lambda cfg: slow_bundle(delay_s=0.01, clock=clock))
+    monkeypatch.setattr(build_module, "load_data", lambda cfg, **kwargs: slow_bundle(delay_s=0.01, clock=clock))
     monkeypatch.setattr(build_module, "build_model", lambda *a, **k: SlowModel(delay_s=0.02, clock=clock))
     result = train(make_cfg("tracking=none", "trainer.max_steps=-1", "loader.batch_size=16"), echo=False)
     b = result.breakdown

@@ -70,7 +70,7 @@ def test_a_run_logs_the_mfu_of_its_steps_on_a_faked_clock(
     """Each training forward takes 10 ms on the step timer's clock, so the steady throughput is exact (32 samples a
     step: 3,200 samples/s) and the MFU against a peak of 0.01 TFLOP/s is the formula's, to the digit."""
     import pipeline.engine.build as build_module
-    import pipeline.engine.step as step_module
+    import pipeline.engine.hooks as step_module
 
     forward = step_module.call_model
 
@@ -252,3 +252,13 @@ def test_the_doctor_measures_the_cpu_peak_again_and_says_what_runs_read_mfu_agai
     check = next(c for c in found["checks"] if c["name"] == "CPU peak (MFU)")
     assert check["evidence"].startswith("fp32 0.5 TFLOP/s, bf16 0.5 TFLOP/s: the fastest matmul of up to 1024x1024 at ")
     assert str(peaks.cache_file()) in check["evidence"]
+
+
+def test_measuring_the_cpu_peak_leaves_the_runs_random_stream_alone() -> None:
+    """A run's dropout masks (and so its result) were not the same with a cached peak and a measured one: the
+    measurement drew its matrices from torch's global generator, after the model was made."""
+    from pipeline.monitor.peaks import measure_cpu_matmul
+
+    before = torch.get_rng_state()
+    measure_cpu_matmul(torch.float32, n=64, budget_s=0.001)
+    assert torch.equal(torch.get_rng_state(), before)

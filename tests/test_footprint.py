@@ -15,7 +15,7 @@ from torch import nn
 import pipeline.common.device_memory as device_memory
 import pipeline.engine.build as build_module
 import pipeline.engine.footprint as footprint
-from helpers import run_main
+from helpers import run_main, without_first_batch_check
 from pipeline import autotune
 from pipeline.common.device_memory import DoesNotFit, Free
 from pipeline.config import DataConfig, RunConfig
@@ -118,7 +118,7 @@ def test_the_cli_and_autotune_refuse_it_in_one_line(
 
 def _cpu_out_of_memory_in_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     original = build_module.build_model
-    monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: None)  # faults in the run only
+    without_first_batch_check(monkeypatch)  # faults in the run only
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)

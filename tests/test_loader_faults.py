@@ -57,7 +57,7 @@ def faulty_data(monkeypatch: pytest.MonkeyPatch, fault: str, epochs_before: int 
         return original_iter(self)
 
     monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", iter_with_fault)
-    monkeypatch.setattr(build_module, "load_data", lambda cfg: DataBundle(spec, train_set, Faulty(16, "", 0)))
+    monkeypatch.setattr(build_module, "load_data", lambda cfg, **kwargs: DataBundle(spec, train_set, Faulty(16, "", 0)))
 
 
 def test_timeout_needs_workers() -> None:

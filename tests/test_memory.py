@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
+from helpers import without_first_batch_check
 from pipeline.common.device_memory import is_oom
 from pipeline.config import ConfigError, RunConfig
 from pipeline.engine.memory import (
@@ -74,7 +75,7 @@ def with_hook(monkeypatch: pytest.MonkeyPatch, hook, seen: list[int] | None = No
     """``hook`` on the model's forwards in training and evaluation; the start-up check of the first batch (one more
     forward, before the run) is left out, so that the faults land where the tests put them."""
     original = build_module.build_model
-    monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: None)
+    without_first_batch_check(monkeypatch)
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)

@@ -10,9 +10,10 @@ import torch
 from mlflow import MlflowClient
 
 import pipeline.engine.build as build_module
+from helpers import without_first_batch_check
 from pipeline.common.targets import TargetError
 from pipeline.config import OptimizerConfig, RunConfig, SchedulerConfig
-from pipeline.engine.optim import NoSchedule, WarmupCosineFactor, build_optimizer, build_scheduler
+from pipeline.engine.optim import WarmupCosineFactor, build_optimizer, build_scheduler
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -36,12 +37,12 @@ def test_the_optimizer_groups_make_torch_optimizers_with_their_keywords(make_cfg
 def test_each_schedule_runs_over_the_runs_steps() -> None:
     def lrs(cfg: SchedulerConfig, steps: int = 10) -> list[float]:
         optimizer = torch.optim.SGD(params(), lr=1.0)
-        schedule = build_scheduler(cfg, optimizer, total_steps=steps)
+        schedule = build_scheduler(cfg, optimizer, steps=steps, epochs=1)
         seen = []
         for _ in range(steps):
             seen.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
-            schedule.step()
+            schedule.after_step()
         return seen
 
     cosine = lrs(SchedulerConfig("pipeline.engine.optim.cosine", {"min_lr": 0.0}))
@@ -52,9 +53,8 @@ def test_each_schedule_runs_over_the_runs_steps() -> None:
     onecycle = lrs(SchedulerConfig("pipeline.engine.optim.onecycle", {"max_lr": None, "pct_start": 0.3}))
     assert max(onecycle) == pytest.approx(1.0, rel=0.05) and onecycle[0] < 0.1
     expo = lrs(SchedulerConfig("ExponentialLR", {"gamma": 0.5}), 3)  # a torch.optim.lr_scheduler class by name
-    assert expo == [1.0, 0.5, 0.25] and isinstance(
-        build_scheduler(SchedulerConfig(None), torch.optim.SGD(params(), lr=1.0), total_steps=3), NoSchedule
-    )
+    assert expo == [1.0, 0.5, 0.25]
+    assert build_scheduler(SchedulerConfig(None), torch.optim.SGD(params(), lr=1.0), steps=3, epochs=1).inner is None
     assert WarmupCosineFactor(0, 10, 0.0)(10) == pytest.approx(0.0) and math.isclose(
         WarmupCosineFactor(0, 10, 0.0)(0), 1
     )
@@ -78,7 +78,7 @@ def test_a_schedule_steps_per_optimizer_step_so_the_oom_fallback_changes_neither
         return model
 
     monkeypatch.setattr(build_module, "build_model", build)
-    monkeypatch.setattr(build_module, "check_first_batch", lambda *a, **k: None)
+    without_first_batch_check(monkeypatch)
     shrunk = train(make_cfg(*base), echo=False)
     assert shrunk.micro_batch == 16 and len(shrunk.oom_events) == 2
     client = MlflowClient(store_uri)

@@ -495,7 +495,7 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(
     path.write_bytes(whole)
     with pytest.raises(
         CheckpointError,
-        match=r"different model .*model._target_: 'pipeline.engine.models.mlp' in the checkpoint, "
+        match=r"^cannot resume run \w+: model._target_: 'pipeline.engine.models.mlp' in the checkpoint, "
         r"'pipeline.engine.models.resnet' now; model.arch: None in the checkpoint, 'resnet18'",
     ):
         train(make_cfg(*BASE, "model=resnet18", f"resume={path}"), echo=False)

@@ -75,7 +75,8 @@ def test_an_unknown_keyword_names_the_ones_the_target_takes(module: Path) -> Non
 
 def test_a_factory_that_raises_is_one_line_with_its_exception_chained(module: Path) -> None:
     with pytest.raises(
-        FactoryFailed, match=r"^data\._target_=userlib\.fails raised KeyError: 'gone' \(--debug"
+        FactoryFailed,
+        match=r"^data\._target_=userlib\.fails raised KeyError: 'gone' at userlib\.py:\d+ in fails \(--debug",
     ) as info:
         instantiate("userlib.fails", {"reason": "gone"}, key="data")
     assert isinstance(info.value.__cause__, KeyError)

@@ -64,7 +64,7 @@ def test_next_token_leaves_out_the_ignored_positions_and_reports_perplexity() ->
         (Classification(), torch.zeros(4), torch.zeros(4, dtype=torch.long), r"needs \[B, C\] class scores"),
         (Classification(), torch.zeros(4, 3), torch.tensor([0, 1, 2, 5]), r"labels run from 0 to 5, but the model"),
         (Multilabel(), torch.zeros(4, 3), torch.zeros(4, 2), r"one output per label: outputs \[4, 3\]"),
-        (NextToken(), torch.zeros(2, 5, 3), torch.zeros(2, 4, dtype=torch.long), r"\[B, T, V\] logits for \[B, T\]"),
+        (NextToken(), torch.zeros(2, 5, 3), torch.zeros(2, 4, dtype=torch.long), r"\[B, T, V\] outputs for \[B, T\]"),
     ],
 )
 def test_an_output_that_does_not_fit_the_loss_names_both_shapes(task, outputs, targets, match) -> None:

@@ -27,8 +27,8 @@ CUSTOM_DATA = ["data=custom", "data._target_=sets.make", "task=regression"]
         ),
         (
             ["model=custom", "model._target_=nets.broken", *CUSTOM_DATA],
-            r"^error: model\._target_=nets\.broken raised ValueError: width 32 is too wide for this test "
-            r"\(--debug shows the traceback\)$",
+            r"^error: model\._target_=nets\.broken raised ValueError: width 32 is too wide for this test at "
+            r"nets\.py:\d+ in broken \(--debug shows the traceback\)$",
         ),
         (
             ["model=custom", "model._target_=nets.Tiny", "+model.widht=3", *CUSTOM_DATA],
@@ -130,5 +130,5 @@ def test_debug_shows_the_traceback_of_the_users_exception(
     assert "Traceback (most recent call last)" in err and 'raise ValueError(f"width {width}' in err
     assert err.rstrip().endswith(
         "error: model._target_=nets.broken raised ValueError: width 32 is too wide for this "
-        "test (--debug shows the traceback)"
+        "test at nets.py:32 in broken (--debug shows the traceback)"
     )

@@ -20,7 +20,7 @@ from tests.project import KEYED, REGRESSION, use_project, write_project
 import pipeline.engine.build as build_module
 from pipeline.config import RunConfig
 from pipeline.engine import checkpoint
-from pipeline.engine import step as step_module
+from pipeline.engine import hooks as step_module
 from pipeline.engine.stopping import Stopped
 from pipeline.train import train
 

@@ -33,6 +33,7 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
     from pipeline.common.secrets import mask_overrides
     from pipeline.config import (
         RunConfig,
+        as_typed,
         check_multirun,
         check_search_space,
         config_dir,
@@ -40,6 +41,7 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
         load,
         sweep_jobs,
         sweep_values,
+        with_open_keys,
     )
     from pipeline.engine.stopping import Stopped
 except KeyboardInterrupt:
@@ -122,7 +124,8 @@ def _train(run_cfg: RunConfig, cfg: DictConfig, *, job: SweepJob | None = None) 
     from pipeline.train import train  # lazy: torch and the run's modules (~1.6 s); --help and bad input skip them
 
     try:
-        typed_overrides = list(HydraConfig.get().overrides.task) if _TYPED_OVERRIDES is None else _TYPED_OVERRIDES
+        typed = [as_typed(o) for o in HydraConfig.get().overrides.task]
+        typed_overrides = typed if _TYPED_OVERRIDES is None else _TYPED_OVERRIDES
         return train(run_cfg, overrides=typed_overrides, quiet=job is not None, sweep=job, own_overrides=_OWN_OVERRIDES)
     except Exception as err:
         from pipeline.record.store import DiskFull, disk_full  # lazy: 10 modules (~5 ms), for a failed run only
@@ -181,6 +184,7 @@ def _main() -> None:
                 check_sweep(args)
     except PipelineError as err:
         _fail(err)
+    sys.argv[1:] = with_open_keys(sys.argv[1:])  # model.emsize=64: a keyword, set or added, without a +
     try:
         run()
     finally:  # a sweep Hydra ended early (a stop request, a sweeper's error) still gets its parent run closed

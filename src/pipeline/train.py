@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.common.heap import collector_paused, collector_running
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
+from pipeline.common.usercode import user_errors
 from pipeline.config import RunConfig, TrainerConfig
 from pipeline.data.workers import deaths_expected_while, worker_faults
 from pipeline.engine import checkpoint, compilation, continuation, resume
@@ -80,7 +81,12 @@ def train(
     started = time.perf_counter()
     # torchrun: this rank's place in the job; else a plain run. Memory running out ends the run in one line. No
     # collector passes over what start-up and close import (pipeline.common.heap); training has them (run_epochs).
-    with collector_paused(freeze=False), out_of_memory_is_an_error(), distributed.joined(cfg.device) as group:
+    with (
+        collector_paused(freeze=False),
+        user_errors(),  # an exception raised in the user's code: one line naming their file, line and key
+        out_of_memory_is_an_error(),
+        distributed.joined(cfg.device) as group,
+    ):
         own = continuation.own_overrides(overrides if own_overrides is None else own_overrides)
         return _train(cfg, group, started, overrides=overrides, own=own, echo=echo, quiet=quiet, sweep=sweep)
 
@@ -147,9 +153,8 @@ def _open_session(
             secret_values=secret_values,
         )
     )
-    session.enter_context(
-        setup.profiler.recording(tracker)
-    )  # trainer.profile: where the profiled steps are masked_config
+    session.enter_context(user_errors())  # inside the tracker: the run's FAILED record says it as the user's too
+    session.enter_context(setup.profiler.recording(tracker))  # trainer.profile: where the profiled steps are kept
     session.enter_context(setup.snapshot.recording(tracker))  # trainer.memory_snapshot=on_oom: kept at an OOM
     start.continue_record(tracker)  # the same run: steps trained again keep their first points
     return stop, tracker
@@ -278,6 +283,7 @@ def run_epochs(
     for epoch in range(start.epoch, trainer.epochs + 1):
         skip = start.batch if epoch == start.epoch else 0
         setup.train_batches.set_epoch(epoch, skip=skip)  # the epoch's order, minus the batches done before
+        setup.state.context.begin(epoch, keep=skip > 0)  # a step hook's state: empty, or the checkpoint's mid-epoch
         epoch_starts.append(sampler.now())
         record, done = run_epoch(
             setup,
@@ -361,17 +367,18 @@ def run_epoch(
             tracker.flush()
             return None, steps.done
         setup.group.broadcast_buffers(state.model)  # BatchNorm's running statistics: rank 0's, on every rank
+        setup.scoring.context.epoch = epoch
         val = evaluate(
             state.model,
             setup.val_batches,
             device=setup.device,
             policy=setup.policy,
             prepare=setup.prepare,
+            scoring=setup.scoring,
             micro=setup.eval_micro,
             group=setup.group,
-            task=setup.task,
-            split_batch=state.split,
         )
+        state.scheduler.after_evaluation(val.metrics)  # scheduler.interval=epoch, or a schedule fed a val metric
     utilisation = sampler.summary(since=since)
     ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
     record = EpochResult(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks)

@@ -26,6 +26,7 @@ from typing import Any
 
 from pipeline.common.errors import PipelineError
 from pipeline.common.messages import brief
+from pipeline.common.usercode import remember, site
 
 TARGET = "_target_"
 PARTIAL = "_partial_"
@@ -85,6 +86,7 @@ def resolve(path: str, *, key: str, namespaces: Sequence[str] = ()) -> Any:
                 file = getattr(obj, "__file__", None) or module_name
                 raise TargetError(f"{key}._target_={path}: {module_name} ({file}) has no attribute {name!r}")
             obj = getattr(obj, name)
+        remember(obj, f"{key}._target_={path}", module=module_name)  # its errors are the user's
         return obj
     raise TargetError(f"{key}._target_={path}: no module named {parts[0]!r} ({searched})")
 
@@ -145,13 +147,25 @@ def call(
     extra = {k: v for k, v in (supplied or {}).items() if k in names and k not in keywords}
     made = {k: nested(v, key=f"{key}.{k}") for k, v in keywords.items()}
     try:
-        return fn(*positional, **made, **extra)
+        obj = fn(*positional, **made, **extra)
     except PipelineError:
         raise
     except Exception as err:
         raise FactoryFailed(
-            f"{key}._target_={path} raised {brief(err, first_line=True)} (--debug shows the traceback)"
+            f"{key}._target_={path} raised {brief(err, first_line=True)}{site(err)} (--debug shows the traceback)"
         ) from err
+    remember_made(obj, f"{key}._target_={path}")
+    return obj
+
+
+def remember_made(obj: Any, label: str) -> None:
+    """The files of what a target made (a model's every layer class, each dataset of a pair), as chosen by
+    ``label``: an error raised in them later names it (``pipeline.common.usercode``)."""
+    parts = list(obj.values()) if isinstance(obj, Mapping) else list(obj) if isinstance(obj, tuple | list) else [obj]
+    for part in parts:
+        modules = getattr(part, "modules", None) if hasattr(part, "parameters") else None  # an nn.Module
+        for each in modules() if callable(modules) else [part]:
+            remember(type(each), label)
 
 
 def bind(path: str, keywords: Mapping[str, Any], *, key: str, namespaces: Sequence[str] = ()) -> Callable[..., Any]:
@@ -163,6 +177,17 @@ def bind(path: str, keywords: Mapping[str, Any], *, key: str, namespaces: Sequen
         takes = ", ".join(sorted(names)) or "no keywords"
         raise TargetError(f"{key}.{unknown[0]} is not a keyword of {path} (it takes {takes}): drop it or rename it")
     return functools.partial(fn, **{k: nested(v, key=f"{key}.{k}") for k, v in keywords.items()})
+
+
+def hook(path: str, keywords: Mapping[str, Any], *, key: str, partial: bool | None = None) -> Callable[..., Any]:
+    """A callable the pipeline calls later (a loss, a metric, a collate or split function, a step): a class is made
+    with the keywords now (the object is then called), a function is bound to them; ``partial`` (``_partial_``)
+    overrides which."""
+    if partial is None:
+        partial = not inspect.isclass(resolve(path, key=key))
+    if partial:
+        return bind(path, keywords, key=key)
+    return instantiate(path, keywords, key=key)
 
 
 def nested(value: Any, *, key: str) -> Any:

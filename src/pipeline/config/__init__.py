@@ -14,7 +14,7 @@ values, the search spaces only Optuna runs); what the rest of the package uses i
 """
 
 from pipeline.common.errors import ConfigError
-from pipeline.config.compose import compose, config_dir, flatten, from_dictconfig, load
+from pipeline.config.compose import as_typed, compose, config_dir, flatten, from_dictconfig, load, with_open_keys
 from pipeline.config.data import DataConfig
 from pipeline.config.schema import (
     CheckpointConfig,
@@ -34,6 +34,7 @@ from pipeline.config.targets import (
     ModelConfig,
     OptimizerConfig,
     SchedulerConfig,
+    StepConfig,
     TargetConfig,
     TaskConfig,
     target_label,
@@ -52,10 +53,12 @@ __all__ = [
     "PrecisionConfig",
     "RunConfig",
     "SchedulerConfig",
+    "StepConfig",
     "TargetConfig",
     "TaskConfig",
     "TrackingConfig",
     "TrainerConfig",
+    "as_typed",
     "check_multirun",
     "check_search_space",
     "compose",
@@ -68,4 +71,5 @@ __all__ = [
     "sweep_values",
     "target_label",
     "tree",
+    "with_open_keys",
 ]

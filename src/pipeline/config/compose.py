@@ -23,7 +23,8 @@ from pipeline.common.secrets import env_keys
 from pipeline.config.schema import MAX_TAG_KEY, MISSING_VALUE, MOVED, TAGS_PREFIX, RunConfig, _at_most
 from pipeline.config.targets import TargetConfig
 
-OPEN_GROUPS = ("model", "data", "optimizer", "scheduler")  # groups whose new keys are a _target_'s keywords
+OPEN_GROUPS = ("model", "data", "optimizer", "scheduler", "step")  # groups whose new keys are a _target_'s keywords
+FORCED = "++"  # Hydra's "set, or add if new": what a keyword group's key is handed to Hydra as
 
 
 def config_dir() -> Path:
@@ -36,6 +37,24 @@ def config_dir() -> Path:
     if checkout.is_dir():
         return checkout
     raise FileNotFoundError(f"pipeline's config tree is missing: looked in {packaged} and {checkout}")
+
+
+def with_open_keys(overrides: Sequence[str]) -> list[str]:
+    """The overrides as Hydra is handed them: a key of a keyword group (``model.emsize=64``: a keyword of the group's
+    ``_target_``) as ``++model.emsize=64``, which sets it or adds it, so no ``+`` is needed for a new one; everything
+    else as typed. An unknown keyword is then the target's to refuse, naming the keywords it takes."""
+    return [FORCED + o if opens_a_key(o) else o for o in overrides]
+
+
+def opens_a_key(override: str) -> bool:
+    """Whether ``override`` sets a key inside a keyword group (``model.emsize=64``), as typed without a prefix."""
+    key, sep, _ = override.partition("=")
+    return bool(sep) and "." in key and key.split(".")[0] in OPEN_GROUPS and not key.startswith(("+", "~"))
+
+
+def as_typed(override: str) -> str:
+    """An override as the user typed it, from the form ``with_open_keys`` handed to Hydra."""
+    return override[len(FORCED) :] if override.startswith(FORCED) and opens_a_key(override[len(FORCED) :]) else override
 
 
 def compose(overrides: Sequence[str] = ()) -> Any:
@@ -56,7 +75,7 @@ def compose(overrides: Sequence[str] = ()) -> Any:
 
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
-            return hydra_compose("config", overrides=list(overrides))
+            return hydra_compose("config", overrides=with_open_keys(overrides))
     except MissingConfigException as err:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
         if err.options and group:
@@ -205,6 +224,8 @@ def _coerce(value: Any, hint: Any, key: str, *, finite: bool = True) -> Any:
         if value is None and type(None) in options:
             return None
         concrete = [o for o in options if o is not type(None)]
+        if isinstance(value, Mapping):  # a group of keys: the one option that is a group, with its own errors
+            concrete = [o for o in concrete if dataclasses.is_dataclass(o)] or concrete
         if len(concrete) == 1:  # `X | None`: X's own, more precise error
             return _coerce(value, concrete[0], key, finite=finite)
         for option in concrete:

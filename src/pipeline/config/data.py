@@ -10,7 +10,7 @@ from pipeline.config.targets import SPREAD, TargetConfig, check_target
 
 DIGITS = ("digits", "mnist")  # datasets of handwritten digits: mirroring changes what a sample shows
 CUSTOM_DATA_KEYS = frozenset(
-    {"name", "_target_", "target_key", "collate_fn", "split_batch", "steps_per_epoch", "num_classes"}
+    {"name", "_target_", "target_key", "collate_fn", "split_batch", "steps_per_epoch", "num_classes", "batch_dim"}
 )  # data=custom: the keys that stay the pipeline's, never the factory's keywords
 
 
@@ -37,6 +37,7 @@ class DataConfig:
     collate_fn: TargetConfig | None = None  # batches from items; null = PyTorch's default_collate
     split_batch: TargetConfig | None = None  # (batch, pieces) -> micro-batches, for batches the OOM fallback can't cut
     steps_per_epoch: int | None = None  # iterable datasets: batches per epoch (required without __len__)
+    batch_dim: int = 0  # the dimension that counts a batch's samples (1: sequence-first [T, B] data)
     keywords: dict[str, Any] = field(default_factory=dict, metadata=SPREAD)
 
     @staticmethod
@@ -53,6 +54,8 @@ class DataConfig:
             return
         if self.steps_per_epoch is not None or self.collate_fn is not None or self.split_batch is not None:
             raise ConfigError("data.name", self.name, "custom for data.collate_fn, data.split_batch, steps_per_epoch")
+        if self.batch_dim != 0:
+            raise ConfigError("data.batch_dim", self.batch_dim, f"0 for data={self.name} (its images are [N, C, H, W])")
         if self.name == "imagefolder" and not self.root:
             raise ConfigError("data.root", self.root, "a folder with one sub-folder per class for data=imagefolder")
         if self.image_size is not None and self.image_size < 1:
@@ -98,3 +101,7 @@ class DataConfig:
             raise ConfigError("data.steps_per_epoch", self.steps_per_epoch, "null or an integer >= 1")
         if self.num_classes is not None and self.num_classes < 1:
             raise ConfigError("data.num_classes", self.num_classes, "null (from the dataset) or an integer >= 1")
+        if self.batch_dim < 0:
+            raise ConfigError(
+                "data.batch_dim", self.batch_dim, "0 (batch-first) or the dimension of the samples (1: [T, B])"
+            )

@@ -19,6 +19,7 @@ from pipeline.config.targets import (
     ModelConfig,
     OptimizerConfig,
     SchedulerConfig,
+    StepConfig,
     TaskConfig,
 )
 
@@ -77,6 +78,7 @@ class LoaderConfig:
     prefetch_to_device: bool | Literal["auto"] = "auto"
     # how workers start; auto = this process's default: spawn on Windows and macOS, fork on Linux (3.14: forkserver)
     multiprocessing_context: Literal["auto", "fork", "spawn", "forkserver"] = "auto"
+    shuffle: bool = True  # false: the dataset's order every epoch (each DDP rank its contiguous share)
 
     def check(self) -> None:
         if self.batch_size < 1:
@@ -141,6 +143,8 @@ class TrainerConfig:
     compile: bool
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
     progress: bool | Literal["auto"]
+    clip_grad_norm: float | None = None  # the gradients' total norm clipped to this (after unscaling); null = none
+    clip_grad_value: float | None = None  # each gradient element clipped to [-value, value]; null = none
     profile: bool = False  # torch.profiler over a few steady steps (pipeline.engine.profiling)
     profile_steps: int = PROFILE_STEPS
     memory_snapshot: Literal["off", "on_oom"] = "off"  # the allocator's history, dumped at an out-of-memory error
@@ -162,6 +166,16 @@ class TrainerConfig:
             )
         if self.epochs < 1:
             raise ConfigError("trainer.epochs", self.epochs, "an integer >= 1")
+        for key in ("clip_grad_norm", "clip_grad_value"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"trainer.{key}", value, "null (no clipping) or a number > 0")
+        if self.clip_grad_norm is not None and self.clip_grad_value is not None:
+            raise ConfigError(
+                "trainer.clip_grad_value",
+                self.clip_grad_value,
+                f"null while trainer.clip_grad_norm={self.clip_grad_norm} (clip by one of the two)",
+            )
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError("trainer.max_steps", self.max_steps, "-1 (no limit) or an integer >= 1")
         if self.log_every_n_steps < 1:
@@ -190,7 +204,17 @@ class TrackingConfig:
     experiment: str
     run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
-    log_model: bool = True  # the trained model as an MLflow logged model (pipeline.record.logged_model)
+    # final: the trained model as an MLflow logged model (pipeline.record.logged_model); checkpoints: one per epoch too
+    log_model: Literal["final", "checkpoints"] | bool = "final"
+    model_format: Literal["pickle", "pt2", "auto"] = "pickle"  # how the logged model is saved
+
+    @property
+    def models(self) -> Literal["final", "checkpoints"] | None:
+        """Which models the run logs: the final one, one per epoch's checkpoint as well, or none (``true``: the key's
+        old form of ``final``)."""
+        if self.log_model is False:
+            return None
+        return "final" if self.log_model is True else self.log_model
 
     def check(self) -> None:
         if self.enabled and not self.uri.strip():
@@ -284,6 +308,8 @@ class RunConfig:
     checkpoint: CheckpointConfig
     amp: bool
     resume: str | None
+    # how a batch becomes a loss: the task's (step=default: no trace in the record), or the user's hook
+    step: StepConfig = field(default_factory=StepConfig, metadata={"omit_empty": True})
     fork: bool = False  # with resume=: continue the checkpoint in a new MLflow run instead of the same one
     # not a config key: the dotted keys whose values came from environment variables (masked in the record)
     env_keys: frozenset[str] = field(default=frozenset(), compare=False, metadata={"internal": True})
@@ -299,6 +325,12 @@ class RunConfig:
         if not self.amp and self.precision.dtype != "auto":
             raise ConfigError(
                 "precision.dtype", self.precision.dtype, "auto while amp=false (add amp=true to train in it)"
+            )
+        if self.loader.resident and self.data.batch_dim != 0:
+            raise ConfigError(
+                "loader.resident",
+                True,
+                f"false with data.batch_dim={self.data.batch_dim} (resident batches are cut along 0)",
             )
         if self.trainer.memory_snapshot != "off" and not self.tracking.enabled:
             raise ConfigError(
@@ -334,7 +366,7 @@ def tree(node: Any) -> Any:
             continue
         if f.metadata.get("spread"):
             out.update(tree(value))
-        else:
+        elif not (f.metadata.get("omit_empty") and not tree(value)):
             out[f.name] = tree(value)
     return out
 

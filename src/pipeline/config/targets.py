@@ -112,25 +112,57 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """scheduler: the learning-rate schedule, stepped once per optimizer step (never per micro-batch); null = none.
-    It is called with the optimizer first, and receives ``total_steps`` (the run's optimizer steps) where its
-    signature names it and the group does not set it."""
+    """scheduler: the learning-rate schedule, stepped once per optimizer step (never per micro-batch) or once per
+    epoch after its evaluation (``interval``); null = none. It is called with the optimizer first, and receives
+    ``total_steps`` (the times it will be stepped) where its signature names it and the group does not set it. A
+    schedule whose ``step`` takes a metric (``ReduceLROnPlateau``) is stepped after each evaluation with ``monitor``."""
 
     _target_: str | None = None
     keywords: dict[str, Any] = field(default_factory=dict, metadata=SPREAD)
+    interval: Literal["step", "epoch"] | None = field(default=None, metadata=OMIT_NONE)  # null: step (none: unused)
+    monitor: str | None = field(default=None, metadata=OMIT_NONE)  # a metric-fed schedule's metric; null = val/loss
 
     def check(self) -> None:
         check_target("scheduler._target_", self._target_, bare=True)
         if self._target_ is None and self.keywords:
             first = next(iter(self.keywords))
             raise ConfigError(f"scheduler.{first}", self.keywords[first], "no keywords with scheduler=none")
+        if self._target_ is None:
+            for key, value in (("interval", self.interval), ("monitor", self.monitor)):
+                if value is not None:
+                    raise ConfigError(f"scheduler.{key}", value, "null with scheduler=none")
+        if self.monitor is not None and not re.fullmatch(r"[\w./-]+", self.monitor):
+            raise ConfigError("scheduler.monitor", self.monitor, "a metric name such as val/loss")
+
+    @property
+    def every(self) -> Literal["step", "epoch"]:
+        return self.interval or "step"
 
     @property
     def label(self) -> str:
         return target_label(self._target_)
 
 
+@dataclass(frozen=True)
+class StepConfig:
+    """step: how a batch becomes a loss. ``null`` = the task's loss of the model's output (``step=default``); a
+    ``_target_`` names the user's ``fn(model, batch, ctx)`` (``step=custom``), whose keywords are the group's other
+    keys (``pipeline.engine.hooks``)."""
+
+    _target_: str | None = field(default=None, metadata=OMIT_NONE)
+    keywords: dict[str, Any] = field(default_factory=dict, metadata=SPREAD)
+
+    def check(self) -> None:
+        check_target("step._target_", self._target_)
+        if self._target_ is None and self.keywords:
+            first = next(iter(self.keywords))
+            raise ConfigError(
+                f"step.{first}", self.keywords[first], "nothing with step=default (step=custom takes one)"
+            )
+
+
 TaskName = Literal["classification", "regression", "multilabel", "next_token", "custom"]
+MODEL_LOSS = "model"  # task.loss=model: the model's own output.loss
 
 
 @dataclass(frozen=True)
@@ -140,28 +172,49 @@ class TaskConfig:
     name: TaskName
     ignore_index: int = -100  # next_token: target positions left out of the loss and the metrics (padding)
     threshold: float = 0.5  # multilabel: a label is predicted where sigmoid(output) > threshold
-    loss: TargetConfig | None = None  # custom: any callable (outputs, targets) -> scalar tensor
+    # custom: any callable (outputs, targets) -> scalar tensor; model (any task): the model's own output.loss
+    loss: Literal["model"] | TargetConfig | None = field(default=None, metadata=OMIT_NONE)
     metrics: list[TargetConfig] = field(default_factory=list)  # custom: callables or torchmetrics Metric classes
     primary: str | None = None  # custom: the metric the summary leads with and a sweep optimises; null = val/loss
+    outputs: Literal["logits", "log_probs"] = "logits"  # classification, next_token: what the model returns
+    shift_labels: bool = False  # next_token: output t is scored against target t + 1 (targets = the inputs)
+
+    @property
+    def model_loss(self) -> bool:
+        """``task.loss=model``: the loss is the model's own (its output's ``loss``)."""
+        return self.loss == MODEL_LOSS
 
     def check(self) -> None:
+        if self.outputs != "logits" and self.name not in ("classification", "next_token"):
+            raise ConfigError(
+                "task.outputs", self.outputs, f"logits with task={self.name} (classification and next_token)"
+            )
+        if self.shift_labels and self.name != "next_token":
+            raise ConfigError("task.shift_labels", True, f"false with task={self.name} (next_token shifts)")
         if self.name == "custom":
-            if self.loss is None:
-                raise ConfigError.missing("task.loss._target_")
-            self.loss.check_at("task.loss")
-            for index, metric in enumerate(self.metrics):
-                metric.check_at(f"task.metrics[{index}]")
-            names = [m.label for m in self.metrics]
-            if len(set(names)) < len(names):
-                raise ConfigError("task.metrics", names, "metrics of distinct names (give each a name: key)")
-            known = {"val/loss", *(f"val/{n}" for n in names)}
-            if self.primary is not None and self.primary not in known:
-                raise ConfigError("task.primary", self.primary, f"one of {', '.join(sorted(known))}")
+            self._check_custom()
             return
-        for key, value in (("task.loss", self.loss), ("task.metrics", self.metrics or None)):
-            if value is not None:
-                raise ConfigError(key, "...", f"none with task={self.name} (task=custom takes your own)")
+        if isinstance(self.loss, TargetConfig):
+            raise ConfigError(
+                "task.loss", self.loss._target_, f"null or model with task={self.name} (task=custom takes your own)"
+            )
+        if self.metrics:
+            raise ConfigError("task.metrics", "...", f"none with task={self.name} (task=custom takes your own)")
         if self.primary is not None:
             raise ConfigError("task.primary", self.primary, f"null with task={self.name} (its metrics are fixed)")
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError("task.threshold", self.threshold, "a probability strictly between 0 and 1")
+
+    def _check_custom(self) -> None:
+        if self.loss is None:
+            raise ConfigError.missing("task.loss._target_")
+        if isinstance(self.loss, TargetConfig):
+            self.loss.check_at("task.loss")
+        for index, metric in enumerate(self.metrics):
+            metric.check_at(f"task.metrics[{index}]")
+        names = [m.label for m in self.metrics]
+        if len(set(names)) < len(names):
+            raise ConfigError("task.metrics", names, "metrics of distinct names (give each a name: key)")
+        known = {"val/loss", *(f"val/{n}" for n in names)}
+        if self.primary is not None and self.primary not in known:
+            raise ConfigError("task.primary", self.primary, f"one of {', '.join(sorted(known))}")

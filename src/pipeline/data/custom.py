@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from pipeline.common.errors import DatasetError
 from pipeline.common.messages import brief
-from pipeline.common.targets import FactoryFailed, bind, instantiate, source_file
+from pipeline.common.targets import FactoryFailed, hook, instantiate, source_file
 from pipeline.config import DataConfig, LoaderConfig
 from pipeline.data import structures
 
@@ -41,14 +41,33 @@ DIGEST_ITEMS = 64  # the dataset input's digest covers this many first items of 
 
 @dataclass(frozen=True)
 class Batches:
-    """A collate function that hands the loop ``(inputs, targets)``: the user's ``collate`` (or torch's default)
-    first, then a dict batch's ``target_key`` entry taken out as the targets. Picklable, for spawn workers."""
+    """A collate function that hands the loop ``(inputs, targets)``: the user's ``collate`` (or torch's default, which
+    then stacks samples along ``batch_dim``) first, then a dict batch's ``target_key`` entry taken out as the targets,
+    and integer class labels or token ids of any width as int64 (``long_targets``: what cross-entropy takes; int32
+    labels from NumPy would fail at the first step). Picklable, for spawn workers; runs in them."""
 
     collate: Callable[[list[Any]], Any]
     target_key: str
+    batch_dim: int = 0
+    long_targets: bool = False
 
     def __call__(self, items: list[Any]) -> tuple[Any, Any]:
-        return as_pair(self.collate(items), self.target_key)
+        inputs, targets = as_pair(self.collate(items), self.target_key)
+        if self.batch_dim and self.collate is default_collate:  # stacked along 0: the samples' dimension moved
+            inputs, targets = (structures.apply(part, self._moved) for part in (inputs, targets))
+        if self.long_targets and isinstance(targets, torch.Tensor) and _narrow_integer(targets):
+            targets = targets.long()
+        return inputs, targets
+
+    def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.movedim(0, self.batch_dim).contiguous() if tensor.dim() > self.batch_dim else tensor
+
+
+def _narrow_integer(targets: torch.Tensor) -> bool:
+    """Integers other than int64 (bool is no label)."""
+    return (
+        targets.dtype not in (torch.int64, torch.bool) and not targets.is_floating_point() and not targets.is_complex()
+    )
 
 
 def as_pair(batch: Any, target_key: str) -> tuple[Any, Any]:
@@ -88,17 +107,20 @@ class Custom:
         return isinstance(self.train, IterableDataset)
 
 
-def load(cfg: DataConfig) -> Custom:
-    """Make the user's datasets and check their first items.
+def load(cfg: DataConfig, *, batch_size: int | None = None, long_targets: bool = False) -> Custom:
+    """Make the user's datasets and check their first items. The factory receives ``batch_size``
+    (``loader.batch_size``) where its signature names it and the group does not set it: data laid out in batch order
+    is not told its batch size twice. ``long_targets``: integer targets become int64 (``Batches``).
 
     Raises:
         DatasetError: no datasets, items that are not tensors (or dicts or tuples of them).
         TargetError: the factory cannot be imported or raised (``pipeline.common.targets``).
     """
     path = str(cfg._target_)
-    made = instantiate(path, cfg.keywords, key="data")
+    supplied = {"batch_size": batch_size} if batch_size is not None else {}
+    made = instantiate(path, cfg.keywords, key="data", supplied=supplied)
     train, val = _splits(made, path)
-    collate = Batches(_collate(cfg), cfg.target_key)
+    collate = Batches(_collate(cfg), cfg.target_key, cfg.batch_dim, long_targets)
     first_items = [_item(train, i, "training", path) for i in range(2)]
     first_items = [item for item in first_items if item is not None]
     if not first_items:
@@ -112,8 +134,8 @@ def load(cfg: DataConfig) -> Custom:
         raise DatasetError(f"data._target_={path}: the validation set yields no items")
     classes, class_to_idx = _classes(train)
     num_classes = cfg.num_classes or (len(classes) if classes else None)
-    hook = cfg.split_batch
-    split = bind(hook._target_, hook.keywords, key="data.split_batch") if hook is not None else None
+    cut = cfg.split_batch
+    split = hook(cut._target_, cut.keywords, key="data.split_batch", partial=cut._partial_) if cut else None
     return Custom(
         train=train,
         val=val,
@@ -124,17 +146,15 @@ def load(cfg: DataConfig) -> Custom:
         class_to_idx=class_to_idx,
         num_classes=num_classes,
         source=f"{path} ({source_file(made if not isinstance(made, tuple | list | Mapping) else train) or 'code'})",
-        digest=structures.digest([collate(_first_items(s)) for s in (train, val)]),
+        digest=structures.digest([_digested(_first_items(s), collate) for s in (train, val)]),
     )
 
 
 def _collate(cfg: DataConfig) -> Callable[[list[Any]], Any]:
     if cfg.collate_fn is None:
         return default_collate
-    hook = cfg.collate_fn
-    if hook._partial_ is False:  # a class (or a factory) that makes the collate function
-        return instantiate(hook._target_, hook.keywords, key="data.collate_fn")
-    return bind(hook._target_, hook.keywords, key="data.collate_fn")
+    made = cfg.collate_fn
+    return hook(made._target_, made.keywords, key="data.collate_fn", partial=made._partial_)
 
 
 def _splits(made: Any, path: str) -> tuple[Any, Any]:
@@ -190,6 +210,15 @@ def _item(dataset: Any, index: int, split: str, path: str) -> Any:
             f"data._target_={path}: reading {split} item {index} raised {brief(err, first_line=True)} "
             "(--debug shows the traceback)"
         ) from err
+
+
+def _digested(items: list[Any], collate: Batches) -> Any:
+    """The first items as the digest reads them: one batch, or, where they do not stack into one (sequences of
+    different lengths, laid out in batches of their own), each item as a batch of one."""
+    try:
+        return collate(items)
+    except RuntimeError:  # torch's default_collate: items of different sizes
+        return [collate([item]) for item in items]
 
 
 def _first_items(dataset: Any) -> list[Any]:

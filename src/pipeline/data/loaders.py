@@ -43,11 +43,23 @@ class EpochOrder(Sampler[int]):
     ``rank`` on, so batch ``k`` of all ranks together is batch ``k`` of one process with the global
     batch. ``pad`` (training) repeats the order's first samples so every rank has as many samples, and
     so as many steps, as the others; evaluation does not pad (its sums are reduced, not its steps).
+    ``contiguous`` (``loader.shuffle=false``: the dataset's own order, for data laid out in batch order) gives
+    each rank its contiguous share instead, so a stream of batches stays a stream on each rank.
     """
 
-    def __init__(self, size: int, *, seed: int, shuffle: bool, rank: int = 0, world: int = 1, pad: bool = True) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        seed: int,
+        shuffle: bool,
+        rank: int = 0,
+        world: int = 1,
+        pad: bool = True,
+        contiguous: bool = False,
+    ) -> None:
         self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.rank, self.world, self.pad = rank, world, pad
+        self.rank, self.world, self.pad, self.contiguous = rank, world, pad, contiguous
         self.epoch, self.start = 1, 0
 
     def set_epoch(self, epoch: int, *, start: int = 0) -> None:
@@ -61,6 +73,9 @@ class EpochOrder(Sampler[int]):
             return self.size
         if self.pad:
             return math.ceil(self.size / self.world)
+        if self.contiguous:
+            share = math.ceil(self.size / self.world)
+            return len(range(self.size)[self.rank * share : (self.rank + 1) * share])
         return len(range(self.rank, self.size, self.world))
 
     def indices(self) -> torch.Tensor:
@@ -73,7 +88,11 @@ class EpochOrder(Sampler[int]):
             if self.pad and self.size % self.world:
                 extra = self.shard_size * self.world - self.size
                 order = torch.cat([order, order.repeat(math.ceil(extra / self.size))[:extra]])
-            order = order[self.rank :: self.world]
+            if self.contiguous:
+                share = math.ceil(len(order) / self.world)
+                order = order[self.rank * share : (self.rank + 1) * share]
+            else:
+                order = order[self.rank :: self.world]
         return order[self.start :]
 
     def __iter__(self) -> Iterator[int]:
@@ -193,13 +212,15 @@ def make_loader(
     if cfg.resident:
         images, labels = materialize(dataset, collate, device=device)
         if world > 1:  # a fixed share per rank, so each moves only its own samples to its device
-            share = resident_share(structures.count(labels), rank=rank, world=world, pad=train)
+            share = resident_share(
+                structures.count(labels), rank=rank, world=world, pad=train, contiguous=not cfg.shuffle
+            )
             images, labels = structures.take(images, share), structures.take(labels, share)
         resident = ResidentLoader(
             structures.move(images, device, non_blocking=False),
             structures.move(labels, device, non_blocking=False),
             batch_size=cfg.batch_size,
-            shuffle=train,
+            shuffle=train and cfg.shuffle,
             drop_last=train and cfg.drop_last,
             seed=seed,
         )
@@ -211,7 +232,15 @@ def make_loader(
     loader = EpochLoader(
         dataset,
         batch_size=cfg.batch_size,
-        sampler=EpochOrder(len(dataset), seed=seed, shuffle=train, rank=rank, world=world, pad=train),
+        sampler=EpochOrder(
+            len(dataset),
+            seed=seed,
+            shuffle=train and cfg.shuffle,
+            rank=rank,
+            world=world,
+            pad=train,
+            contiguous=not cfg.shuffle,  # the dataset's order: each rank a contiguous share of it
+        ),
         num_workers=cfg.num_workers,
         pin_memory=pin,
         persistent_workers=cfg.persistent_workers,
@@ -239,11 +268,16 @@ def worker_start_method(cfg: LoaderConfig) -> str | None:
     return cfg.multiprocessing_context
 
 
-def resident_share(size: int, *, rank: int, world: int, pad: bool) -> torch.Tensor:
-    """The samples rank ``rank`` of ``world`` keeps resident: every ``world``-th one, padded (training) from the
-    start so every rank has as many, and so as many steps."""
+def resident_share(size: int, *, rank: int, world: int, pad: bool, contiguous: bool = False) -> torch.Tensor:
+    """The samples rank ``rank`` of ``world`` keeps resident: every ``world``-th one (``contiguous``: its contiguous
+    share, for ``loader.shuffle=false``), padded (training) from the start so every rank has as many, and so as many
+    steps."""
     total = math.ceil(size / world) * world if pad else size
-    return (torch.arange(total) % size)[rank::world]
+    order = torch.arange(total) % size
+    if contiguous:
+        share = math.ceil(total / world)
+        return order[rank * share : (rank + 1) * share]
+    return order[rank::world]
 
 
 def _with_steps(batches: EpochLoader | ResidentLoader, cfg: LoaderConfig, samples: int) -> EpochLoader | ResidentLoader:

@@ -107,14 +107,15 @@ class DataBundle:
     first: tuple[Any, Any] | None = None  # the first training items as a batch (data=custom; built-ins: first_batch)
 
 
-def load_data(cfg: DataConfig) -> DataBundle:
-    """Read (or make) the configured dataset.
+def load_data(cfg: DataConfig, *, batch_size: int | None = None, long_targets: bool = False) -> DataBundle:
+    """Read (or make) the configured dataset; the user's factory receives ``batch_size`` where it names it, and their
+    integer targets become int64 with ``long_targets`` (``pipeline.data.custom``).
 
     Raises:
         DatasetError: files are missing and could not be downloaded, or the folder is unusable.
     """
     if cfg.name == "custom":
-        return _custom(cfg)
+        return _custom(cfg, batch_size=batch_size, long_targets=long_targets)
     _check_room(cfg)
     if cfg.name == "digits":
         bundle = _digits(cfg)
@@ -331,13 +332,17 @@ def _synthetic(cfg: DataConfig) -> DataBundle:
     )
 
 
-def _custom(cfg: DataConfig) -> DataBundle:
-    """The user's datasets (``pipeline.data.custom``), described by their first batch."""
-    made = custom.load(cfg)
+def _custom(cfg: DataConfig, *, batch_size: int | None, long_targets: bool) -> DataBundle:
+    """The user's datasets (``pipeline.data.custom``), described by their first batch (one sample's shape: the
+    batch's without ``data.batch_dim``)."""
+    made = custom.load(cfg, batch_size=batch_size, long_targets=long_targets)
     inputs = made.first[0]
+    sample = (
+        tuple(d for i, d in enumerate(inputs.shape) if i != cfg.batch_dim) if isinstance(inputs, torch.Tensor) else None
+    )
     spec = DataSpec(
         name=target_label(cfg._target_),
-        in_shape=tuple(inputs.shape[1:]) if isinstance(inputs, torch.Tensor) else None,
+        in_shape=sample,
         num_classes=made.num_classes,
         train_size=_length(made.train),
         val_size=_length(made.val),

@@ -8,6 +8,7 @@ step, fails in seconds and leaves no half-made run behind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,11 +41,12 @@ from pipeline.engine.amp_check import AmpProbe, check_cpu_amp
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.engine.devices import DeviceChoice, activate, resolve_device
 from pipeline.engine.footprint import check_training
-from pipeline.engine.inputs import check_first_batch
-from pipeline.engine.loop import TrainState
+from pipeline.engine.hooks import Step, StepContext, make_step
+from pipeline.engine.inputs import FirstBatch, check_first_batch
+from pipeline.engine.loop import Scoring, TrainState
 from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_tail
 from pipeline.engine.models import BUILTIN, build_model, count_parameters
-from pipeline.engine.optim import build_optimizer, build_scheduler
+from pipeline.engine.optim import Schedule, build_optimizer, build_scheduler, make_clipping, needs_closure
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import run_name
@@ -66,8 +68,10 @@ class Setup:
     backends: dict[str, str]
     spec: DataSpec
     task: Task  # the loss and the validation metrics (pipeline.engine.tasks)
-    first: tuple[Any, Any]  # the first training batch on the host (the logged model's input example)
+    first: tuple[Any, Any]  # the first training batch on the host
+    example: tuple[tuple[Any, ...], dict[str, Any]]  # what the model was called with on it (the input example)
     state: TrainState
+    scoring: Scoring  # how evaluation scores a batch (its own step context)
     eval_micro: MicroBatcher  # evaluation's own: its out-of-memory errors never shrink training's
     parameters: int
     train_batches: EpochLoader | ResidentLoader | IterableLoader | DevicePrefetcher
@@ -107,20 +111,16 @@ def build(
     policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
     backends = configure_backends(cfg.precision, trainer, device, amp=cfg.amp)  # may refuse a CUDA-only switch
     torch.manual_seed(trainer.seed)
-    data = load_data(cfg.data)
+    data = load_data(cfg.data, batch_size=cfg.loader.batch_size, long_targets=cfg.task.name in LABELS)
     spec = data.spec
     task = make_task(cfg.task).to(device)
-    model = _model(cfg, spec, device)
+    step = make_step(cfg.step, task)  # the user's step imported now: a bad path fails before the model is made
+    first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
+    model = _model(cfg, spec, device, example=first[0])
     batchnorm = has_batchnorm(model)
     train_loader = _batchnorm_safe(cfg, batchnorm=batchnorm, samples=spec.train_size, world=group.world_size)
-    if spec.builtin:
-        prepare: Normalize | AsGiven = Normalize(
-            spec.mean, spec.std, device=device, channels_last=trainer.channels_last
-        )
-    else:
-        prepare = AsGiven(channels_last=trainer.channels_last)
-    first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
-    model_flops = _model_flops(model, task, first, prepare=prepare, choice=choice, policy=policy, trainer=trainer)
+    prepare = _prepare(spec, trainer, device)
+    checked, model_flops = _model_flops(cfg, model, task, first, step, prepare=prepare, choice=choice, policy=policy)
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     augment = None
@@ -128,15 +128,23 @@ def build(
         augment = make_augment(
             cfg.data, in_shape=spec.in_shape, seed=trainer.seed, device=device, rank=group.rank, world=group.world_size
         )
-    amp_probe = check_cpu_amp(policy, model, _first_prepared(data, cfg.loader, prepare, device), loss=task.loss)
+    amp_probe = check_cpu_amp(
+        policy, model, _first_prepared(data, cfg.loader, prepare, device), loss=_amp_loss(step, task, device, model)
+    )
     parameters = count_parameters(model)
+    module = model
     model = _wrapped(model, group, trainer)
     # the model's own parameters: not DDP's agreement (pipeline.parallel.overlap.Agreeing)
-    optimizer = build_optimizer(cfg.optimizer, group.unwrap(model).parameters())
+    optimizer = build_optimizer(cfg.optimizer, module.parameters())
     train_batches, val_batches = _loaders(cfg, data, train_loader, device=device, group=group)
     snapshot = make_snapshot(trainer, device)  # called by both micro-batchers at an out-of-memory error
-    scheduler = build_scheduler(cfg.scheduler, optimizer, total_steps=total_steps(trainer, len(train_batches)))
-    state = _train_state(cfg, model, optimizer, policy, scheduler, task, data, batchnorm=batchnorm, snapshot=snapshot)
+    scoring = Scoring(task, step, StepContext(task.loss, device, module), _splitter(data, cfg.data.batch_dim))
+    scoring.batch_dim, scoring.outputs = cfg.data.batch_dim, checked.outputs
+    steps = total_steps(trainer, len(train_batches))
+    scheduler = build_scheduler(
+        cfg.scheduler, optimizer, steps=steps, epochs=trainer.epochs, metrics=scoring.metric_names
+    )
+    state = _train_state(cfg, model, optimizer, policy, scheduler, scoring, batchnorm=batchnorm, snapshot=snapshot)
     batch = cfg.loader.batch_size
     setup = Setup(
         choice=choice,
@@ -145,7 +153,9 @@ def build(
         spec=spec,
         task=task,
         first=first,
+        example=checked.example,
         state=state,
+        scoring=scoring,
         eval_micro=MicroBatcher(batch, batch, cfg.oom.min_micro_batch, cfg.oom.enabled, on_oom=snapshot),
         parameters=parameters,
         train_batches=train_batches,
@@ -168,18 +178,19 @@ def _train_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     policy: PrecisionPolicy,
-    scheduler: Any,
-    task: Task,
-    data: DataBundle,
+    scheduler: Schedule,
+    scoring: Scoring,
     *,
     batchnorm: bool,
     snapshot: OomSnapshot | NoSnapshot,
 ) -> TrainState:
-    """What the epochs advance: with the scaler, training's own micro-batcher (at least 2 samples with BatchNorm)
-    and, compiled, the watch over what torch.compile compiles."""
+    """What the epochs advance: with the scaler, training's own micro-batcher (at least 2 samples with BatchNorm),
+    the step and a context of training's own (``scoring``'s task, step and cut, not its context), clipping, whether
+    the optimizer takes a closure and, compiled, the watch over what torch.compile compiles."""
     micro = MicroBatcher.from_config(
         cfg.oom, batch_size=cfg.loader.batch_size, least=2 if batchnorm else 1, on_oom=snapshot
     )
+    task, step = scoring.task, scoring.compute
     return TrainState(
         model,
         optimizer,
@@ -188,7 +199,40 @@ def _train_state(
         compiles=CompileWatch.start() if cfg.trainer.compile else NO_COMPILE,
         scheduler=scheduler,
         task=task,
-        split=_splitter(data),
+        split=scoring.split,
+        compute=step,
+        context=StepContext(task.loss, scoring.context.device, scoring.context.module),
+        batch_dim=cfg.data.batch_dim,
+        clip=make_clipping(cfg.trainer, scoring.context.module.parameters()),
+        closure=_closure_allowed(cfg, optimizer, policy),
+    )
+
+
+def _closure_allowed(cfg: RunConfig, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy) -> bool:
+    """Whether the optimizer's step takes a closure (L-BFGS); refused under float16's GradScaler, which cannot step
+    one.
+
+    Raises:
+        ConfigError: a closure optimizer with amp in float16.
+    """
+    if not needs_closure(optimizer):
+        return False
+    if policy.make_scaler().is_enabled():
+        raise ConfigError(
+            "precision.dtype",
+            cfg.precision.dtype,
+            f"bf16, or amp=false, with optimizer._target_={cfg.optimizer._target_}: its step re-evaluates the loss "
+            f"through a closure, which float16's GradScaler cannot step",
+        )
+    return True
+
+
+def _amp_loss(step: Step, task: Task, device: torch.device, model: torch.nn.Module) -> Callable[..., Any]:
+    """The run's loss as the CPU amp check times it: the step's, each call in a context of its own."""
+    if not step.custom:
+        return task.loss
+    return lambda model_, inputs, targets: step.loss(
+        model_, inputs, targets, StepContext(task.loss, device, model, training=True)
     )
 
 
@@ -204,32 +248,43 @@ def _device(cfg: RunConfig, group: Solo | Group, explain: Callable[[], str]) -> 
 
 
 def _model_flops(
+    cfg: RunConfig,
     model: torch.nn.Module,
     task: Task,
     first: tuple[Any, Any],
+    step: Step,
     *,
     prepare: Normalize | AsGiven,
     choice: DeviceChoice,
     policy: PrecisionPolicy,
-    trainer: Any,
-) -> flops.ModelFlops:
-    """The first batch checked against the model and the task (``check_first_batch``), its forward's FLOPs counted
-    on the way (MFU's numerator, counted once per run), and the device's peak."""
+) -> tuple[FirstBatch, flops.ModelFlops]:
+    """The first batch checked against the model, the task and the step (``check_first_batch``), its forward's FLOPs
+    counted on the way (MFU's numerator, counted once per run), and the device's peak."""
     device = choice.device
     with flops.counting() as counted:
-        check_first_batch(
+        checked = check_first_batch(
             model,
             task,
             first,
             prepare=prepare,
             device=device,
-            channels_last=trainer.channels_last,
+            channels_last=cfg.trainer.channels_last,
             autocast=policy.autocast,
+            step=step,
         )
-    return flops.ModelFlops(
-        flops.per_sample(counted.forward, count(first[0])),
+    model_flops = flops.ModelFlops(
+        flops.per_sample(counted.forward, count(first[0], cfg.data.batch_dim)),
         device_peak(device, run_dtype(device, policy.dtype), device_name=choice.name),
     )
+    return checked, model_flops
+
+
+def _prepare(spec: DataSpec, trainer: Any, device: torch.device) -> Normalize | AsGiven:
+    """Per micro-batch, the inputs as the model takes them: a built-in source's uint8 pixels normalised on the
+    device; the user's as they are (in ``channels_last`` if asked)."""
+    if spec.builtin:
+        return Normalize(spec.mean, spec.std, device=device, channels_last=trainer.channels_last)
+    return AsGiven(channels_last=trainer.channels_last)
 
 
 def _first_prepared(
@@ -267,16 +322,17 @@ def _announce(setup: Setup, cfg: RunConfig) -> None:
     )
 
 
-def _model(cfg: RunConfig, spec: DataSpec, device: torch.device) -> torch.nn.Module:
+def _model(cfg: RunConfig, spec: DataSpec, device: torch.device, *, example: Any) -> torch.nn.Module:
     """The model on ``device``, after its memory needs were checked: the pipeline's own factories on the meta device
-    before anything is allocated; a user's model (or pretrained weights) once made, on the host."""
+    before anything is allocated; a user's model (or pretrained weights) once made, on the host, with its first
+    inputs (``example``) on meta copies, the model left as it was."""
     shapes = {"in_shape": spec.in_shape, "num_classes": spec.num_classes}
     own = cfg.model._target_.startswith(BUILTIN) and not cfg.model.keywords.get("weights")
     if own:
         check_training(cfg, **shapes, device=device)
     model = build_model(cfg.model, **shapes)
     if not own:
-        check_training(cfg, **shapes, device=device, model=model)
+        check_training(cfg, **shapes, device=device, model=model, example=example)
     return model.to(device)
 
 
@@ -305,12 +361,12 @@ def _loaders(
     return tuple(with_prefetch(batches, cfg.loader, device=device) for batches in made)
 
 
-def _splitter(data: DataBundle) -> Any:
+def _splitter(data: DataBundle, batch_dim: int) -> Any:
     """How the out-of-memory fallback cuts a batch: the user's ``data.split_batch``, checked to give as many pieces
-    as asked, or the structures' own cut."""
+    as asked, or the structures' own cut along ``batch_dim``."""
     hook = data.split_batch
     if hook is None:
-        return split
+        return functools.partial(split, dim=batch_dim) if batch_dim else split
 
     def cut(batch: Any, pieces: int) -> list[Any]:
         parts = list(hook(batch, pieces))
@@ -319,6 +375,9 @@ def _splitter(data: DataBundle) -> Any:
         return parts
 
     return cut
+
+
+LABELS = ("classification", "next_token")  # tasks whose integer targets are made int64 (what cross-entropy takes)
 
 
 def total_steps(trainer: Any, per_epoch: int) -> int:

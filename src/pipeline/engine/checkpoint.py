@@ -248,8 +248,42 @@ def payload(state: Any, **extra: Any) -> dict[str, Any]:
         "scheduler": state.scheduler.state_dict(),  # {} for scheduler=none
         "scaler": state.scaler.state_dict(),
         "micro_batch": state.micro.micro_batch,
+        "step_state": plain_state(state.context.state),  # a step hook's ctx.state ({}: none)
         **extra,
     }
+
+
+PLAIN = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A step hook's ``ctx.state`` as a checkpoint keeps it: tensors and plain values, in tuples, lists and dicts (what
+    ``torch.load(weights_only=True)`` reads back).
+
+    Raises:
+        CheckpointError: naming the entry that holds something else, and what a checkpoint can keep.
+    """
+
+    def check(value: Any, where: str) -> None:
+        if isinstance(value, PLAIN):
+            return
+        if isinstance(value, dict) and all(isinstance(k, str | int) for k in value):
+            for key, item in value.items():
+                check(item, f"{where}[{key!r}]")
+            return
+        if type(value) in (tuple, list):
+            for index, item in enumerate(value):
+                check(item, f"{where}[{index}]")
+            return
+        raise CheckpointError(
+            f"{where} holds a {type(value).__module__}.{type(value).__qualname__}: a checkpoint keeps tensors, "
+            f"numbers, strings and tuples, lists and dicts of them (what torch.load(weights_only=True) reads); keep "
+            f"the rest outside ctx.state, or set checkpoint.enabled=false"
+        )
+
+    for key, value in state.items():
+        check(value, f"ctx.state[{key!r}]")
+    return dict(state)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -20,14 +20,22 @@ one line as well, see ``pipeline.engine.memory``).
 
 from __future__ import annotations
 
-import math
+import copy
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pipeline.common.device_memory import FLOAT32, DoesNotFit, free_memory, size
+from pipeline.common.messages import brief
 from pipeline.config import RunConfig
+from pipeline.data import structures
+from pipeline.data.structures import call_model
 from pipeline.engine.models import build_model
+
+log = logging.getLogger(__name__)
 
 HALF = 2  # bytes: activations under amp (float16 or bfloat16)
 
@@ -53,45 +61,103 @@ def estimate(
     num_classes: int | None,
     samples: int,
     model: torch.nn.Module | None = None,
+    example: Any = None,
+    batch_dim: int = 0,
 ) -> Estimate:
-    """The training state and a ``samples``-sample micro-batch of ``cfg``'s model on ``in_shape`` inputs, measured on
-    the meta device (nothing is allocated, whatever the sizes). Without ``model``, the pipeline's own factory makes
-    it there; a user's model, made already, runs on meta copies of its tensors (``torch.func.functional_call``).
-    Inputs that are no single tensor (``in_shape`` None) count the state alone."""
+    """The training state and a ``samples``-sample micro-batch of ``cfg``'s model, measured on the meta device
+    (nothing is allocated, whatever the sizes). Without ``model``, the pipeline's own factory makes it there, for float
+    inputs of ``in_shape``; a user's model, made already, runs on meta copies of its tensors
+    (``torch.func.functional_call``) and of ``example``, its first batch's inputs (their dtypes, their structure;
+    ``batch_dim`` the samples' dimension), and is left exactly as it was: every attribute its forward set (a cached
+    mask, a rotary table) is put back. A forward that cannot run on meta tensors (it reads values, it takes more than
+    the batch) counts the state alone, with one warning."""
     if model is None:
         with torch.device("meta"):
             model = build_model(cfg.model, in_shape=in_shape, num_classes=num_classes)
-    training = model.training
-    model.eval()  # 1 sample: BatchNorm
+    if example is None and in_shape is not None:  # a tensor input of that shape, in float32
+        example = torch.empty(samples, *in_shape, device="meta")
     parameters = sum(p.numel() for p in model.parameters())
-    kept = [samples * math.prod(in_shape)] if in_shape is not None else [0]
+    per_value = HALF if cfg.amp else FLOAT32
+    state_bytes = parameters * FLOAT32 * (2 + _moments(cfg))
+    if example is None:
+        return Estimate(parameters, state_bytes, 0, samples)
+    inputs = structures.apply(example, lambda t: _meta(t, samples, batch_dim))
+    kept = [sum(t.numel() for t in structures.leaves(inputs))]
+    try:
+        kept += _activations(model, inputs)
+    except Exception as err:  # an op without a meta kernel, a forward that reads values or takes more arguments
+        log.warning(
+            "the memory estimate could not run %s on meta tensors (%s): it counts the parameters, gradients and "
+            "optimizer state only",
+            cfg.model.label,
+            brief(err, first_line=True),
+        )
+    return Estimate(parameters, state_bytes, sum(kept) * per_value, samples)
 
-    def keep(module: torch.nn.Module, inputs: object, output: object) -> None:
+
+def _meta(tensor: torch.Tensor, samples: int, batch_dim: int) -> torch.Tensor:
+    """A meta tensor of ``tensor``'s dtype and shape, with ``samples`` along ``batch_dim``."""
+    shape = list(tensor.shape)
+    if len(shape) > batch_dim:
+        shape[batch_dim] = samples
+    return torch.empty(shape, dtype=tensor.dtype, device="meta")
+
+
+def _activations(model: torch.nn.Module, inputs: Any) -> list[int]:
+    """The sizes of the outputs of the layers with parameters in one meta forward, in eval mode (one sample:
+    BatchNorm); the model's mode and every attribute of every module are put back afterwards."""
+    kept: list[int] = []
+
+    def keep(module: torch.nn.Module, args: object, output: object) -> None:
         if isinstance(output, torch.Tensor):
             kept.append(output.numel())
 
     weighted = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-    handles = [m.register_forward_hook(keep) for m in weighted] if in_shape is not None else []
+    saved = [_attributes(m) for m in model.modules()]  # a forward may cache tensors in plain attributes
+    training = model.training
+    handles = [m.register_forward_hook(keep) for m in weighted]
     try:
-        if in_shape is not None:
-            _meta_forward(model, torch.empty(samples, *in_shape, device="meta"))
-    except Exception:  # too small an input, an op without a meta kernel, a user's forward that reads values: a
-        kept = kept[:1]  # floor needs no activations, and the real run says what went wrong in its own words
+        model.eval()
+        _meta_forward(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
+        for restore in saved:
+            restore()
         model.train(training)
-    per_value = HALF if cfg.amp else FLOAT32
-    return Estimate(parameters, parameters * FLOAT32 * (2 + _moments(cfg)), sum(kept) * per_value, samples)
+    return kept
 
 
-def _meta_forward(model: torch.nn.Module, inputs: torch.Tensor) -> None:
+REGISTRIES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")  # a module's own, changed in place
+
+
+def _attributes(module: torch.nn.Module) -> Callable[[], None]:
+    """What puts ``module``'s attributes back as they are now: its ``__dict__`` and, since a forward may register
+    into them (a buffer made on first use), its parameter, buffer and sub-module registries."""
+    attributes = dict(module.__dict__)
+    registries = {name: copy.copy(attributes[name]) for name in REGISTRIES if name in attributes}
+
+    def restore() -> None:
+        module.__dict__.clear()
+        module.__dict__.update(attributes)
+        for name, entries in registries.items():
+            registry = attributes[name]
+            registry.clear()
+            registry.update(entries)
+
+    return restore
+
+
+def _meta_forward(model: torch.nn.Module, inputs: Any) -> None:
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if all(t.is_meta for t in tensors.values()):
-        model(inputs)
+        call_model(model, inputs)
         return
     meta = {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
-    torch.func.functional_call(model, meta, (inputs,))
+    if isinstance(inputs, Mapping):
+        torch.func.functional_call(model, meta, (), inputs)
+    else:
+        torch.func.functional_call(model, meta, (inputs,))
 
 
 def _moments(cfg: RunConfig) -> int:
@@ -110,14 +176,24 @@ def check_training(
     num_classes: int | None,
     device: torch.device,
     model: torch.nn.Module | None = None,
+    example: Any = None,
 ) -> None:
     """Refuse a model whose training state and smallest micro-batch (``oom.min_micro_batch`` samples: the least the
-    out-of-memory fallback can shrink to) exceed the memory free on ``device``.
+    out-of-memory fallback can shrink to) exceed the memory free on ``device``. ``example``: a user's model's first
+    inputs (``estimate``).
 
     Raises:
         DoesNotFit: with the estimate, its parts, the free memory and what to change.
     """
-    need = estimate(cfg, in_shape=in_shape, num_classes=num_classes, samples=cfg.oom.min_micro_batch, model=model)
+    need = estimate(
+        cfg,
+        in_shape=in_shape,
+        num_classes=num_classes,
+        samples=cfg.oom.min_micro_batch,
+        model=model,
+        example=example,
+        batch_dim=cfg.data.batch_dim,
+    )
     free = free_memory(device)
     if need.total <= free.bytes:
         return

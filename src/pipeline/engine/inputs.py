@@ -3,25 +3,39 @@ and its output fits the loss, ``channels_last`` has 4-D inputs and convolutions 
 
     python -m pipeline model=custom model._target_=nets.Tiny data=custom data._target_=sets.make task=regression
 
-One forward of two samples, in eval mode and without gradients (no BatchNorm statistics move, no random number is
-drawn), on the training device. A mismatch is one line naming both shapes, and the run never starts.
+One forward of two samples through the run's step, in eval mode and without gradients (no BatchNorm statistics move,
+no random number is drawn), on the training device. A mismatch is one line naming both shapes, and the run never
+starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipeline.common.device_memory import is_oom
-from pipeline.common.errors import ConfigError
+from pipeline.common.errors import ConfigError, PipelineError
 from pipeline.common.messages import brief
-from pipeline.data.structures import call_model, describe, move
+from pipeline.common.targets import TargetError
+from pipeline.common.usercode import site
+from pipeline.data.structures import describe, move
+from pipeline.engine.hooks import Computed, Step, StepContext, StepHookError, TaskStep
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.tasks import OutputMismatch, Task
+
+
+@dataclass(frozen=True)
+class FirstBatch:
+    """What the first batch's check found: whether the step returns outputs for the task's metrics, and what the model
+    itself was called with (its positional and keyword arguments: the logged model's input example)."""
+
+    outputs: bool
+    example: tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def check_first_batch(
@@ -33,36 +47,67 @@ def check_first_batch(
     device: torch.device,
     channels_last: bool,
     autocast: Callable[[], Any] = contextlib.nullcontext,
-) -> None:
-    """Refuse what the first batch (two samples) shows cannot train. The forward runs under the run's ``autocast``,
-    as training's.
+    step: Step | None = None,
+) -> FirstBatch:
+    """Refuse what the first batch (two samples) shows cannot train. The step (the task's, or the user's hook with a
+    context of its own: nothing it keeps reaches training) runs under the run's ``autocast``, as training's.
 
     Raises:
         DatasetError: targets whose dtype or shape the task cannot take (``task.check_targets``).
         ConfigError: ``trainer.channels_last=true`` without 4-D inputs or without convolutions.
-        OutputMismatch: the model's forward raised on the inputs, or its output does not fit the loss.
+        OutputMismatch: the model's forward raised on the inputs, its output does not fit the loss, or the targets
+            are the inputs and the task would score them unshifted (``task.shift_labels``).
+        StepHookError: the user's step returned no loss tensor, or a loss that is not one number.
     """
+    step = step or TaskStep(task)
     inputs, targets = batch
     task.check_targets(targets)
     if channels_last:
         check_channels_last(model, inputs)
     inputs, targets = move(inputs, device, non_blocking=False), move(targets, device, non_blocking=False)
+    if not step.custom:  # the task computes the loss: its targets must line up with the outputs
+        task.check_inputs(inputs, targets)
+    context = StepContext(task.loss, device, model, training=False)
     training = model.training
     model.eval()
-    try:
-        with torch.no_grad(), autocast():
-            outputs = call_model(model, prepare(inputs))
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    seen = model.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    try:  # the random stream forked: a step that draws numbers leaves training's stream as it was
+        with torch.no_grad(), autocast(), torch.random.fork_rng(devices=_cuda(device)):
+            done = step.compute(model, prepare(inputs), targets, context)
+    except (PipelineError, TargetError):
+        raise
     except Exception as err:
         if is_oom(err):  # two samples do not fit: said as the out-of-memory error it is (memory.OutOfMemory)
             raise
         raise OutputMismatch(
-            f"the model's forward on the first batch ({describe(inputs)}) raised {brief(err, first_line=True)} "
-            f"(--debug shows the traceback)"
+            f"{_what_ran(step)} on the first batch ({describe(inputs)}) raised {brief(err, first_line=True)}"
+            f"{site(err)} (--debug shows the traceback)"
         ) from err
     finally:
+        seen.remove()
         model.train(training)
-    with torch.no_grad():
-        task.check_outputs(outputs, targets)
+    _check_loss(done, step)
+    if done.outputs is not None:
+        with torch.no_grad():
+            task.check_outputs(done.outputs, done.targets if done.targets is not None else targets)
+    return FirstBatch(done.outputs is not None, calls[0] if calls else ((), {}))
+
+
+def _cuda(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _what_ran(step: Step) -> str:
+    return f"the step ({step.label})" if step.custom else "the model's forward"
+
+
+def _check_loss(done: Computed, step: Step) -> None:
+    if done.loss.numel() != 1 or not done.loss.is_floating_point():
+        raise StepHookError(
+            f"{step.label} gave a loss of {describe(done.loss)}: expected one floating-point number (reduce it, e.g. "
+            f"with .mean())"
+        )
 
 
 def check_channels_last(model: nn.Module, inputs: Any) -> None:

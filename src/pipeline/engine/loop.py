@@ -16,11 +16,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from pipeline.data.structures import call_model, count, move, split
+from pipeline.data.structures import count, move, split
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
+from pipeline.engine.hooks import Computed, Step, StepContext, TaskStep
 from pipeline.engine.losses import LossWindow
 from pipeline.engine.memory import MicroBatcher
-from pipeline.engine.optim import NoSchedule, Schedule, current_lr
+from pipeline.engine.optim import Clipping, NoClipping, Schedule, current_lr
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.profiling import ProfiledTimer
 from pipeline.engine.step import NO_STOP, SOLO, Inputs, LogFn, SkippedSteps, StepOutcome, StopSource, run_step
@@ -36,8 +37,10 @@ Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
 @dataclass
 class TrainState:
     """What an epoch advances: the model, its optimizer, schedule and scaler, the micro-batch, the global step, and
-    what torch.compile has compiled (an eager run's watch never changes); with the task that scores a batch and how
-    a batch is cut into micro-batches (``data.split_batch``, or ``pipeline.data.structures.split``)."""
+    what torch.compile has compiled (an eager run's watch never changes); with the task that scores a batch, the step
+    that turns a batch into a loss (``pipeline.engine.hooks``) and its context, how a batch is cut into micro-batches
+    (``data.split_batch``, or ``pipeline.data.structures.split``) and along which dimension its samples count,
+    gradient clipping, and whether the optimizer's step takes a closure (L-BFGS)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -45,9 +48,24 @@ class TrainState:
     micro: MicroBatcher
     step: int = 0
     compiles: CompileWatch | NoCompile = NO_COMPILE
-    scheduler: Schedule = field(default_factory=NoSchedule)
+    scheduler: Schedule = field(default_factory=Schedule)
     task: Task = field(default_factory=Classification)
     split: Splitter = split
+    compute: Step | None = None  # None: the task's own step
+    context: StepContext | None = None  # None: made for the model and task
+    batch_dim: int = 0
+    clip: Clipping | NoClipping = field(default_factory=NoClipping)
+    closure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compute is None:
+            self.compute = TaskStep(self.task)
+        if self.context is None:
+            self.context = StepContext(self.task.loss, _device(self.model), self.model)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 @dataclass(frozen=True)
@@ -106,12 +124,21 @@ class StepMetrics:
         return LossWindow(self.every, device, skipped_steps_expected=scaler.is_enabled(), reduce=group.mean)
 
     def log_training(
-        self, loss: float, step: int, *, optimizer: torch.optim.Optimizer, group: Solo | Group = SOLO
+        self,
+        loss: float,
+        step: int,
+        *,
+        optimizer: torch.optim.Optimizer,
+        group: Solo | Group = SOLO,
+        grad_norm: torch.Tensor | None = None,
     ) -> None:
-        """A logging point: the interval's loss, the rate when it changed, and DDP's ``time/allreduce_ms``."""
+        """A logging point: the interval's loss, the rate when it changed, the gradients' norm before clipping (with
+        ``trainer.clip_grad_*``) and DDP's ``time/allreduce_ms``."""
         logged = {"train/loss": loss}
         if (lr := current_lr(optimizer)) != self.lr:
             logged["train/lr"] = self.lr = lr
+        if grad_norm is not None:
+            logged["train/grad_norm"] = float(grad_norm)  # this step's; the logging point syncs already
         self.write({**logged, **group.step_metrics()}, step)
 
 
@@ -153,6 +180,7 @@ def train_epoch(
     """
     metrics, checkpoints = metrics or StepMetrics(), checkpoints or NoCheckpoints()
     state.model.train()
+    state.context.training = True
     window = metrics.window(inputs.device, state.scaler, group)
     tally, outcome = _Tally(state.scaler), StepOutcome(None)
     timer.start()
@@ -160,7 +188,7 @@ def train_epoch(
         compiled_before = state.compiles.count  # a Python int: reading it costs nothing
         images, labels = inputs.move(images), inputs.move(labels)
         timer.copied()
-        images, n = inputs.augmented(images, state.step + 1), count(labels)
+        images, n = inputs.augmented(images, state.step + 1), count(labels, state.batch_dim)
         carry = window.pending if metrics.should_log(state.step + 1) else None
         outcome = run_step(state, images, labels, inputs=inputs, group=group, stop=stop, log=metrics.log, carry=carry)
         if outcome.abandoned:  # not counted, nothing applied: the epoch ends at the last step
@@ -171,7 +199,8 @@ def train_epoch(
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
         if metrics.should_log(state.step):  # window.close: a host sync; NaN/inf raise
-            metrics.log_training(window.close(outcome.carried), state.step, optimizer=state.optimizer, group=group)
+            loss = window.close(outcome.carried)
+            metrics.log_training(loss, state.step, optimizer=state.optimizer, group=group, grad_norm=state.clip.norm)
         if checkpoints.due(state.step):
             window.verify()  # host sync point; raises on NaN/inf before anything is written
             checkpoints.save(state.step)
@@ -209,6 +238,46 @@ class _Tally:
         )
 
 
+@dataclass
+class Scoring:
+    """How evaluation scores a batch: the task's sums of what the step computed, in evaluation's own step context
+    (``ctx.state`` of its own, emptied before each pass), cut into micro-batches by ``split`` along ``batch_dim``."""
+
+    task: Task
+    compute: Step
+    context: StepContext
+    split: Splitter = split
+    batch_dim: int = 0
+    outputs: bool = True  # the step returns outputs for the task's metrics (a hook that returns a loss alone: not)
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return self.task.metric_names if self.outputs else ("val/loss",)
+
+    def sums(self, done: Computed, targets: Any) -> torch.Tensor:
+        """One micro-batch's running sums: the task's of the step's outputs (``val/loss`` the step's own loss, weighted
+        by what it averages over), or, for a step that returns only its loss, that loss and its weight."""
+        targets = done.targets if done.targets is not None else targets
+        if not self.compute.custom:
+            return self.task.sums(done.outputs, targets)
+        weight = torch.as_tensor(self.task.weight(targets), dtype=torch.float32, device=done.loss.device)
+        loss = done.loss.detach().float().reshape(()) * weight
+        if not self.outputs:
+            return torch.stack([loss, weight])
+        sums = self.task.sums(done.outputs, targets)
+        return torch.cat([loss.to(sums.dtype).reshape(1), sums[1:]])
+
+    @property
+    def width(self) -> int:
+        return self.task.width if self.outputs else 2
+
+    def finish(self, totals: list[float]) -> dict[str, float]:
+        if self.outputs:
+            return self.task.finish(totals)
+        loss, weight = totals
+        return {"val/loss": loss / weight if weight else float("nan")}
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -217,10 +286,9 @@ def evaluate(
     device: torch.device,
     policy: PrecisionPolicy,
     prepare: Callable[[Any], Any],
+    scoring: Scoring,
     micro: MicroBatcher | None = None,
     group: Solo | Group = SOLO,
-    task: Task | None = None,
-    split_batch: Splitter = split,
 ) -> EvalStats:
     """``val/loss`` and the task's metrics over ``batches``; one host sync at the end.
 
@@ -228,21 +296,24 @@ def evaluate(
     out-of-memory error shrinks them and replays the batch (no accumulation needed: evaluation only sums).
     Under DDP each rank evaluates its share and the sums are reduced before they become numbers.
     """
-    task = task or Classification()
+    task, context = scoring.task, scoring.context
     model.eval()
     task.reset()
+    context.begin(context.epoch)
+    context.training = False
     exact = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-    totals = torch.zeros(task.width, device=device, dtype=exact)  # a rank without batches sends these zeros
+    totals = torch.zeros(scoring.width, device=device, dtype=exact)  # a rank without batches sends these zeros
     samples = 0
     for images, labels in batches:
         images, labels = move(images, device), move(labels, device)
-        n = count(labels)
+        n = count(labels, scoring.batch_dim)
         while True:
             try:
                 pieces = micro.pieces(n) if micro else 1
-                batch_sums = _evaluate_batch(
-                    model, split_batch((images, labels), pieces), task=task, policy=policy, prepare=prepare
-                )
+                if pieces > 1:
+                    scoring.compute.check_split(context)
+                parts = scoring.split((images, labels), pieces)
+                batch_sums = _evaluate_batch(model, parts, scoring=scoring, policy=policy, prepare=prepare)
                 break
             except Exception as err:
                 failure = micro.diagnose(err, device) if micro else None  # while the failed pass's memory is held
@@ -257,18 +328,18 @@ def evaluate(
     reduced = group.sum(torch.cat([totals, counted])).tolist()  # the pass's one host sync
     count_all = int(reduced[-1])
     if count_all == 0:
-        return EvalStats({name: float("nan") for name in task.metric_names}, 0)
-    return EvalStats(task.finish(reduced[:-1]), count_all)
+        return EvalStats({name: float("nan") for name in scoring.metric_names}, 0)
+    return EvalStats(scoring.finish(reduced[:-1]), count_all)
 
 
 def _evaluate_batch(
-    model: nn.Module, parts: list[Any], *, task: Task, policy: PrecisionPolicy, prepare: Callable[[Any], Any]
+    model: nn.Module, parts: list[Any], *, scoring: Scoring, policy: PrecisionPolicy, prepare: Callable[[Any], Any]
 ) -> torch.Tensor:
     sums = None
     for inputs, targets in parts:
         with policy.autocast():
-            outputs = call_model(model, prepare(inputs))
-        batch = task.sums(outputs, targets)
+            done = scoring.compute.compute(model, prepare(inputs), targets, scoring.context)
+        batch = scoring.sums(done, targets)
         sums = batch if sums is None else sums + batch
     assert sums is not None
     return sums

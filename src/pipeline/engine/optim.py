@@ -1,13 +1,19 @@
-"""The optimizer and its learning-rate schedule, made from their groups' ``_target_``.
+"""The optimizer, its learning-rate schedule and gradient clipping, made from their groups and keys.
 
     python -m pipeline optimizer=adamw optimizer.lr=3e-4 scheduler=warmup_cosine scheduler.warmup_steps=100
-    python -m pipeline optimizer=custom optimizer._target_=RMSprop +optimizer.lr=1e-3
+    python -m pipeline optimizer=custom optimizer._target_=LBFGS optimizer.lr=0.8   # gets a closure
+    python -m pipeline scheduler=plateau scheduler.factor=0.25 trainer.clip_grad_norm=0.25
 
 The optimizer is the target called with the model's parameters and the group's keywords (``_partial_``: completed
-with the parameters here). The schedule is the target called with the optimizer and its keywords, plus
-``total_steps`` (the run's optimizer steps) where its signature names it; it is stepped once per optimizer step,
-never per micro-batch, so the out-of-memory fallback cannot change it, and its state is checkpointed.
-``scheduler=none`` is ``NoSchedule``: the loop calls ``step()`` on it as on any other, and nothing happens.
+with the parameters here). One whose ``step`` needs a closure (L-BFGS) gets one (``needs_closure``): the step's
+forward and backward again, over the whole batch. The schedule is the target called with the optimizer and its
+keywords, plus ``total_steps`` (the times it will be stepped) where its signature names it. ``Schedule`` steps it
+once per optimizer step (never per micro-batch, so the out-of-memory fallback cannot change it) or, with
+``scheduler.interval=epoch``, once per epoch after its evaluation; a schedule whose ``step`` takes a metric
+(``ReduceLROnPlateau``) is stepped after each evaluation with ``scheduler.monitor``. Its state is checkpointed.
+``scheduler=none`` is a ``Schedule`` of nothing: the loop calls it as any other, and nothing happens.
+``trainer.clip_grad_norm`` / ``clip_grad_value`` (``Clipping``) act after amp's GradScaler unscales the gradients
+and, under DDP, after they are averaged (every rank clips the same gradients).
 
 The built-in schedules below are the ``scheduler`` group's options; each is a torch scheduler whose state is plain
 values (``torch.load(weights_only=True)`` reads it).
@@ -15,32 +21,49 @@ values (``torch.load(weights_only=True)`` reads it).
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, OneCycleLR, StepLR
 
+from pipeline.common.errors import ConfigError
 from pipeline.common.targets import TargetError, instantiate
-from pipeline.config import OptimizerConfig, SchedulerConfig
+from pipeline.config import OptimizerConfig, SchedulerConfig, TrainerConfig
+
+LOWER_IS_BETTER = ("loss", "perplexity", "mae", "rmse")  # metric names whose best value is the lowest
 
 
-class NoSchedule:
-    """``scheduler=none``: a constant learning rate; stepping it does nothing."""
+class Schedule:
+    """The run's learning-rate schedule as the loop drives it: ``after_step()`` after every optimizer step,
+    ``after_evaluation(metrics)`` after every epoch's evaluation; each steps the torch scheduler (``inner``) when the
+    schedule's cadence is its own (``None``: ``scheduler=none``, nothing ever happens)."""
 
-    def step(self) -> None:
-        pass
+    def __init__(self, inner: Any = None, *, per_step: bool = True, monitor: str | None = None) -> None:
+        self.inner, self.monitor = inner, monitor
+        self.per_step = inner is not None and per_step and monitor is None
+
+    def after_step(self) -> None:
+        if self.per_step:
+            self.inner.step()
+
+    def after_evaluation(self, metrics: Mapping[str, float]) -> None:
+        if self.inner is None or self.per_step:
+            return
+        if self.monitor is None:
+            self.inner.step()
+        else:
+            self.inner.step(metrics[self.monitor])
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return self.inner.state_dict() if self.inner is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-Schedule = LRScheduler | NoSchedule
+        if self.inner is not None:
+            self.inner.load_state_dict(state)
 
 
 def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -59,25 +82,123 @@ def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]) 
     return made
 
 
-def build_scheduler(cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, *, total_steps: int) -> Schedule:
-    """``scheduler._target_(optimizer, **keywords)`` (with ``total_steps`` where it takes one), or ``NoSchedule``.
+def build_scheduler(
+    cfg: SchedulerConfig,
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    epochs: int,
+    metrics: tuple[str, ...] = ("val/loss",),
+) -> Schedule:
+    """``scheduler._target_(optimizer, **keywords)`` (with ``total_steps`` where it takes one: ``steps`` optimizer
+    steps, or ``epochs`` for a schedule stepped per epoch), as a ``Schedule``; ``metrics``: what evaluation reports,
+    for a schedule fed one.
 
     Raises:
         TargetError: no such schedule, a keyword it does not take, or it made no scheduler.
+        ConfigError: ``scheduler.monitor`` names no metric of the task, or is set for a schedule that takes none;
+            ``interval=step`` for a schedule fed a metric; a ``mode`` that would seek the metric's worst value.
     """
     if cfg._target_ is None:
-        return NoSchedule()
+        return Schedule()
     made = instantiate(
         cfg._target_,
         cfg.keywords,
         key="scheduler",
         positional=(optimizer,),
-        supplied={"total_steps": total_steps},
+        supplied={"total_steps": steps if cfg.every == "step" else epochs},
         namespaces=("torch.optim.lr_scheduler",),
     )
     if not callable(getattr(made, "step", None)) or not callable(getattr(made, "state_dict", None)):
         raise TargetError(f"scheduler._target_={cfg._target_} made a {type(made).__name__}, not a scheduler")
-    return made
+    monitor = _monitored(cfg, made, metrics) if takes_metric(made) else None
+    if monitor is None and cfg.monitor is not None:
+        raise ConfigError(
+            "scheduler.monitor",
+            cfg.monitor,
+            f"null for {cfg._target_}, whose step takes no metric (ReduceLROnPlateau does)",
+        )
+    return Schedule(made, per_step=cfg.every == "step", monitor=monitor)
+
+
+def takes_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``)."""
+    try:
+        parameters = list(inspect.signature(scheduler.step).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return (
+        bool(parameters)
+        and parameters[0].default is inspect.Parameter.empty
+        and parameters[0].kind
+        in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+    )
+
+
+def _monitored(cfg: SchedulerConfig, scheduler: Any, metrics: tuple[str, ...]) -> str:
+    """The metric a metric-fed schedule is stepped with after each evaluation, checked against what the task reports
+    and against the schedule's ``mode``."""
+    monitor = cfg.monitor or "val/loss"
+    if cfg.interval == "step":
+        raise ConfigError(
+            "scheduler.interval", "step", f"epoch or null for {cfg._target_}: it is fed {monitor} after each evaluation"
+        )
+    if monitor not in metrics:
+        raise ConfigError("scheduler.monitor", monitor, f"a metric the task reports: {', '.join(metrics)}")
+    lower = monitor.rsplit("/", 1)[-1].startswith(LOWER_IS_BETTER)
+    mode = getattr(scheduler, "mode", None)
+    if mode in ("min", "max") and (mode == "min") != lower:
+        better = "min (lower is better)" if lower else "max (higher is better)"
+        raise ConfigError("scheduler.mode", mode, f"{better} for scheduler.monitor={monitor}")
+    return monitor
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` must be given a closure (L-BFGS: it evaluates the loss several times a step)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+class Clipping:
+    """``trainer.clip_grad_norm`` or ``clip_grad_value``: the gradients clipped after ``scaler`` unscales them;
+    ``norm`` keeps the total norm before clipping (a device tensor, read at logging points: ``train/grad_norm``)."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], *, max_norm: float | None, value: float | None) -> None:
+        self.parameters, self.max_norm, self.value = parameters, max_norm, value
+        self.norm: torch.Tensor | None = None
+
+    def __call__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        scaler.unscale_(optimizer)  # a no-op without float16's scaler; the scaler's step then skips its own
+        if self.max_norm is not None:
+            self.norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.max_norm)
+            return
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        self.norm = torch.nn.utils.get_total_norm(grads)
+        torch.nn.utils.clip_grad_value_(self.parameters, self.value)
+
+
+class NoClipping:
+    """No ``trainer.clip_grad_*``: nothing done, no norm to log."""
+
+    norm = None
+
+    def __call__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        pass
+
+
+def make_clipping(trainer: TrainerConfig, parameters: Iterable[torch.nn.Parameter]) -> Clipping | NoClipping:
+    if trainer.clip_grad_norm is None and trainer.clip_grad_value is None:
+        return NoClipping()
+    return Clipping(list(parameters), max_norm=trainer.clip_grad_norm, value=trainer.clip_grad_value)
+
+
+Closure = Callable[[], torch.Tensor]
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -1,5 +1,6 @@
 """Putting a checkpoint back into a run's training state, once ``pipeline.engine.resume`` has found and checked it:
-weights, optimizer, schedule, scaler, micro-batch, step and random state, with this config's hyper-parameters.
+weights, optimizer, schedule, scaler, micro-batch, a step hook's state, step and random state, with this config's
+hyper-parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import torch
 from pipeline.common.messages import brief
 from pipeline.config import OptimizerConfig, flatten
 from pipeline.engine.checkpoint import CheckpointError, set_rng_state
-from pipeline.engine.optim import NoSchedule
 from pipeline.parallel.overlap import unwrap
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ def restore(state: Any, resumed: Resumed, device: torch.device, optimizer_cfg: O
     if saved["scaler"] and state.scaler.is_enabled():  # a disabled GradScaler saves {} and loads nothing
         state.scaler.load_state_dict(saved["scaler"])
     state.micro.micro_batch = saved["micro_batch"]
+    state.context.state.update(saved.get("step_state", {}))  # a step hook's, mid-epoch (an epoch start empties it)
     state.step = saved["position"].step
     set_rng_state(saved["rng"], device)
     log.info("resuming %s at %s from %s", f"run {resumed.source}", resumed.position, resumed.path)
@@ -58,7 +59,7 @@ def _hyperparameters(state: Any, cfg: OptimizerConfig, *, was: Any) -> None:
     lr = cfg.lr
     if lr is None:
         return
-    if isinstance(state.scheduler, NoSchedule):
+    if state.scheduler.inner is None:
         for group in state.optimizer.param_groups:
             group["lr"] = lr
         return
@@ -68,5 +69,5 @@ def _hyperparameters(state: Any, cfg: OptimizerConfig, *, was: Any) -> None:
             group["lr"] *= ratio
             if "initial_lr" in group:
                 group["initial_lr"] *= ratio
-        if hasattr(state.scheduler, "base_lrs"):
-            state.scheduler.base_lrs = [base * ratio for base in state.scheduler.base_lrs]
+        if hasattr(state.scheduler.inner, "base_lrs"):
+            state.scheduler.inner.base_lrs = [base * ratio for base in state.scheduler.inner.base_lrs]

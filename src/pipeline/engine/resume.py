@@ -55,6 +55,8 @@ RUNTIME = (
     "loader.resident",  # the same EpochOrder either way
     "loader.prefetch_to_device",  # the same batches, copied ahead
     "loader.multiprocessing_context",  # the same batches, from workers started another way
+    "tracking.log_model",  # what the record keeps of the model, not what is trained
+    "tracking.model_format",
     "oom.",  # micro-batching keeps the effective batch
     "device.",
     "tracking.tags.",
@@ -74,6 +76,11 @@ ADDED_LATER = {
     "trainer.profile": False,
     "trainer.profile_steps": 3,
     "trainer.memory_snapshot": "off",
+    "loader.shuffle": True,
+    "data.batch_dim": 0,
+    "task.outputs": "logits",
+    "task.shift_labels": False,
+    "tracking.model_format": "pickle",
 }
 
 

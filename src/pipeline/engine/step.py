@@ -3,7 +3,9 @@
 Behind it are the step's hard parts, in one place: the out-of-memory replay (the same batch in smaller micro-batches,
 the effective batch kept), DDP's overlapped all-reduce and the agreement of all ranks on each step, the stop
 protocol (a stop met by an out-of-memory error abandons the step instead of retrying smaller), the recompile check,
-and the optimizer step. The epoch loop (``pipeline.engine.loop``) calls it once per batch.
+and the optimizer step: clipping after unscaling, a closure for an optimizer that re-evaluates (L-BFGS), the
+schedule, and the step hook's state detached (``pipeline.engine.hooks``). The epoch loop (``pipeline.engine.loop``)
+calls it once per batch.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from pipeline.data.structures import call_model, count, leaves, move
+from pipeline.data.structures import count, leaves, move
 from pipeline.engine.compilation import hit_recompile_limit, recompile_limit_error
 from pipeline.engine.memory import OomFailure, discard_attempt, memory_at_failure_mb
 from pipeline.engine.precision import PrecisionPolicy
@@ -23,6 +25,8 @@ from pipeline.parallel.distributed import Group, Solo
 
 if TYPE_CHECKING:
     from pipeline.engine.loop import TrainState
+
+Closure = Callable[[], torch.Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,7 @@ def run_step(
     interval's losses, ``carry(loss)``, when this step is a logging point). Each shrink logs ``oom/*`` (``log``).
     """
     step = state.step + 1
+    state.context.step = state.step  # what a step hook reads as ctx.step: the optimizer steps done
     while True:  # replays the same batch in smaller micro-batches after an out-of-memory error
         # DDP, once a step has fit: the last micro-batch's backward is held back and runs after the agreement,
         # with the all-reduce inside it; until then (and in one process) every backward runs here
@@ -134,7 +139,8 @@ def run_step(
         else:
             failed_somewhere, stop_signal = group.agree(failed=failure is not None, stop=stop.signum or 0)
         if not failed_somewhere:
-            _apply(state, group, averaged=overlap)
+            again = _closure(state, loss, images, labels, inputs=inputs, group=group) if state.closure else None
+            _apply(state, group, averaged=overlap, closure=again)
             return StepOutcome(loss, stop_signal, carried)
         last = held = None  # the held micro-batch's activations are freed with the rest of the attempt
         if stop_signal:  # a smaller retry could take minutes: the step is abandoned, a resume replays it
@@ -171,14 +177,41 @@ def _attempt(
     return None, None, failure
 
 
-def _apply(state: TrainState, group: Solo | Group, *, averaged: bool) -> None:
-    """The optimizer step, once every rank's step fit."""
+def _apply(state: TrainState, group: Solo | Group, *, averaged: bool, closure: Closure | None = None) -> None:
+    """The optimizer step, once every rank's step fit: the gradients averaged (by hand while the micro-batch is being
+    found), clipped, stepped (with ``closure`` for an optimizer that re-evaluates), the schedule and the hook's state
+    moved on."""
     if not averaged:  # the micro-batch is being found: averaged by hand, after the agreement
         group.average_gradients(state.model)
     state.micro.found = True
-    state.scaler.step(state.optimizer)
+    state.clip(state.optimizer, state.scaler)  # after unscaling (trainer.clip_grad_*; else nothing)
+    if closure is None:
+        state.scaler.step(state.optimizer)
+    else:
+        state.optimizer.step(closure)  # float16's scaler is refused with a closure optimizer at build
     state.scaler.update()
-    state.scheduler.step()  # once per optimizer step, whatever the micro-batches (scheduler=none: nothing)
+    state.scheduler.after_step()  # once per optimizer step, whatever the micro-batches (scheduler=none: nothing)
+    state.compute.after_step(state.context)  # a hook's state detached: the next step's graph starts here
+
+
+def _closure(
+    state: TrainState, first: torch.Tensor, images: Any, labels: Any, *, inputs: Inputs, group: Solo | Group
+) -> Closure:
+    """What an optimizer that re-evaluates (L-BFGS) calls for the loss: the step's forward and backward over the
+    whole batch, averaged and clipped as the step's own; its first call returns the evaluation just made (its
+    gradients are in place). Under DDP every call returns the ranks' mean, so all ranks take the same decisions."""
+    calls = [group.mean(first.detach().reshape(1)).reshape(())]
+
+    def closure() -> torch.Tensor:
+        if calls:
+            return calls.pop()
+        with torch.enable_grad(), group.no_sync(state.model):
+            loss, _ = forward_backward(state, images, labels, policy=inputs.policy, prepare=inputs.prepare)
+        group.average_gradients(state.model)
+        state.clip(state.optimizer, state.scaler)
+        return group.mean(loss.reshape(1)).reshape(())
+
+    return closure
 
 
 def _shrink(state: TrainState, failure: OomFailure | None, *, device: torch.device, log: LogFn) -> None:
@@ -217,33 +250,44 @@ def forward_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of the batch's mean loss, summed over micro-batches; returns that loss, detached.
 
-    Each micro-batch's loss is weighted by its share of what the loss averages over (``task.weight``: samples,
-    elements or counted tokens), so the gradients equal the whole batch's (up to float rounding) and the optimizer
-    step is unchanged. With ``hold_last``, the last micro-batch's backward is not run: its weighted loss is returned
-    second (else None), for DDP to run it with the all-reduce overlapped once the ranks have agreed that the step
-    goes on. The forward and the loss run under autocast (``amp=true``).
+    The loss is the step's (``state.compute``: the task's loss of the model's output, or the user's hook). Each
+    micro-batch's loss is weighted by its share of what the loss averages over (``task.weight``: samples, elements or
+    counted tokens), so the gradients equal the whole batch's (up to float rounding) and the optimizer step is
+    unchanged; a micro-batch with nothing to average over (every target ignored) is left out, since its mean loss is
+    NaN and NaN times 0 stays NaN. With ``hold_last``, the last micro-batch's backward is not run: its weighted loss
+    is returned second (else None), for DDP to run it with the all-reduce overlapped once the ranks have agreed that
+    the step goes on. The forward and the loss run under autocast (``amp=true``).
     """
     state.optimizer.zero_grad(set_to_none=True)
-    task = state.task
-    pieces = state.micro.pieces(count(labels))
+    step, context = state.compute, state.context
+    pieces = state.micro.pieces(count(labels, state.batch_dim))
     if pieces == 1:  # the common case: no accumulation, no extra ops
         with policy.autocast():
-            loss = task.loss(call_model(state.model, prepare(images)), labels)
+            loss = step.loss(state.model, prepare(images), labels, context)
         if hold_last:
             return loss.detach(), loss
         state.scaler.scale(loss).backward()
         return loss.detach(), None
-    parts = state.split((images, labels), pieces)
+    task = state.task
     whole = task.weight(labels)
+    cuts = state.split((images, labels), pieces)
+    parts = [(part, cut) for part, cut in cuts if _counts(task.weight(cut))] or cuts[-1:]  # none counts: as it was
     total = torch.zeros((), device=_device_of(labels))
     for index, (part, part_labels) in enumerate(parts):
+        step.check_split(context)  # a hook's state (set by the micro-batch before, too) cannot be cut: refused
         with policy.autocast():
-            loss = task.loss(call_model(state.model, prepare(part)), part_labels) * (task.weight(part_labels) / whole)
+            loss = step.loss(state.model, prepare(part), part_labels, context) * (task.weight(part_labels) / whole)
         total += loss.detach()
-        if hold_last and index == pieces - 1:
+        if hold_last and index == len(parts) - 1:
             return total, loss
         state.scaler.scale(loss).backward()
     return total, None
+
+
+def _counts(weight: int | torch.Tensor) -> bool:
+    """Whether a micro-batch has anything its loss averages over (a token count on the device is read: a sync, on
+    the out-of-memory fallback's path only)."""
+    return bool(weight)
 
 
 def _device_of(batch: Any) -> torch.device:

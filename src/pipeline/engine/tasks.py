@@ -14,12 +14,16 @@ dtype or an output that does not fit the loss is one line naming both shapes (``
 
 A model's output is used as it is when it is a tensor; from a dict or an object with ``logits`` (Hugging Face's
 ``ModelOutput``) its ``logits``; from a tuple its first element. ``task=custom`` hands the loss and the metrics the
-model's output untouched.
+model's output untouched. ``task.outputs=log_probs`` (classification, next_token) takes outputs that are
+log-probabilities already (a model ending in ``log_softmax``): the loss is the NLL, not a second log-softmax.
+``task.loss=model`` trains on the model's own loss (its output's ``loss``: a Hugging Face model given ``labels``),
+the task's metrics still read the outputs. ``task.shift_labels`` (next_token) scores output ``t`` against target
+``t + 1``, for targets that are the inputs themselves.
 """
 
 from __future__ import annotations
 
-import inspect
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -28,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.common.errors import DatasetError, PipelineError
-from pipeline.common.targets import bind, instantiate, resolve
+from pipeline.common.targets import hook
 from pipeline.config import TargetConfig, TaskConfig
 from pipeline.data.structures import count, describe
+
+log = logging.getLogger(__name__)
 
 
 class OutputMismatch(PipelineError):
@@ -53,12 +59,27 @@ def logits(outputs: Any) -> torch.Tensor:
     )
 
 
+def model_loss(outputs: Any) -> torch.Tensor:
+    """The loss a model computed itself (``task.loss=model``): its output's ``loss`` (an object's or a dict's)."""
+    found = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if not isinstance(found, torch.Tensor):
+        raise OutputMismatch(
+            f"task.loss=model, but the model returned {describe(outputs)} without a loss tensor: a Hugging Face model "
+            f"returns .loss when it is given labels (its forward takes labels=; the targets are passed as them), or "
+            f"let the task compute the loss (task.loss=null)"
+        )
+    return found
+
+
 def _shapes(outputs: torch.Tensor, targets: torch.Tensor) -> str:
     return f"outputs {list(outputs.shape)} against targets {list(targets.shape)}"
 
 
 class Builtin:
-    """What the built-in tasks share: no state to move or reset between validation passes."""
+    """What the built-in tasks share: no state to move or reset between validation passes, the model's own loss where
+    ``task.loss=model`` says so, and nothing to check of the inputs."""
+
+    from_model = False  # task.loss=model
 
     def to(self, device: torch.device) -> Builtin:
         return self
@@ -66,16 +87,30 @@ class Builtin:
     def reset(self) -> None:
         pass
 
+    def check_inputs(self, inputs: Any, targets: Any) -> None:
+        pass
+
+    def _summed_loss(self, outputs: Any, n: torch.Tensor | float) -> torch.Tensor:
+        """The model's own mean loss times what it averages over (``task.loss=model``), as a validation sum."""
+        return model_loss(outputs).detach().float().reshape(()) * n
+
 
 class Classification(Builtin):
-    """Cross-entropy against integer labels; ``val/acc``. Outputs ``[B, C]`` (or ``[B, C, ...]`` per position)."""
+    """Cross-entropy against integer labels (NLL for log-probabilities); ``val/acc``. Outputs ``[B, C]`` (or
+    ``[B, C, ...]`` per position)."""
 
     name, primary, higher_is_better = "classification", "val/acc", True
     metric_names = ("val/loss", "val/acc")
     width = 3  # the length of ``sums``
 
+    def __init__(self, outputs: str = "logits", *, from_model: bool = False) -> None:
+        self.log_probs, self.from_model = outputs == "log_probs", from_model
+        self.criterion = F.nll_loss if self.log_probs else F.cross_entropy
+
     def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits(outputs), targets)
+        if self.from_model:
+            return model_loss(outputs)
+        return self.criterion(logits(outputs), targets)
 
     def weight(self, targets: torch.Tensor) -> int:
         return targets.numel()
@@ -101,16 +136,42 @@ class Classification(Builtin):
                 f"the labels run from {low} to {high}, but the model scores {out.shape[1]} classes (outputs "
                 f"{list(out.shape)}): the model's last layer needs {high + 1} outputs (data.num_classes)"
             )
+        check_log_probs(out, dim=1, log_probs=self.log_probs, task=self.name)
 
     def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         out = logits(outputs).float()
-        loss = F.cross_entropy(out, targets, reduction="sum")
+        n = float(targets.numel())
+        loss = self._summed_loss(outputs, n) if self.from_model else self.criterion(out, targets, reduction="sum")
         correct = (out.argmax(dim=1) == targets).sum()
-        return torch.stack([loss, correct.to(loss.dtype), loss.new_tensor(float(targets.numel()))])
+        return torch.stack([loss, correct.to(loss.dtype), loss.new_tensor(n)])
 
     def finish(self, totals: list[float]) -> dict[str, float]:
         loss, correct, n = totals
         return {"val/loss": loss / n, "val/acc": correct / n}
+
+
+LOG_PROB_TOLERANCE = 1e-3  # |logsumexp| of a row of log-probabilities, in float32 (bfloat16 outputs: looser)
+
+
+def check_log_probs(out: torch.Tensor, *, dim: int, log_probs: bool, task: str) -> None:
+    """Outputs that are log-probabilities (each row's logsumexp 0) where ``task.outputs`` says logits cost a second
+    log-softmax (said once, as a warning: the loss is the same); raw scores where it says ``log_probs`` would train
+    on a wrong loss (refused)."""
+    if not out.is_floating_point() or out.numel() == 0:
+        return
+    spread = float(torch.logsumexp(out.detach().float(), dim=dim).abs().max())
+    tolerance = LOG_PROB_TOLERANCE if out.dtype == torch.float32 or out.dtype == torch.float64 else 0.05
+    if log_probs and spread > tolerance:
+        raise OutputMismatch(
+            f"task.outputs=log_probs, but the model's outputs are not log-probabilities (a row's logsumexp is "
+            f"{spread:.3g} from 0): end the model with log_softmax, or use task.outputs=logits"
+        )
+    if not log_probs and spread <= tolerance:
+        log.warning(
+            "the model's outputs are log-probabilities (each row's logsumexp is 0): task=%s applies log_softmax to "
+            "them again; task.outputs=log_probs takes them as they are (NLL) and saves that work",
+            task,
+        )
 
 
 class Regression(Builtin):
@@ -118,9 +179,14 @@ class Regression(Builtin):
 
     name, primary, higher_is_better = "regression", "val/mae", False
     metric_names = ("val/loss", "val/mae", "val/rmse")
-    width = 3
+    width = 4
+
+    def __init__(self, *, from_model: bool = False) -> None:
+        self.from_model = from_model
 
     def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        if self.from_model:
+            return model_loss(outputs)
         return F.mse_loss(logits(outputs), targets)
 
     def weight(self, targets: torch.Tensor) -> int:
@@ -149,11 +215,13 @@ class Regression(Builtin):
 
     def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         error = logits(outputs).float() - targets.float()
-        return torch.stack([error.square().sum(), error.abs().sum(), error.new_tensor(float(error.numel()))])
+        n = float(error.numel())
+        squared = self._summed_loss(outputs, n) if self.from_model else error.square().sum()
+        return torch.stack([squared, error.abs().sum(), error.new_tensor(n), error.square().sum()])
 
     def finish(self, totals: list[float]) -> dict[str, float]:
-        squared, absolute, n = totals
-        return {"val/loss": squared / n, "val/mae": absolute / n, "val/rmse": math.sqrt(squared / n)}
+        loss, absolute, n, squared = totals
+        return {"val/loss": loss / n, "val/mae": absolute / n, "val/rmse": math.sqrt(squared / n)}
 
 
 class Multilabel(Builtin):
@@ -163,10 +231,13 @@ class Multilabel(Builtin):
     metric_names = ("val/loss", "val/f1", "val/exact_match")
     width = 7
 
-    def __init__(self, threshold: float = 0.5) -> None:
+    def __init__(self, threshold: float = 0.5, *, from_model: bool = False) -> None:
         self.cut = math.log(threshold / (1 - threshold))  # sigmoid(x) > threshold  <=>  x > logit(threshold)
+        self.from_model = from_model
 
     def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        if self.from_model:
+            return model_loss(outputs)
         out = logits(outputs)
         return F.binary_cross_entropy_with_logits(out, targets.to(out.dtype))
 
@@ -189,7 +260,10 @@ class Multilabel(Builtin):
     def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         out = logits(outputs).float()
         truth = targets.float()
-        loss = F.binary_cross_entropy_with_logits(out, truth, reduction="sum")
+        if self.from_model:
+            loss = self._summed_loss(outputs, float(targets.numel()))
+        else:
+            loss = F.binary_cross_entropy_with_logits(out, truth, reduction="sum")
         predicted = out > self.cut
         actual = truth > 0.5
         tp = (predicted & actual).sum()
@@ -211,46 +285,95 @@ class Multilabel(Builtin):
 
 
 class NextToken(Builtin):
-    """Cross-entropy over ``[B, T, V]`` logits against ``[B, T]`` token ids, ``ignore_index`` left out;
-    ``val/perplexity`` (and ``val/acc``, the share of tokens predicted right)."""
+    """Cross-entropy (NLL for log-probabilities) over ``[B, T, V]`` outputs against ``[B, T]`` token ids (or flat
+    ``[N, V]`` outputs against targets of ``N`` ids, as a sequence-first model returns them), ``ignore_index`` left
+    out; ``val/perplexity`` (and ``val/acc``, the share of tokens predicted right). With ``shift``, output ``t`` is
+    scored against target ``t + 1`` (targets that are the inputs: Hugging Face's ``labels=input_ids``)."""
 
     name, primary, higher_is_better = "next_token", "val/perplexity", False
     metric_names = ("val/loss", "val/perplexity", "val/acc")
     width = 3
 
-    def __init__(self, ignore_index: int = -100) -> None:
-        self.ignore = ignore_index
+    def __init__(
+        self, ignore_index: int = -100, outputs: str = "logits", *, shift: bool = False, from_model: bool = False
+    ) -> None:
+        self.ignore, self.shift, self.from_model = ignore_index, shift, from_model
+        self.log_probs = outputs == "log_probs"
+        self.criterion = F.nll_loss if self.log_probs else F.cross_entropy
+
+    def aligned(self, out: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs and targets as the loss pairs them, flat: ``[N, V]`` and ``[N]``."""
+        if self.shift:
+            out, targets = out[:, :-1], targets[:, 1:]
+        return out.flatten(0, -2), targets.flatten()
 
     def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        out = logits(outputs)
-        return F.cross_entropy(out.flatten(0, -2), targets.flatten(), ignore_index=self.ignore)
+        if self.from_model:
+            return model_loss(outputs)
+        out, flat = self.aligned(logits(outputs), targets)
+        return self.criterion(out, flat, ignore_index=self.ignore)
 
     def weight(self, targets: torch.Tensor) -> torch.Tensor:
-        return (targets != self.ignore).sum()  # a device tensor: no sync
+        return ((targets[:, 1:] if self.shift else targets) != self.ignore).sum()  # a device tensor: no sync
 
     def check_targets(self, targets: Any) -> None:
         _tensor_targets(targets, self.name)
-        if targets.dtype.is_floating_point or targets.dim() != 2:
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.dim() < 1:
             raise DatasetError(f"the targets are {describe(targets)}: task=next_token needs [B, T] integer token ids")
+        if self.shift and targets.dim() != 2:
+            raise DatasetError(f"the targets are {describe(targets)}: task.shift_labels=true shifts [B, T] token ids")
+
+    def check_inputs(self, inputs: Any, targets: torch.Tensor) -> None:
+        """Targets that are the inputs themselves (Hugging Face's ``labels=input_ids``) must be shifted: scored
+        unshifted, the model learns to copy its input. The model's own loss shifts them inside (Hugging Face's causal
+        LMs do), so the metrics shift too.
+
+        Raises:
+            OutputMismatch: the task would compute the loss on such targets unshifted; naming ``task.shift_labels``.
+        """
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
+        same = isinstance(ids, torch.Tensor) and ids.shape == targets.shape and bool(torch.equal(ids, targets))
+        if not same or self.shift:
+            return
+        if self.from_model:
+            self.shift = True  # the model shifts its labels itself: so do the metrics
+            return
+        raise OutputMismatch(
+            "the targets are the inputs themselves, and task=next_token scores output t against target t: the model "
+            "would learn to copy its input. Add task.shift_labels=true (output t against target t + 1, as Hugging "
+            "Face's labels=input_ids means), or task.loss=model for a model that shifts its labels itself"
+        )
 
     def check_outputs(self, outputs: Any, targets: torch.Tensor) -> None:
         out = logits(outputs)
-        if out.dim() != 3 or out.shape[:2] != targets.shape:
-            raise OutputMismatch(f"task=next_token needs [B, T, V] logits for [B, T] tokens: {_shapes(out, targets)}")
+        flat = out.dim() == 2 and out.shape[0] == targets.numel()
+        if not flat and (out.dim() != targets.dim() + 1 or out.shape[:-1] != targets.shape):
+            raise OutputMismatch(
+                f"task=next_token needs [B, T, V] outputs for [B, T] tokens (or [N, V] for N tokens): "
+                f"{_shapes(out, targets)}"
+            )
+        if flat and self.shift:
+            raise OutputMismatch(
+                f"task.shift_labels=true shifts [B, T, V] outputs, not flat ones: {_shapes(out, targets)}"
+            )
         counted = targets[targets != self.ignore]
-        if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= out.shape[2]):
+        if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= out.shape[-1]):
             raise OutputMismatch(
                 f"token ids run from {int(counted.min())} to {int(counted.max())}, but the model scores a vocabulary "
-                f"of {out.shape[2]} (outputs {list(out.shape)})"
+                f"of {out.shape[-1]} (outputs {list(out.shape)})"
             )
+        check_log_probs(out, dim=-1, log_probs=self.log_probs, task=self.name)
 
     def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        out = logits(outputs).float().flatten(0, -2)
-        flat = targets.flatten()
-        loss = F.cross_entropy(out, flat, ignore_index=self.ignore, reduction="sum")
+        out, flat = self.aligned(logits(outputs).float(), targets)
         counted = flat != self.ignore
+        tokens = counted.sum()
+        if self.from_model:
+            loss = self._summed_loss(outputs, tokens.float())
+        else:
+            loss = self.criterion(out, flat, ignore_index=self.ignore, reduction="sum")
         correct = ((out.argmax(dim=1) == flat) & counted).sum()
-        return torch.stack([loss, correct.to(loss.dtype), counted.sum().to(loss.dtype)])
+        return torch.stack([loss, correct.to(loss.dtype), tokens.to(loss.dtype)])
 
     def finish(self, totals: list[float]) -> dict[str, float]:
         loss, correct, tokens = totals
@@ -259,15 +382,17 @@ class NextToken(Builtin):
 
 
 class Custom:
-    """``task=custom``: the user's loss ``(outputs, targets) -> scalar``, and metrics that are either callables
-    ``(outputs, targets) -> float`` (averaged over validation batches, weighted by their samples) or torchmetrics
-    ``Metric`` objects (``update`` per batch, ``compute`` at the end: torchmetrics reduces them across DDP ranks)."""
+    """``task=custom``: the user's loss ``(outputs, targets) -> scalar`` (or, ``task.loss=model``, the model's own), and
+    metrics that are either callables ``(outputs, targets) -> float`` (averaged over validation batches, weighted by
+    their samples) or torchmetrics ``Metric`` objects (``update`` per batch, ``compute`` at the end: torchmetrics
+    reduces them across DDP ranks)."""
 
     name, higher_is_better = "custom", None
 
     def __init__(self, cfg: TaskConfig) -> None:
         assert cfg.loss is not None  # TaskConfig.check requires it
-        self._loss = _callable(cfg.loss, "task.loss")
+        self.from_model = cfg.model_loss
+        self._loss = model_loss if cfg.model_loss else _callable(cfg.loss, "task.loss")
         self.metrics = [(f"val/{m.label}", _callable(m, f"task.metrics[{i}]")) for i, m in enumerate(cfg.metrics)]
         self.averaged = [(name, fn) for name, fn in self.metrics if not _stateful(fn)]
         self.stateful = [(name, fn) for name, fn in self.metrics if _stateful(fn)]
@@ -276,7 +401,7 @@ class Custom:
         self.width = 2 + len(self.averaged)
 
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        return self._loss(outputs, targets)
+        return self._loss(outputs) if self.from_model else self._loss(outputs, targets)
 
     def weight(self, targets: Any) -> int:
         return count(targets)
@@ -284,8 +409,11 @@ class Custom:
     def check_targets(self, targets: Any) -> None:
         pass  # the user's loss decides what it takes
 
+    def check_inputs(self, inputs: Any, targets: Any) -> None:
+        pass
+
     def check_outputs(self, outputs: Any, targets: Any) -> None:
-        value = self._loss(outputs, targets)
+        value = self.loss(outputs, targets)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise OutputMismatch(
                 f"task.loss returned {describe(value)} for outputs {describe(outputs)} and targets {describe(targets)}:"
@@ -303,7 +431,7 @@ class Custom:
 
     def sums(self, outputs: Any, targets: Any) -> torch.Tensor:
         n = float(count(targets))
-        loss = self._loss(outputs, targets).detach().float().reshape(())
+        loss = self.loss(outputs, targets).detach().float().reshape(())
         values = [loss * n]
         for _, fn in self.averaged:
             value = fn(outputs, targets)
@@ -324,13 +452,7 @@ class Custom:
 
 
 def _callable(cfg: TargetConfig, key: str) -> Any:
-    """A class is made with the keywords (then called per batch); a function is bound to them (``_partial_``)."""
-    partial = cfg._partial_
-    if partial is None:
-        partial = not inspect.isclass(resolve(cfg._target_, key=key))
-    if partial:
-        return bind(cfg._target_, cfg.keywords, key=key)
-    return instantiate(cfg._target_, cfg.keywords, key=key)
+    return hook(cfg._target_, cfg.keywords, key=key, partial=cfg._partial_)
 
 
 def _stateful(metric: Any) -> bool:
@@ -348,12 +470,13 @@ Task = Classification | Regression | Multilabel | NextToken | Custom
 
 def make_task(cfg: TaskConfig) -> Task:
     """The task ``task.name`` names, its metrics made (``task=custom``: the user's targets imported)."""
+    own = cfg.model_loss
     if cfg.name == "classification":
-        return Classification()
+        return Classification(cfg.outputs, from_model=own)
     if cfg.name == "regression":
-        return Regression()
+        return Regression(from_model=own)
     if cfg.name == "multilabel":
-        return Multilabel(cfg.threshold)
+        return Multilabel(cfg.threshold, from_model=own)
     if cfg.name == "next_token":
-        return NextToken(cfg.ignore_index)
+        return NextToken(cfg.ignore_index, cfg.outputs, shift=cfg.shift_labels, from_model=own)
     return Custom(cfg)

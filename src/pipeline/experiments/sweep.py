@@ -46,6 +46,7 @@ from pipeline.common.cli import bug_line, debugging
 from pipeline.common.errors import ConfigError, PipelineError
 from pipeline.common.messages import brief
 from pipeline.common.secrets import env_values, mask_overrides, mask_text
+from pipeline.config import as_typed
 from pipeline.engine.outputs import make_output_folder
 from pipeline.experiments.sweep_files import (
     JOBS_DIR,
@@ -170,7 +171,7 @@ def current_job() -> SweepJob:
         log.warning("%s is missing: this job is recorded without its sweep's parent run", folder / SWEEP_FILE)
         sweep = Sweep(id="unknown", keys=(), metric="val/acc")
     number = int(hydra.job.num)
-    overrides = tuple(str(o) for o in hydra.overrides.task)
+    overrides = tuple(as_typed(str(o)) for o in hydra.overrides.task)  # model.width=2, not Hydra's ++model.width=2
     config = load_round(folder, number, "configs")
     return SweepJob(sweep, number, overrides, folder, load_round(folder, number), load_seed(folder), config)
 

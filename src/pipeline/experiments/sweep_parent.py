@@ -20,6 +20,7 @@ from pipeline.common.errors import ConfigError
 from pipeline.common.messages import best_effort
 from pipeline.common.secrets import env_keys, mask_overrides, mask_text
 from pipeline.common.uris import absolute, run_page, ui_base
+from pipeline.config import as_typed
 from pipeline.experiments.sweep_files import (
     JobOutcome,
     Sweep,
@@ -61,7 +62,7 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
         "sweep.id": sweep.id,
         "sweep.role": "parent",  # how pipeline.experiments.compare tells the parent from the jobs, which share sweep.id
         "sweep.keys": ",".join(sweep.keys),
-        "sweep.command": "python -m pipeline " + shlex.join(mask_overrides(sys.argv[1:])),
+        "sweep.command": "python -m pipeline " + shlex.join(mask_overrides(map(as_typed, sys.argv[1:]))),
         "sweep.launcher": str(choices.get("hydra/launcher")),
         "sweep.sweeper": str(choices.get("hydra/sweeper")),
         "sweep.optimized_metric": sweep.metric,

@@ -107,7 +107,8 @@ def measure_cpu_matmul(dtype: torch.dtype, *, n: int = CPU_MATMUL_N, budget_s: f
     and other processes only ever slow a matmul down. The side is ``n``, or less where one such matmul would take
     far longer than the budget (``matmul_side``: float16, emulated on most CPUs, took 2.5 s for 1024 a side)."""
     side = matmul_side(dtype, n=n, budget_s=budget_s)
-    a, b = torch.randn(side, side).to(dtype), torch.randn(side, side).to(dtype)
+    numbers = torch.Generator().manual_seed(0)  # its own: a run's random stream is the same, cached peak or not
+    a, b = (torch.randn(side, side, generator=numbers).to(dtype) for _ in range(2))
     out = torch.empty(side, side, dtype=dtype)
     torch.mm(a, b, out=out)  # the first call pays for the kernel's set-up
     best, began, timed = float("inf"), time.perf_counter(), 0
@@ -125,7 +126,7 @@ def matmul_side(dtype: torch.dtype, *, n: int = CPU_MATMUL_N, budget_s: float = 
     little of a large one's in some dtypes (bfloat16's kernels change with the size), so each size is timed."""
     side = min(n, PROBE_SIDE)
     while side < n:
-        a = torch.randn(side, side).to(dtype)
+        a = torch.randn(side, side, generator=torch.Generator().manual_seed(0)).to(dtype)
         torch.mm(a, a)  # set-up
         best = float("inf")
         for _ in range(2):

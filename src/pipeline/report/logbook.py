@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import RunConfig, flatten
-from pipeline.data.structures import call_model, move
+from pipeline.data.structures import move
 from pipeline.engine.build import Setup
 from pipeline.engine.loop import EpochStats
 from pipeline.engine.memory import batchnorm_note
@@ -202,15 +202,18 @@ def run_mfu(setup: Setup, samples_per_s: float | None) -> Mfu | None:
 
 
 def model_card(setup: Setup, model: Any) -> ModelCard:
-    """What the logged model carries (``pipeline.record.logged_model``): two samples as the model takes them (the
-    built-in sources' after normalisation), its output for them, the classes and how inputs were prepared."""
+    """What the logged model carries (``pipeline.record.logged_model``): what the model was called with on the first
+    two samples (the built-in sources' after normalisation; a step hook's arguments as it passed them), its output
+    for them, the classes and how inputs were prepared."""
     import torch
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    inputs = setup.prepare(move(setup.first[0], setup.device, non_blocking=False))  # the first two samples
-    inputs = move(inputs, device, non_blocking=False)
-    with torch.no_grad():
-        outputs = call_model(model.eval(), inputs)
+    args, kwargs = (move(part, device, non_blocking=False) for part in setup.example)
+    outputs = None
+    if args or kwargs:
+        with torch.no_grad():
+            outputs = model.eval()(*args, **kwargs)
+    inputs = kwargs if kwargs and not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
     spec = setup.spec
     metadata: dict[str, Any] = {"task": setup.task.name, "primary_metric": setup.task.primary}
     if spec.classes:
@@ -222,7 +225,7 @@ def model_card(setup: Setup, model: Any) -> ModelCard:
             "mean": spec.mean,
             "std": spec.std,
         }
-    return ModelCard(inputs, outputs, metadata, [*setup.task.metric_names, "train/epoch_loss"])
+    return ModelCard(inputs, outputs, metadata, [*setup.scoring.metric_names, "train/epoch_loss"])
 
 
 def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
