@@ -34,7 +34,7 @@ def test_a_model_is_logged_with_this_process_versions_without_mlflows_self_check
     inputs = torch.arange(8.0).view(2, 4)
     card = ModelCard(inputs, model(inputs).detach(), {"task": "classification"}, metrics=[])
 
-    uri = log_model(client, uri=store_uri, experiment_id=experiment_id, run_id=run_id, model=model, card=card)
+    uri = log_model(client, uri=store_uri, experiment_id=experiment_id, run_id=run_id, model=model, card=card).uri
 
     assert uri == f"runs:/{run_id}/model"
     assert checked == []  # skipped for the call, then put back:

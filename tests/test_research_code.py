@@ -309,3 +309,335 @@ def test_clip_grad_norm_bounds_each_step_and_logs_the_gradients_norm(make_cfg: A
 def test_one_clipping_key_at_a_time(make_cfg: Any) -> None:
     with pytest.raises(ConfigError, match=r"trainer\.clip_grad_value=0\.5 .* null while trainer\.clip_grad_norm=1"):
         make_cfg("trainer.clip_grad_norm=1.0", "trainer.clip_grad_value=0.5")
+
+
+SINE = '''
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Sequence(nn.Module):
+    """Two LSTM cells over a sine wave, one value a step, in float64: the usual L-BFGS demonstration."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm1, self.lstm2, self.linear = nn.LSTMCell(1, 51), nn.LSTMCell(51, 51), nn.Linear(51, 1)
+
+    def forward(self, input, future=0):
+        outputs = []
+        h_t = torch.zeros(input.size(0), 51, dtype=torch.double)
+        c_t = torch.zeros(input.size(0), 51, dtype=torch.double)
+        h_t2 = torch.zeros(input.size(0), 51, dtype=torch.double)
+        c_t2 = torch.zeros(input.size(0), 51, dtype=torch.double)
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        return torch.cat(outputs, dim=1)
+
+
+def waves(n=12, length=60, period=20):
+    rng = np.random.RandomState(2)
+    x = np.array(range(length)) + rng.randint(-4 * period, 4 * period, n).reshape(n, 1)
+    return np.sin(x / 1.0 / period).astype("float64")
+
+
+def data():
+    d = torch.from_numpy(waves())
+    return TensorDataset(d[3:, :-1], d[3:, 1:]), TensorDataset(d[:3, :-1], d[:3, 1:])
+
+
+def model():
+    return Sequence().double()
+
+
+def plain(steps, lr=0.8):
+    """The plain script: the test loss after each L-BFGS step."""
+    torch.manual_seed(0)
+    d = torch.from_numpy(waves())
+    input, target, test_input, test_target = d[3:, :-1], d[3:, 1:], d[:3, :-1], d[:3, 1:]
+    seq = model()
+    criterion = nn.MSELoss()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        def closure():
+            optimizer.zero_grad()
+            loss = criterion(seq(input), target)
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+        with torch.no_grad():
+            losses.append(criterion(seq(test_input), test_target).item())
+    return losses
+'''
+LBFGS = [
+    "model=custom",
+    "model._target_=sine.model",
+    "data=custom",
+    "data._target_=sine.data",
+    "task=regression",
+    "optimizer=custom",
+    "optimizer._target_=LBFGS",
+    "optimizer.lr=0.8",
+    "loader.batch_size=9",
+    "trainer.seed=0",
+    "trainer.epochs=3",
+    "device=cpu",
+]
+
+
+@pytest.fixture
+def sine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    (tmp_path / "sine.py").write_text(SINE.lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sine", raising=False)
+    import sine
+
+    return sine
+
+
+def test_an_lbfgs_run_gives_the_plain_scripts_validation_loss(make_cfg: Any, sine: Any) -> None:
+    """Issue 36 (2): LBFGS.step() missing its closure ended as an internal error after the run had opened."""
+    result = train(make_cfg(*LBFGS, *LEAN, "trainer.log_every_n_steps=1"), echo=False)
+    reference = sine.plain(3)
+    assert [e.val_loss for e in result.epochs] == pytest.approx(reference, abs=1e-6)
+    assert reference[-1] < reference[0]  # it learns
+
+
+def test_an_lbfgs_sweep_over_two_rates_runs_and_compares(
+    sine: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from pipeline.experiments.compare.cli import main as compare
+
+    code = run_main(monkeypatch, "-m", *LBFGS[:7], "optimizer.lr=0.8,0.5", *LBFGS[8:], "trainer.epochs=2", *LEAN)
+    assert code == 0, capsys.readouterr().err
+    runs = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(["1"])
+    runs = [r for r in runs if r.data.tags.get("sweep.role") != "parent"]
+    assert sorted(r.data.params["optimizer.lr"] for r in runs) == ["0.5", "0.8"]
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    capsys.readouterr()
+    assert compare(["--uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]) == 0
+    table = capsys.readouterr().out
+    assert "optimizer.lr" in table and "0.5" in table and "0.8" in table
+
+
+def test_a_closure_optimizer_under_float16s_scaler_is_refused_before_the_run(make_cfg: Any, sine: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^precision\.dtype='fp16' is not allowed: expected bf16, or amp=false"):
+        train(make_cfg(*LBFGS, "amp=true", "precision=fp16", "tracking=none"), echo=False)
+
+
+def test_a_plateau_schedule_is_fed_val_loss_after_each_evaluation_and_checkpointed(
+    make_cfg: Any, store_uri: str, tmp_path: Path
+) -> None:
+    """Issue 36 (3): ReduceLROnPlateau.step() missing 'metrics' was an internal error; every schedule was stepped per
+    optimizer step with no argument."""
+    stalled = ["optimizer.lr=1e-12", "trainer.epochs=3", "trainer.max_steps=-1", "loader.batch_size=256", *LEAN]
+    custom = ["scheduler=custom", "scheduler._target_=torch.optim.lr_scheduler.ReduceLROnPlateau"]
+    result = train(make_cfg(*stalled, *custom, "scheduler.factor=0.5", "scheduler.patience=0"), echo=False)
+    assert result.model is not None
+    lrs = [m.value for m in MlflowClient(store_uri).get_metric_history(result.run_id, "train/lr")]
+    assert lrs[0] == 1e-12 and lrs[-1] == pytest.approx(0.25e-12)  # halved after epochs 2 and 3 (no improvement)
+    saved = torch.load(tmp_path / "checkpoints" / result.run_id / "last.pt", weights_only=True)
+    assert saved["scheduler"]["num_bad_epochs"] == 0 and saved["scheduler"]["best"] < 10  # its state, kept
+    builtin = train(make_cfg(*stalled, "scheduler=plateau", "scheduler.patience=0", "scheduler.factor=0.1"), echo=False)
+    assert builtin.model.state_dict().keys() == result.model.state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["scheduler=plateau", "scheduler.monitor=val/f1"], r"^scheduler\.monitor='val/f1' .* val/loss, val/acc$"),
+        (["scheduler=plateau", "scheduler.monitor=val/acc"], r"^scheduler\.mode='min' .* max \(higher is better\)"),
+        (["scheduler=cosine", "scheduler.monitor=val/loss"], r"^scheduler\.monitor='val/loss' .* step takes no metric"),
+        (["scheduler=plateau", "scheduler.interval=step"], r"^scheduler\.interval='step' .* fed val/loss after each"),
+    ],
+)
+def test_a_schedule_that_cannot_be_fed_is_refused_before_the_run(
+    make_cfg: Any, overrides: list[str], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        train(make_cfg(*overrides, "tracking=none"), echo=False)
+
+
+def test_an_empty_micro_batch_of_ignored_tokens_never_poisons_the_step_with_nan() -> None:
+    """Issue 36 (10): a micro-batch whose targets were all ignore_index had a NaN mean, and NaN x 0 stays NaN."""
+    from pipeline.engine.loop import TrainState
+    from pipeline.engine.memory import MicroBatcher
+    from pipeline.engine.precision import PrecisionPolicy
+    from pipeline.engine.step import forward_backward
+    from pipeline.engine.tasks import NextToken
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 5, (4, 6))
+    targets = tokens.clone()
+    targets[:2] = -100  # the first micro-batch of two counts nothing
+
+    def grads(micro: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
+        state = TrainState(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.amp.GradScaler("cpu", enabled=False),
+            MicroBatcher(4, micro),
+            task=NextToken(),
+        )
+        loss, _ = forward_backward(state, tokens, targets, policy=PrecisionPolicy("cpu", None), prepare=lambda x: x)
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    whole, whole_grads = grads(4)
+    split, split_grads = grads(2)
+    assert math.isfinite(float(split)) and float(split) == pytest.approx(float(whole))
+    for a, b in zip(whole_grads, split_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+NAMED = """
+from collections import namedtuple
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+Inp = namedtuple("Inp", ["a", "b"])
+
+
+class Pairs(Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(n)
+        self.a, self.b = torch.randn(n, 4, generator=g), torch.randn(n, 4, generator=g)
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, i):
+        return Inp(self.a[i], self.b[i]), int(self.a[i].sum() > self.b[i].sum())
+
+
+def make():
+    return Pairs(64), Pairs(16)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, inp):
+        return self.fc(torch.cat([inp.a, inp.b], dim=1))
+"""
+
+
+@pytest.mark.parametrize("loader", [["oom.micro_batch_size=4"], ["loader=resident"]], ids=["split", "resident"])
+def test_namedtuple_inputs_train_through_the_fallbacks_cut_and_the_resident_loader(
+    make_cfg: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loader: list[str]
+) -> None:
+    """Issue 36 (9): (Inp(a, b), y) items failed as Inp.__new__() missing 'b', an internal error."""
+    (tmp_path / "named.py").write_text(NAMED.lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "named", raising=False)
+    args = [
+        "model=custom",
+        "model._target_=named.Net",
+        "data=custom",
+        "data._target_=named.make",
+        "loader.batch_size=8",
+    ]
+    result = train(make_cfg(*args, *loader, "tracking=none"), echo=False)
+    assert result.steps == 3 and math.isfinite(result.epochs[0].val_loss)
+
+
+def test_an_exception_in_the_users_step_names_its_line_and_step_target(
+    research: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    source = (tmp_path / "research.py").read_text()
+    (tmp_path / "research.py").write_text(
+        source + "\n\ndef fails(model, batch, ctx):\n    if ctx.training and ctx.step == 2:\n"
+        "        raise IndexError('window out of range')  # HERE\n    return loss_only(model, batch, ctx)\n"
+    )
+    monkeypatch.delitem(sys.modules, "research", raising=False)
+    code = run_main(monkeypatch, *SEQUENCE, "step=custom", "step._target_=research.fails", *LEAN)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    where = next(i for i, text in enumerate((tmp_path / "research.py").read_text().splitlines(), 1) if "# HERE" in text)
+    assert code == 2 and line.startswith("error: step._target_=research.fails: your code raised IndexError:")
+    assert f" at research.py:{where} in fails " in line
+
+
+CAUSAL = '''
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+class Counting(Dataset):
+    """Token ids that count up from a random start: each next token is learnable from the one before."""
+
+    def __init__(self, n, seed, length=12, vocab=32):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = (torch.randint(0, vocab, (n, 1), generator=g) + torch.arange(length)) % vocab
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}  # Hugging Face's convention: labels = input_ids
+
+
+def make():
+    return Counting(64, seed=0), Counting(16, seed=1)
+
+
+def gpt(vocab=32):
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+'''
+HF = [
+    "model=custom",
+    "model._target_=causal.gpt",
+    "data=custom",
+    "data._target_=causal.make",
+    "data.target_key=labels",
+    "task=next_token",
+    "loader.batch_size=16",
+    "optimizer=adamw",
+    "optimizer.lr=0.01",
+    "trainer.epochs=2",
+    "trainer.max_steps=-1",
+    "device=cpu",
+]
+
+
+@pytest.fixture
+def causal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "causal.py").write_text(CAUSAL.lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "causal", raising=False)
+
+
+def test_a_hugging_face_causal_lm_trains_on_its_own_loss_and_on_the_tasks_shifted_one_alike(
+    make_cfg: Any, causal: None, store_uri: str
+) -> None:
+    """Issue 36 (7): labels=input_ids, unshifted, silently trained the model to copy its input."""
+    own = train(make_cfg(*HF, "task.loss=model", "tracking.experiment=own"), echo=False)
+    shifted = train(make_cfg(*HF, "task.shift_labels=true", *LEAN), echo=False)
+    for a, b in zip(own.epochs, shifted.epochs, strict=True):
+        assert a.val_loss == pytest.approx(b.val_loss, rel=1e-4)
+        assert a.val_metrics["val/acc"] == pytest.approx(b.val_metrics["val/acc"])  # the metrics shift too
+    assert own.epochs[-1].val_loss < own.epochs[0].val_loss
+    assert math.exp(own.epochs[-1].val_loss) == pytest.approx(own.epochs[-1].val_metrics["val/perplexity"])
+    (model,) = MlflowClient(store_uri).search_logged_models(["1"])
+    info = __import__("mlflow").models.get_model_info(f"models:/{model.model_id}")
+    assert info.signature.inputs.input_names() == ["input_ids"]  # the labels it was given are no input of it
+
+
+def test_the_tasks_loss_on_targets_equal_to_the_inputs_unshifted_is_refused_in_one_line(
+    causal: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert run_main(monkeypatch, *HF) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: the targets are the inputs themselves") and "task.shift_labels=true" in line
+    assert not (tmp_path / "mlflow.db").exists()

@@ -322,3 +322,143 @@ def test_two_gloo_ranks_end_with_the_weights_of_one_process_at_the_global_batch(
         finals[name] = torch.load(folder / "checkpoints" / run.info.run_id / "last.pt", weights_only=True)["model"]
     for key, value in finals["single"].items():
         torch.testing.assert_close(finals["ddp"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+# --- issue 36: the model out and the provenance cover all of the user's code -------------------------------------
+
+SIBLING_NET = """
+import torch
+from torch import nn
+
+from helpers import act
+
+
+class Tiny2(nn.Module):
+    def __init__(self, in_shape, width=16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(in_shape[0], width), nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.fc2(act(self.fc1(x))).squeeze(-1)
+"""
+HELPERS = "import torch\n\n\ndef act(x):\n    return torch.tanh(x) * 1.5\n"
+SIBLING = ["model=custom", "model._target_=nets2.Tiny2", "data=custom", "data._target_=sets.make", "task=regression"]
+
+
+def sibling_project(folder: Path) -> Path:
+    write_project(folder)
+    (folder / "nets2.py").write_text(SIBLING_NET.lstrip())
+    (folder / "helpers.py").write_text(HELPERS)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["pickle", "pt2"])
+def test_a_model_whose_file_imports_a_sibling_loads_elsewhere_and_reproduces_its_metric(
+    tmp_path: Path, form: str
+) -> None:
+    """Issue 36 (11): only the files defining nn.Module classes were shipped; `from helpers import act` then failed to
+    load with ModuleNotFoundError in a fresh process elsewhere."""
+    folder = sibling_project(tmp_path / "myproject")
+    proc = pipeline(folder, *SIBLING, *TINY, f"tracking.model_format={form}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("(pt2)" in proc.stdout) == (form == "pt2")
+    (run,) = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_runs(["1"])
+    assert run.data.tags["model.format"] == form
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    probe = f"""
+import importlib.util, sys, mlflow, torch
+mlflow.set_tracking_uri("sqlite:///{folder / "mlflow.db"}")
+model = mlflow.pytorch.load_model("runs:/{run.info.run_id}/model")
+spec = importlib.util.spec_from_file_location("user_sets", {str(folder / "sets.py")!r})
+sets = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sets)
+_, val = sets.make()
+x, y = val.tensors
+with torch.no_grad():
+    print((model(x) - y).abs().mean().item(), "helpers" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mae, helpers = out.stdout.split()
+    assert float(mae) == pytest.approx(run.data.metrics["val/mae"], rel=1e-5)
+    assert helpers == ("True" if form == "pickle" else "False")  # pt2 is a graph: no code of the user's loads
+
+
+def test_the_record_hashes_every_user_module_the_run_imported(
+    tmp_path: Path, make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36 (12): model.file_sha256 hashed the _target_'s file alone, not the sibling it imports."""
+    folder = sibling_project(tmp_path)
+    monkeypatch.syspath_prepend(str(folder))
+    for name in ("nets2", "helpers", "sets", "nets"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    result = train(make_cfg(*SIBLING, "tracking.log_model=false"), echo=False)
+    tags = MlflowClient(store_uri).get_run(result.run_id).data.tags
+    files = {k.removeprefix("code.file."): v for k, v in tags.items() if k.startswith("code.file.")}
+    assert set(files) == {"nets2.py", "helpers.py", "sets.py"} and all(len(v) == 16 for v in files.values())
+    assert len(tags["code.sha256"]) == 16
+
+
+def test_a_resume_refuses_changed_code_naming_the_file_and_a_fork_continues_tagged(
+    tmp_path: Path, make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36 (12): resume compared config keys only, so an edit that kept the shapes resumed silently."""
+    from helpers import sigterm_at_step
+
+    folder = sibling_project(tmp_path)
+    monkeypatch.syspath_prepend(str(folder))
+    for name in ("nets2", "helpers", "sets", "nets"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    base = [*SIBLING, *EPOCHS, "tracking.log_model=false"]
+    with monkeypatch.context() as patch:
+        sigterm_at_step(patch, 5)
+        with pytest.raises(Stopped):
+            train(make_cfg(*base), echo=False)
+    (folder / "helpers.py").write_text(HELPERS.replace("1.5", "2.0"))
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"^cannot resume run \w+: your code changed since its checkpoint "
+        r"\(helpers\.py: \w{16} then, \w{16} now\).*fork=true",
+    ):
+        train(make_cfg(*base, "resume=latest"), echo=False)
+    forked = train(make_cfg(*base, "resume=latest", "fork=true"), echo=False)
+    tags = MlflowClient(store_uri).get_run(forked.run_id).data.tags
+    assert "code:helpers.py" in tags["fork.changed"]
+
+
+def test_a_model_is_logged_at_every_epochs_checkpoint_and_the_best_is_found(
+    project: Path, make_cfg: MakeCfg, store_uri: str
+) -> None:
+    result = train(make_cfg(*REGRESSION, *EPOCHS, "tracking.log_model=checkpoints"), echo=False)
+    client = MlflowClient(store_uri)
+    models = client.search_logged_models(["1"])
+    assert sorted(m.name for m in models) == ["model"] * 3
+    linked = {m.model_id: {x.key: x.value for x in m.metrics} for m in models}
+    assert sorted(v["val/mae"] for v in linked.values()) == sorted(e.val_metrics["val/mae"] for e in result.epochs)
+    (best,) = client.search_logged_models(
+        ["1"], order_by=[{"field_name": "metrics.val/mae", "ascending": True}], max_results=1
+    )
+    assert linked[best.model_id]["val/mae"] == min(e.val_metrics["val/mae"] for e in result.epochs)
+    assert result.logged_model == f"mlflow.pytorch.load_model('runs:/{result.run_id}/model')"
+
+
+def test_auto_picks_pt2_where_the_model_exports_and_pickle_where_it_takes_keywords(
+    project: Path, make_cfg: MakeCfg, store_uri: str
+) -> None:
+    tensor = train(make_cfg(*REGRESSION, "tracking.model_format=auto"), echo=False)
+    keyed = train(make_cfg(*KEYED, "tracking.model_format=auto"), echo=False)
+    client = MlflowClient(store_uri)
+    assert client.get_run(tensor.run_id).data.tags["model.format"] == "pt2"
+    assert client.get_run(keyed.run_id).data.tags["model.format"] == "pickle"
+
+
+def test_pt2_for_a_model_of_keyword_inputs_is_refused_before_the_run(
+    project: Path, make_cfg: MakeCfg, tmp_path: Path
+) -> None:
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^tracking\.model_format='pt2' is not allowed: expected pickle or auto"):
+        train(make_cfg(*KEYED, "tracking.model_format=pt2"), echo=False)
+    assert not (tmp_path / "mlruns").exists()

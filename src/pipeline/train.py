@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.common import usercode
 from pipeline.common.heap import collector_paused, collector_running
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.common.usercode import user_errors
@@ -79,6 +80,7 @@ def train(
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
     """
     started = time.perf_counter()
+    usercode.forget()  # where the user's code lives is this run's targets' to say, not an earlier run's
     # torchrun: this rank's place in the job; else a plain run. Memory running out ends the run in one line. No
     # collector passes over what start-up and close import (pipeline.common.heap); training has them (run_epochs).
     with (
@@ -113,15 +115,17 @@ def _train(
         setup = _named(setup, typed_overrides, sweep) if not cfg.tracking.run_name else setup
         start.restore(setup.state, setup.device, cfg.optimizer)
         tags = start.run_tags(_tags(masked_config, setup, typed_overrides, sweep))
+        logbook.check_model_format(setup, cfg)  # tracking.model_format=pt2 for a model it cannot take: refused now
         stop, tracker = _open_session(session, cfg, setup, start, tags=tags, secret_values=secret_values)
         if is_main:
             logbook.start(tracker, setup, cfg, masked_config, typed_overrides, start)
+        models = logbook.epoch_models(cfg, tracker, setup)  # tracking.log_model=checkpoints: one at each epoch's
         epochs, starts, sampler = _fit(
-            cfg, setup, start, masked_config, tracker=tracker, stop=stop, own=own, quiet=quiet
+            cfg, setup, start, masked_config, tracker=tracker, stop=stop, own=own, quiet=quiet, models=models
         )
         total_s = time.perf_counter() - started
         result = logbook.conclude(
-            setup, cfg, epochs, tracker=tracker, sampler=sampler, epoch_starts=starts, total_s=total_s
+            setup, cfg, epochs, tracker=tracker, sampler=sampler, epoch_starts=starts, total_s=total_s, models=models
         )
         summary = format_summary(result)
         tracker.set_tags({"mlflow.note.content": f"```\n{summary}\n```"})
@@ -200,6 +204,7 @@ def _fit(
     stop: StopRequests,
     own: list[str],
     quiet: bool,
+    models: Any,
 ) -> tuple[list[EpochResult], list[float], Any]:
     """Train from ``start`` with the checkpointer (holding ``masked_config``) and the utilisation sampler open.
     Returns the epochs' results, their start times on the sampler's clock, and the sampler (stopped); the last
@@ -217,6 +222,7 @@ def _fit(
         lock=start.lock,
         classes=list(setup.spec.classes) if setup.spec.classes else None,
         overrides=mask_overrides(own, cfg.env_keys),
+        code=setup.code.files,
     )
     with saver, stop_says_how_to_continue(saver, own, resumed=start.from_checkpoint):
         sampler = open_sampler(
@@ -236,6 +242,7 @@ def _fit(
                 saver=saver,
                 stop=stop,
                 show_progress=progress_mode(cfg.trainer.progress, quiet=quiet),
+                models=models,
             )
         finally:
             sampler.stop()
@@ -255,6 +262,7 @@ def run_epochs(
     saver: checkpoint.Checkpointer,
     stop: StopRequests,
     show_progress: str,
+    models: Any,
 ) -> tuple[list[EpochResult], list[float]]:
     """Train from ``start`` to the last epoch or ``trainer.max_steps``, checkpointing as configured.
 
@@ -305,6 +313,7 @@ def run_epochs(
         epochs.append(record)
         complete = done == len(setup.train_batches)
         saver.write(checkpoint.Position(epoch + 1, 0, setup.state.step) if complete else position)
+        models.checkpointed(epoch)  # tracking.log_model=checkpoints: the model at this checkpoint, its metrics linked
         if 0 < trainer.max_steps <= setup.state.step:
             log.info("trainer.max_steps=%d reached", trainer.max_steps)
             break

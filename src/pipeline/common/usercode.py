@@ -78,6 +78,24 @@ def is_user_file(path: str | None) -> bool:
     return any(resolved.startswith(root + os.sep) for root in roots())
 
 
+def imported() -> dict[str, str]:
+    """The user's modules this process has imported, by name: their files (a package's ``__init__.py``), in name
+    order. What the record hashes and the logged model ships (``pipeline.engine.provenance``,
+    ``pipeline.record.logged_model``)."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name != "__main__" and path and is_user_file(path) and os.path.isfile(path):
+            found[name] = os.path.realpath(path)
+    return dict(sorted(found.items()))
+
+
+def forget() -> None:
+    """A new run: the targets an earlier run in this process named no longer say where the user's code is."""
+    _CHOSEN.clear()
+    _ROOTS.clear()
+
+
 @dataclass(frozen=True)
 class Frame:
     """One frame of a traceback, as a message names it."""

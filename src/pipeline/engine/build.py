@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from pipeline.engine.models import BUILTIN, build_model, count_parameters
 from pipeline.engine.optim import Schedule, build_optimizer, build_scheduler, make_clipping, needs_closure
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
-from pipeline.engine.provenance import run_name
+from pipeline.engine.provenance import UserCode, run_name
 from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
 from pipeline.engine.step import Inputs
 from pipeline.engine.tasks import Task, make_task
@@ -82,6 +82,7 @@ class Setup:
     amp_probe: AmpProbe | None  # amp=true on the CPU: float32 and amp steps timed before training
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
     model_flops: flops.ModelFlops  # model FLOPs per sample and the device's peak: each epoch's TFLOP/s and MFU
+    code: UserCode = field(default_factory=lambda: UserCode({}))  # the user's code it imported (hashed)
     profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.profiling)
     snapshot: OomSnapshot | NoSnapshot = NO_SNAPSHOT  # trainer.memory_snapshot (pipeline.engine.snapshot)
 
@@ -166,6 +167,7 @@ def build(
         amp_probe=amp_probe,
         group=group,
         model_flops=model_flops,
+        code=UserCode.imported(),  # every user module is imported by now: the data's, the model's, the step's
         profiler=make_profiler(trainer, device),
         snapshot=snapshot,
     )

@@ -353,13 +353,14 @@ class Checkpointer:
         world_size: int = 1,
         classes: list[str] | None = None,
         overrides: list[str] | None = None,
+        code: dict[str, str] | None = None,
     ) -> Checkpointer:
         """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
         ``state`` (a ``loop.TrainState``) and ``config`` (masked; a resume compares it), in ``tracking``'s store.
 
         ``write=False`` (DDP ranks other than 0) writes nothing; ``world_size`` is saved, since a position inside
         an epoch counts this job's per-rank batches. ``overrides``: the run's own (masked), which a resume restores
-        (``pipeline.engine.continuation``)."""
+        (``pipeline.engine.continuation``). ``code``: the user's files and their hashes, which a resume compares."""
         return cls(
             folder=Path(settings.dir) / (run_id or untracked_id(run_name)),
             enabled=settings.enabled and write,
@@ -371,6 +372,7 @@ class Checkpointer:
                 world_size=world_size,
                 classes=classes,
                 overrides=list(overrides or []),
+                code=dict(code or {}),
             ),
             device=device,
             scope={

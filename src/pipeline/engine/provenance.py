@@ -17,6 +17,7 @@ import shlex
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,11 @@ import torch
 
 import pipeline
 from pipeline import __version__
+from pipeline.common import usercode
 from pipeline.common.targets import resolve, source_file
 from pipeline.config import RunConfig, target_label
 from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
+from pipeline.config.schema import MAX_TAG_KEY
 from pipeline.engine.devices import DeviceChoice, cudnn_version
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.record.heartbeat import identity_tags
@@ -255,10 +258,51 @@ def code_tags(prefix: str, obj: Any, *, target: str) -> dict[str, str]:
     return tags
 
 
+@dataclass(frozen=True)
+class UserCode:
+    """The user's code a run imported (``pipeline.common.usercode.imported``: every module from the launch folder,
+    ``PYTHONPATH`` or a target's folder, outside site-packages): a hash of each file and one over them all. The
+    record tags both; a checkpoint keeps them, and a resume refuses to continue the same run on changed code."""
+
+    files: dict[str, str]  # absolute path -> sha256 of its bytes (16 hex digits)
+
+    @classmethod
+    def imported(cls) -> UserCode:
+        return cls({path: _sha(path) for path in sorted(set(usercode.imported().values()))})
+
+    @property
+    def digest(self) -> str:
+        """One hash over every file's path (relative to the launch folder where it is inside) and bytes' hash."""
+        text = "".join(f"{_shown(path)}\0{sha}\0" for path, sha in sorted(self.files.items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def tags(self) -> dict[str, str]:
+        """``code.sha256`` (the digest) and ``code.file.<path>`` (each file's hash); nothing without user code."""
+        if not self.files:
+            return {}
+        return {
+            "code.sha256": self.digest,
+            **{f"code.file.{_shown(p)}"[:MAX_TAG_KEY]: h for p, h in self.files.items()},
+        }
+
+    def changed_since(self, saved: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+        """The files of ``saved`` (a checkpoint's) whose bytes differ now: ``{path: (then, now)}`` (now ``missing``)."""
+        now = {path: _sha(path) if os.path.isfile(path) else "missing" for path in saved}
+        return {_shown(path): (saved[path], now[path]) for path in saved if saved[path] != now[path]}
+
+
+def _sha(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _shown(path: str) -> str:
+    here = os.getcwd()
+    return os.path.relpath(path, here) if path.startswith(here + os.sep) else path
+
+
 def _installed(path: str) -> bool:
     """A file of this package or of an installed library (site-packages), not the user's own code."""
-    package = os.path.dirname(os.path.abspath(pipeline.__file__))
-    return os.path.abspath(path).startswith(package) or "site-packages" in path or "dist-packages" in path
+    return usercode.installed(path)
 
 
 def describe_loader(cfg: RunConfig) -> str:

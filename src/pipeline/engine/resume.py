@@ -28,6 +28,7 @@ from pipeline.engine.checkpoint import (
     read_state,
     store_id,
 )
+from pipeline.engine.provenance import UserCode
 from pipeline.engine.start import FreshStart, Resumed, describe_changes
 from pipeline.record import outbox
 
@@ -211,6 +212,10 @@ def _why_structural(key: str) -> str:
     return f"its {key.split('.')[0]} state fits only the one it was written with"
 
 
+def _edits(edited: Mapping[str, tuple[str, str]]) -> str:
+    return "; ".join(f"{path}: {then} then, {now} now" for path, (then, now) in edited.items())
+
+
 def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in changes.items())
 
@@ -278,6 +283,13 @@ def resume_point(cfg: RunConfig, masked_config: Mapping[str, Any], *, world_size
             )
     changes = config_changes(flatten(saved["config"]), flatten(masked_config))
     check_resumable(changes, fork=cfg.fork, run=run)
+    edited = UserCode({}).changed_since(saved.get("code", {}))
+    if edited and not cfg.fork:
+        raise CheckpointError(
+            f"cannot resume run {run}: your code changed since its checkpoint ({_edits(edited)}), and the run's record "
+            f"holds the code it trained with: undo the change, or add fork=true to continue its weights in a new run "
+            f"(tagged with what changed)"
+        )
     position, trainer = saved["position"], cfg.trainer
     saved_world = saved.get("world_size", 1)
     if saved_world != world_size and position.batch:
@@ -305,7 +317,8 @@ def resume_point(cfg: RunConfig, masked_config: Mapping[str, Any], *, world_size
                 raise
     if changes:
         log.warning("resume: changed since the checkpoint: %s", describe_changes(changes))
-    return Resumed(path, saved, changes, cfg.fork, lock)
+    code = {f"code:{path}": hashes for path, hashes in edited.items()}  # a fork's record says so too
+    return Resumed(path, saved, {**changes, **code}, cfg.fork, lock)
 
 
 def _check_unfinished(cfg: RunConfig, *, run_id: str | None, state: Mapping[str, Any], run: str) -> None:

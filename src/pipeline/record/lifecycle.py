@@ -26,7 +26,7 @@ from pipeline.record.tracking import MlflowTracker
 
 if TYPE_CHECKING:  # an annotation only: importing pipeline.data would load torch for a type
     from pipeline.data.sources import DataSpec
-    from pipeline.record.logged_model import ModelCard
+    from pipeline.record.logged_model import Logged, ModelCard
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Tracker(Protocol):
     def log_file(self, path: Path, artifact_dir: str) -> None: ...
     def log_dataset(self, spec: DataSpec, context: str) -> None: ...
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None: ...
-    def log_model(self, model: Any, card: ModelCard) -> str | None: ...
+    def log_model(self, model: Any, card: ModelCard, *, form: str = ..., step: int | None = ...) -> Logged | None: ...
     def flush(self) -> None: ...
     def last_step(self, key: str) -> int | None: ...
     def log_only_new_steps(self) -> None: ...
@@ -80,7 +80,7 @@ class NullTracker:
     def log_figure(self, make: Callable[[], Any], artifact_file: str) -> None:
         pass  # the figure is never drawn
 
-    def log_model(self, model: Any, card: ModelCard) -> str | None:
+    def log_model(self, model: Any, card: ModelCard, *, form: str = "pickle", step: int | None = None) -> Logged | None:
         return None
 
     def flush(self) -> None:

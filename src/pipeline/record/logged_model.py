@@ -1,21 +1,33 @@
 """The trained model back out: an MLflow 3 logged model in the run, with a signature, an input example, the class
-names and the run's final validation metrics.
+names and the run's validation metrics.
 
-    python -m pipeline tracking.log_model=true      # the default; false logs no model
-    model = mlflow.pytorch.load_model("runs:/<run id>/model")
+    python -m pipeline tracking.log_model=final        # the default: the trained model (false: none)
+    python -m pipeline tracking.log_model=checkpoints  # one at every epoch's checkpoint too, step = the epoch
+    python -m pipeline tracking.model_format=pt2       # torch.export's graph: no code needed to load it
+    model = mlflow.pytorch.load_model("runs:/<run id>/model")  # the newest; models:/<model id> any one
 
-The model is saved by ``mlflow.pytorch.log_model`` with ``serialization_format="pickle"`` (cloudpickle): loading
-gives back the user's own class, with its methods, and it takes keyword and dict inputs as the run did. The class
-must be importable where it is loaded, so the file (or the top package) of a class from the user's own code is
-shipped with the model (``code_paths``) and found by ``load_model`` wherever it runs. The other serialisation,
-``pt2`` (``torch.export``), loads as a ``torch.fx.GraphModule`` rather than the user's class and takes only tensor
-inputs, so it is not used. Pickle runs code when loaded: load models from stores you trust.
+``pickle`` (the default) saves the model with ``mlflow.pytorch.log_model(serialization_format="pickle")``
+(cloudpickle): loading gives back the user's own class, with its methods, and it takes keyword and dict inputs as the
+run did. Its classes must import where it is loaded, so every module of the user's that the run imported (from the
+launch folder, ``PYTHONPATH`` or a target's folder: ``pipeline.common.usercode.imported``), a model file's sibling
+``helpers.py`` included, is shipped with it (``code_paths``; MLflow's ``infer_code_paths`` is a pyfunc option that
+``mlflow.pytorch`` does not take, and it costs a subprocess of seconds). Pickle runs code when loaded: load models
+from stores you trust. ``pt2`` is ``torch.export``'s program, made by MLflow from the run's input example with the
+batch dimension left free: it loads as a ``torch.fx.GraphModule`` without any of the user's code (a team server
+that refuses pickle still loads it) and takes tensor inputs only. ``auto`` logs ``pt2`` where the model exports
+with its input example, else ``pickle``; the run's tag ``model.format`` says which.
 
-What it costs: about 0.1 s a call, because the pip requirements are passed (torch, numpy, cloudpickle at this run's
-versions) instead of inferred, which MLflow does by running the model in a subprocess (about 3-9 s), and two of
-MLflow's checks that can tell this run nothing are skipped (``_self_checks_skipped``: about 1 s and 0.7 s). The model's
-val metrics are linked to it (the UI's Models column shows them) by writing the run's own last points again with the
-model's id: MLflow keeps one point per (key, value, time, step), so the run's history does not change.
+With ``checkpoints`` every epoch's model is logged at its checkpoint under the same name, ``step`` the epoch, and
+MLflow links the epoch's metrics to it (``mlflow.search_logged_models(order_by=[{"field_name": "metrics.val/loss"}])``
+finds the best); ``runs:/<id>/model`` loads the newest. The final model of ``final`` gets the run's last validation
+metrics linked.
+
+What it costs: about 0.05 s a call (pickle; pt2 about 0.1 s and its export), because the pip requirements are
+passed (torch, numpy, cloudpickle at this run's versions) instead of inferred, which MLflow does by running the model
+in a subprocess (about 3-9 s), and two of MLflow's checks that can tell this run nothing are skipped
+(``_self_checks_skipped``: about 1 s and 0.7 s). The model's val metrics are linked to it (the UI's Models column
+shows them) by writing the run's own last points again with the model's id: MLflow keeps one point per (key, value,
+time, step), so the run's history does not change.
 """
 
 from __future__ import annotations
@@ -24,13 +36,14 @@ import contextlib
 import inspect
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pipeline
+from pipeline.common.errors import ConfigError
+from pipeline.common.messages import brief
+from pipeline.common.usercode import imported, installed
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +79,14 @@ def _mask_tree(value: Any, mask: Callable[[str], str]) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Logged:
+    """A logged model: the URI that loads it and the format it was saved in."""
+
+    uri: str
+    form: str  # pickle | pt2
+
+
 def log_model(
     client: Any,
     *,
@@ -75,44 +96,117 @@ def log_model(
     model: Any,
     card: ModelCard,
     mask: Callable[[str], str] = lambda text: text,
-) -> str:
-    """Log ``model`` to run ``run_id`` and link its metrics; returns the URI that loads it (``runs:/<id>/model``).
-    The tags MLflow gives a logged model from its context (the user, the source, git) pass through ``mask``, as the
-    run's own do.
+    form: str = "pickle",
+    step: int | None = None,
+) -> Logged:
+    """Log ``model`` to run ``run_id`` in ``form`` (``pickle``, ``pt2``, or ``auto``: pt2 where it exports) and link
+    its metrics: MLflow's own link of the metrics logged at ``step`` (a checkpoint's epoch), or, without a step, the
+    run's last points of ``card.metrics``. The tags MLflow gives a logged model from its context (the user, the source,
+    git) pass through ``mask``, as the run's own do.
 
     Raises:
         MlflowException, OSError: the store refused the model (the caller decides what that costs the run).
+        ModelExportError: ``pt2`` asked for, and the model does not export with its input example.
     """
+    model.eval()
+    where = {"uri": uri, "experiment_id": experiment_id, "run_id": run_id, "mask": mask, "step": step}
+    used = "pickle" if form == "pickle" else "pt2"
+    try:
+        info = _log(model, card, form=used, **where)
+    except ModelExportError as err:
+        if form == "pt2":
+            raise
+        log.info("the model does not export (%s): logged with pickle (tracking.model_format=auto)", err)
+        used = "pickle"
+        info = _log(model, card, form=used, **where)
+    if step is None:
+        _link_last_points(client, run_id, card.metrics, info.model_id)
+    return Logged(f"runs:/{run_id}/{NAME}", used)
+
+
+class ModelExportError(Exception):
+    """``torch.export`` could not make a program of the model with its input example."""
+
+
+def _log(
+    model: Any,
+    card: ModelCard,
+    *,
+    uri: str,
+    experiment_id: str,
+    run_id: str,
+    mask: Callable[[str], str],
+    form: str,
+    step: int | None,
+) -> Any:
     import mlflow
     import mlflow.pytorch
-    from mlflow.entities import Metric
     from mlflow.tracking.context import registry
 
-    model.eval()
-    signature = _signature(card)
-    example = _numpy(card.inputs) if signature is not None else None
+    signature, example = _pt2_signature(card) if form == "pt2" else (_signature(card), None)
+    if form != "pt2" and signature is not None:
+        example = _numpy(card.inputs)
+    how = "pt2 (torch.export): a graph, no code needed" if form == "pt2" else "pickle (cloudpickle): the class itself"
     with _quiet(), _fluent_store(uri, experiment_id), _self_checks_skipped():
-        info = mlflow.pytorch.log_model(
-            model,
-            name=NAME,
-            run_id=run_id,
-            serialization_format="pickle",
-            code_paths=code_paths(model) or None,
-            pip_requirements=requirements(),
-            signature=signature,
-            input_example=example,
-            metadata={**card.metadata, "serialization": "pickle (cloudpickle): the class itself, its code shipped"},
-            tags={key: mask(str(value)) for key, value in registry.resolve_tags().items()},  # ours win over MLflow's
-        )
+        try:
+            return mlflow.pytorch.log_model(
+                model,
+                name=NAME,
+                run_id=run_id,
+                step=step or 0,
+                serialization_format=form,
+                code_paths=(code_paths(model) or None) if form == "pickle" else None,
+                pip_requirements=requirements(),
+                signature=signature,
+                input_example=example,
+                metadata={**card.metadata, "serialization": how},
+                tags={
+                    key: mask(str(value)) for key, value in registry.resolve_tags().items()
+                },  # ours win over MLflow's
+            )
+        except Exception as err:
+            if form != "pt2" or _store_error(err):
+                raise
+            raise ModelExportError(brief(err, first_line=True)) from err
+
+
+def _store_error(err: BaseException) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(err, MlflowException | OSError)
+
+
+def _link_last_points(client: Any, run_id: str, keys: Sequence[str], model_id: str) -> None:
+    """The run's last point of each of ``keys`` written again with the model's id (the UI's Models column)."""
+    from mlflow.entities import Metric
+
     linked = []
-    for key in card.metrics:
+    for key in keys:
         history = client.get_metric_history(run_id, key)
         if history:
             last = max(history, key=lambda m: (m.step, m.timestamp))
-            linked.append(Metric(key, last.value, last.timestamp, last.step, model_id=info.model_id))
+            linked.append(Metric(key, last.value, last.timestamp, last.step, model_id=model_id))
     if linked:
         client.log_batch(run_id, metrics=linked)
-    return f"runs:/{run_id}/{NAME}"
+
+
+def check_format(form: str, card_inputs: Any) -> None:
+    """Refuse ``tracking.model_format=pt2`` for a model whose input example is not tensors (before the run opens).
+
+    Raises:
+        ConfigError: naming the key and what the model takes.
+    """
+    import torch
+
+    tensors = isinstance(card_inputs, torch.Tensor)
+    if form == "pt2" and not tensors:
+        what = type(card_inputs).__name__ if card_inputs is not None else "no input example"
+        raise ConfigError(
+            "tracking.model_format",
+            "pt2",
+            f"pickle or auto for this model (called with {what}): torch.export's format, as MLflow saves it, takes "
+            f"one tensor input",
+        )
 
 
 def requirements() -> list[str]:
@@ -130,19 +224,30 @@ def requirements() -> list[str]:
 
 
 def code_paths(model: Any) -> list[str]:
-    """The user's code the pickled model needs to load: the file of each class in it that comes from outside this
-    package and the installed libraries (its top package's folder, for a module inside a package)."""
+    """The user's code the pickled model needs to load: every module of the user's the run imported (a model's file
+    may import a sibling), and the file of each class in the model that comes from outside this package and the
+    installed libraries; a module inside a package as its top package's folder."""
     found: dict[str, None] = {}
+    for name, path in imported().items():
+        found[_shipped(name, path)] = None
     for module in model.modules():
-        name = type(module).__module__
-        path = _source(type(module))
-        if path is None or _installed(path) or name == "__main__":
-            continue
-        root = Path(path)
-        for _ in name.split("."):  # nets (/p/nets.py) -> /p; mypkg.models.nets (/p/mypkg/models/nets.py) -> /p
-            root = root.parent
-        found[str(root / name.split(".")[0]) if "." in name else path] = None
+        name, path = type(module).__module__, _source(type(module))
+        if path is not None and not installed(path) and name != "__main__":
+            found[_shipped(name, path)] = None
     return list(found)
+
+
+def _shipped(name: str, path: str) -> str:
+    """What ships module ``name`` (its file ``path``): the file, or its top package's folder (``mypkg.models.nets``
+    in /p/mypkg/models/nets.py -> /p/mypkg)."""
+    if "." not in name:
+        return path
+    root = Path(path)
+    for _ in name.split("."):
+        root = root.parent
+    if Path(path).name == "__init__.py":
+        root = root.parent
+    return str(root / name.split(".")[0])
 
 
 def _source(cls: type) -> str | None:
@@ -150,13 +255,6 @@ def _source(cls: type) -> str | None:
         return inspect.getsourcefile(cls)
     except (TypeError, OSError):
         return None
-
-
-def _installed(path: str) -> bool:
-    here = str(Path(pipeline.__file__).resolve().parent)
-    resolved = str(Path(path).resolve())
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
-    return resolved.startswith(here) or "site-packages" in resolved or any(resolved.startswith(p) for p in prefixes)
 
 
 def _numpy(value: Any) -> Any:
@@ -167,6 +265,15 @@ def _numpy(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _numpy(v) for k, v in value.items()}
     return None
+
+
+def _pt2_signature(card: ModelCard) -> tuple[Any, Any]:
+    """A pt2 model's signature and example: one tensor input, its batch dimension free (-1, from the example's 2)."""
+    import torch
+
+    if not isinstance(card.inputs, torch.Tensor):
+        raise ModelExportError(f"its input is {type(card.inputs).__name__}, not one tensor")
+    return _signature(card), _numpy(card.inputs)
 
 
 def _signature(card: ModelCard) -> Any:

@@ -52,7 +52,7 @@ from pipeline.common.uris import run_page, ui_base
 from pipeline.record import outbox
 from pipeline.record.dataset_input import dataset_inputs
 from pipeline.record.heartbeat import Heartbeat
-from pipeline.record.logged_model import ModelCard, log_model
+from pipeline.record.logged_model import Logged, ModelCard, ModelExportError, log_model
 from pipeline.record.outage import Outage
 from pipeline.record.store import retrying, server_down
 
@@ -350,12 +350,13 @@ class MlflowTracker:
     def _stored_last_step(self, key: str) -> int | None:
         return max((m.step for m in retrying(lambda: self.client.get_metric_history(self.run_id, key))), default=None)
 
-    def log_model(self, model: Any, card: ModelCard) -> str | None:
-        """The trained model as the run's logged model (``pipeline.record.logged_model``), its metrics linked; returns
-        the URI that loads it. A store that refuses it costs the run nothing else: a warning, and None."""
+    def log_model(self, model: Any, card: ModelCard, *, form: str = "pickle", step: int | None = None) -> Logged | None:
+        """The model as one of the run's logged models (``pipeline.record.logged_model``), in ``form``, its metrics
+        linked (those logged at ``step``, a checkpoint's epoch; without one the run's last). A store that refuses it,
+        or a model that does not export as ``pt2`` asked, costs the run nothing else: a warning, and None."""
         from mlflow.exceptions import MlflowException
 
-        self.flush()  # the final metrics are in the store before they are linked to the model
+        self.flush()  # the metrics are in the store before they are linked to the model
         if self._outage.over():  # a model is many requests: none is made to a server past its deadline
             log.warning("the trained model was not logged: %s has not answered; the checkpoint holds it", self.uri)
             return None
@@ -368,8 +369,10 @@ class MlflowTracker:
                 model=model,
                 card=card.masked(self.mask),
                 mask=self.mask,
+                form=form,
+                step=step,
             )
-        except (MlflowException, OSError) as err:
+        except (MlflowException, OSError, ModelExportError) as err:
             log.warning(
                 "the trained model was not logged to MLflow (%s): the checkpoint still holds it", self.mask(str(err))
             )

@@ -6,6 +6,7 @@ In a DDP job only rank 0 records its start; every rank concludes (the other rank
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
@@ -24,7 +25,7 @@ from pipeline.engine.timing import Breakdown
 from pipeline.machine import doctor
 from pipeline.monitor import allocator_metrics, job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
-from pipeline.record.logged_model import ModelCard
+from pipeline.record.logged_model import Logged, ModelCard, check_format
 from pipeline.report.plots import step_breakdown, utilisation_timeline
 from pipeline.report.summary import EpochResult, RunResult, busy_words, device_speed, run_breakdown
 from pipeline.report.verdict import Mfu, judge
@@ -65,6 +66,7 @@ def start(
             json.dumps({"classes": spec.classes, "class_to_idx": spec.class_to_idx}, indent=1), "classes.json"
         )
     code = {
+        **setup.code.tags(),  # code.sha256 and code.file.<path>: every user module the run imported
         "task.primary": setup.task.primary,
         **code_tags("model", setup.group.unwrap(setup.state.model), target=cfg.model._target_),
     }
@@ -82,6 +84,7 @@ def conclude(
     sampler: Any,
     epoch_starts: list[float],
     total_s: float,
+    models: EpochModels | NoEpochModels,
 ) -> RunResult:
     """The run's verdict, pictures and record, once the sampler has stopped."""
     breakdown = run_breakdown(epochs)
@@ -97,9 +100,11 @@ def conclude(
         _plots(tracker, setup.run_name, sampler, epochs, epoch_starts)
     model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
     once = {"time/total_s": total_s}
-    logged = ""
-    if cfg.tracking.log_model and tracker.run_id is not None and epochs:
-        logged = _log_model(tracker, setup, model, once)
+    logged = models.last
+    if cfg.tracking.models == "final" and tracker.run_id is not None and epochs:
+        logged = _log_model(tracker, setup, model, once, form=cfg.tracking.model_format)
+    if logged is not None:
+        tracker.set_tags({"model.format": logged.form})
     compile_s = compile_seconds([e.breakdown for e in epochs]) if cfg.trainer.compile else None
     once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
     notes = [note] if note else []
@@ -122,7 +127,9 @@ def conclude(
         verdict=verdict.message,
         tracking=tracker.describe(),
         model=model,
-        logged_model=f"mlflow.pytorch.load_model('{logged}')" if logged else "",
+        logged_model=f"mlflow.pytorch.load_model('{logged.uri}')" + (" (pt2)" if logged.form == "pt2" else "")
+        if logged
+        else "",
         notes=notes,
         profile=profile,
     )
@@ -152,13 +159,43 @@ def _plots(tracker: Tracker, title: str, sampler: Any, epochs: list[EpochResult]
     tracker.log_figure(lambda: step_breakdown([e.breakdown for e in epochs], title=title), "plots/step_time.png")
 
 
-def _log_model(tracker: Tracker, setup: Setup, model: Any, once: dict[str, float]) -> str:
+def _log_model(tracker: Tracker, setup: Setup, model: Any, once: dict[str, float], *, form: str) -> Logged | None:
     """The trained model logged to the run (its training is over: it moves to the host); what loads it, and
     ``time/log_model_s`` into ``once``."""
     began = time.perf_counter()
-    logged = tracker.log_model(model.cpu(), model_card(setup, model)) or ""
+    logged = tracker.log_model(model.cpu(), model_card(setup, model), form=form)
     once["time/log_model_s"] = time.perf_counter() - began
     return logged
+
+
+class EpochModels:
+    """``tracking.log_model=checkpoints``: at each epoch's checkpoint, a copy of the model on the host logged to the
+    run with ``step`` the epoch (MLflow links the epoch's metrics to it); ``last`` is the newest."""
+
+    def __init__(self, tracker: Tracker, setup: Setup, *, form: str) -> None:
+        self.tracker, self.setup, self.form = tracker, setup, form
+        self.last: Logged | None = None
+
+    def checkpointed(self, epoch: int) -> None:
+        copied = copy.deepcopy(self.setup.group.unwrap(self.setup.state.model)).cpu()
+        self.last = (
+            self.tracker.log_model(copied, model_card(self.setup, copied), form=self.form, step=epoch) or self.last
+        )
+
+
+class NoEpochModels:
+    """No model logged at the checkpoints (``tracking.log_model`` final or false)."""
+
+    last = None
+
+    def checkpointed(self, epoch: int) -> None:
+        pass
+
+
+def epoch_models(cfg: RunConfig, tracker: Tracker, setup: Setup) -> EpochModels | NoEpochModels:
+    if cfg.tracking.models == "checkpoints" and tracker.run_id is not None:
+        return EpochModels(tracker, setup, form=cfg.tracking.model_format)
+    return NoEpochModels()
 
 
 def compile_note(compile_s: float, breakdown: Breakdown, compiles: Any, *, mode: str) -> str:
@@ -208,12 +245,11 @@ def model_card(setup: Setup, model: Any) -> ModelCard:
     import torch
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    args, kwargs = (move(part, device, non_blocking=False) for part in setup.example)
+    args, kwargs = (move(part, device, non_blocking=False) for part in _example(setup))
     outputs = None
     if args or kwargs:
         with torch.no_grad():
             outputs = model.eval()(*args, **kwargs)
-    inputs = kwargs if kwargs and not args else args[0] if len(args) == 1 and not kwargs else (args, kwargs)
     spec = setup.spec
     metadata: dict[str, Any] = {"task": setup.task.name, "primary_metric": setup.task.primary}
     if spec.classes:
@@ -225,7 +261,30 @@ def model_card(setup: Setup, model: Any) -> ModelCard:
             "mean": spec.mean,
             "std": spec.std,
         }
-    return ModelCard(inputs, outputs, metadata, [*setup.scoring.metric_names, "train/epoch_loss"])
+    return ModelCard(_as_input(args, kwargs), outputs, metadata, [*setup.scoring.metric_names, "train/epoch_loss"])
+
+
+def _example(setup: Setup) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What the model was called with on the first batch, less the labels the pipeline added for the model's own
+    loss (``task.loss=model``), which are no input of the model's."""
+    args, kwargs = setup.example
+    if setup.task.from_model:
+        kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+    return args, kwargs
+
+
+def _as_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The model's input example: its one positional input, its keyword inputs, or both as they are."""
+    if kwargs and not args:
+        return kwargs
+    return args[0] if len(args) == 1 and not kwargs else (args, kwargs)
+
+
+def check_model_format(setup: Setup, cfg: RunConfig) -> None:
+    """``tracking.model_format=pt2`` for a model that takes something else than one tensor is refused before the run
+    opens (``pipeline.record.logged_model.check_format``)."""
+    if cfg.tracking.enabled and cfg.tracking.models is not None:
+        check_format(cfg.tracking.model_format, _as_input(*_example(setup)))
 
 
 def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
