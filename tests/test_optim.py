@@ -90,3 +90,30 @@ def test_a_schedule_steps_per_optimizer_step_so_the_oom_fallback_changes_neither
     assert lr[plain.run_id][0] < 0.01 and lr[plain.run_id] == sorted(lr[plain.run_id], reverse=True)  # decays
     for a, b in zip(plain.model.state_dict().values(), shrunk.model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class TwoArgs(torch.optim.SGD):
+    def step(self, closure=None, *, scale):  # a step the pipeline has nothing to give
+        return super().step(closure)
+
+
+class Needy:
+    def __init__(self, optimizer, step_size):
+        self.optimizer = optimizer
+
+    def step(self, loss, accuracy):  # two values the pipeline has not
+        pass
+
+    def state_dict(self):
+        return {}
+
+
+def test_an_optimizer_or_schedule_whose_step_needs_arguments_is_refused_at_build() -> None:
+    from pipeline.config import ConfigError
+
+    optimizer = OptimizerConfig(f"{__name__}.TwoArgs", {"lr": 0.1})
+    with pytest.raises(ConfigError, match=r"optimizer\._target_=.* TwoArgs\.step needs scale, which the pipeline"):
+        build_optimizer(optimizer, params())
+    schedule = SchedulerConfig(f"{__name__}.Needy", {"step_size": 2})
+    with pytest.raises(ConfigError, match=r"scheduler\._target_=.* Needy\.step needs loss, accuracy"):
+        build_scheduler(schedule, torch.optim.SGD(params(), lr=0.1), steps=3, epochs=1)

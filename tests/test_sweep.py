@@ -94,10 +94,19 @@ def test_runs_whose_typed_configurations_differ_never_share_a_name() -> None:
         "lr0.1-" + derived, ["optimizer.lr=0.1", "trainer.epochs=2", "+model.width=8"], ["optimizer.lr"]
     )
     assert swept == "lr0.1-mlp-digits-cpu-bs64-w0-width8"  # a swept key is at the front once; the length, never
-    long = with_overrides(derived, [f"+model.layer{i}=1024" for i in range(8)])
+    shown = with_overrides(derived, [f"+model.layer{i}=1024" for i in range(8)])  # a target's keywords: short form
+    assert shown == derived + "-" + "-".join(f"layer{i}1024" for i in range(8))
+    long = with_overrides(derived, [f"+model.layer{i}=1024" for i in range(12)])
     path = with_overrides(derived, ["data.root=~/pictures"])
-    assert re.fullmatch(derived + r"-cfg[0-9a-f]{6}", long) and re.fullmatch(derived + r"-cfg[0-9a-f]{6}", path)
-    assert long != with_overrides(derived, [f"+model.layer{i}=2048" for i in range(8)])
+    assert re.fullmatch(derived + r"-kw[0-9a-f]{6}", long) and re.fullmatch(derived + r"-cfg[0-9a-f]{6}", path)
+    assert long != with_overrides(derived, [f"+model.layer{i}=2048" for i in range(12)])
+
+
+def test_the_keywords_of_a_research_model_show_in_its_name_in_short_form() -> None:
+    """Issue 36 (13): twelve keywords became cfgde124d, and an LSTM and a Transformer run differed by class alone."""
+    typed = ["model=custom", "model._target_=lm.Transformer", "model.emsize=64", "model.nhead=2", "optimizer.lr=5"]
+    name = with_overrides("Transformer-corpus-cpu-bs20-w0", [*typed, "model.dropout=0.2", "trainer.epochs=3"])
+    assert name == "Transformer-corpus-cpu-bs20-w0-emsize64-nhead2-lr5-dropout0.2"
 
 
 @pytest.mark.parametrize("name", ["mnist_gpu", "cifar10_resnet18_gpu", "digits_quick"])

@@ -263,3 +263,19 @@ def test_float32_runs_and_gpu_runs_are_not_checked(make_cfg: MakeCfg, monkeypatc
     assert train(make_cfg("tracking=none"), echo=False).amp_probe is None
     policy = PrecisionPolicy("cuda", torch.bfloat16)
     assert amp_check.check_cpu_amp(policy, nn.Linear(2, 2), lambda: never()) is None
+
+
+def test_the_name_printed_at_the_start_is_the_runs_name_in_the_summary_and_in_mlflow(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 36 (13): the start line said Transformer-corpus-cpu-bs20-w0, the summary and MLflow ...-cfgde124d."""
+    from helpers import TINY, run_main
+
+    assert run_main(monkeypatch, "device=cpu", *TINY, "model.hidden_sizes=[64]", "optimizer.lr=0.05") == 0
+    (run,) = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_runs(["1"])
+    name = run.info.run_name
+    assert name == "mlp-digits-cpu-bs32-w0-hidden_sizes=64-lr0.05"
+    out = capsys.readouterr().out
+    (started,) = [line for line in out.splitlines() if "] - run " in line]
+    assert started.endswith(f"] - run {name}: mlp on digits, 1438 train / 359 val samples, 50,890 parameters")
+    assert f"\nrun {name}: 1 epoch(s)" in out  # the summary's first line

@@ -22,7 +22,7 @@ from pipeline.common.usercode import user_errors
 from pipeline.config import RunConfig, TrainerConfig
 from pipeline.data.workers import deaths_expected_while, worker_faults
 from pipeline.engine import checkpoint, compilation, continuation, resume
-from pipeline.engine.build import Setup, build
+from pipeline.engine.build import Setup, announce, build
 from pipeline.engine.continuation import MidwayCheckpoints, stop_says_how_to_continue
 from pipeline.engine.loop import StepMetrics, evaluate, train_epoch
 from pipeline.engine.memory import out_of_memory_is_an_error
@@ -113,6 +113,7 @@ def _train(
         setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
         typed_overrides = mask_overrides(overrides, cfg.env_keys)
         setup = _named(setup, typed_overrides, sweep) if not cfg.tracking.run_name else setup
+        announce(setup, cfg)  # under the name the summary and MLflow show
         start.restore(setup.state, setup.device, cfg.optimizer)
         tags = start.run_tags(_tags(masked_config, setup, typed_overrides, sweep))
         logbook.check_model_format(setup, cfg)  # tracking.model_format=pt2 for a model it cannot take: refused now

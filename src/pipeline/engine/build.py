@@ -171,7 +171,6 @@ def build(
         profiler=make_profiler(trainer, device),
         snapshot=snapshot,
     )
-    _announce(setup, cfg)
     return setup
 
 
@@ -311,7 +310,8 @@ def _wrapped(model: torch.nn.Module, group: Solo | Group, trainer: Any) -> torch
     return model
 
 
-def _announce(setup: Setup, cfg: RunConfig) -> None:
+def announce(setup: Setup, cfg: RunConfig) -> None:
+    """The run's first line: its name (the one the summary and MLflow show), what trains on what, and its size."""
     spec = setup.spec
     log.info(
         "run %s: %s on %s, %s train / %s val samples, %s parameters",

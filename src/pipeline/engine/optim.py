@@ -79,7 +79,25 @@ def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]) 
         raise TargetError(
             f"optimizer._target_={cfg._target_} made a {type(made).__name__}, not a torch.optim.Optimizer"
         )
+    needs = [name for name in _required(made.step) if name != "closure"]
+    if needs:
+        raise ConfigError(
+            "optimizer._target_",
+            cfg._target_,
+            f"an optimizer whose step() takes nothing or a closure: {type(made).__name__}.step needs "
+            f"{', '.join(needs)}, which the pipeline cannot give",
+        )
     return made
+
+
+def _required(method: Callable[..., Any]) -> list[str]:
+    """The parameters a bound method must be given (no default, not * or **)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind not in kinds]
 
 
 def build_scheduler(
@@ -111,6 +129,13 @@ def build_scheduler(
     )
     if not callable(getattr(made, "step", None)) or not callable(getattr(made, "state_dict", None)):
         raise TargetError(f"scheduler._target_={cfg._target_} made a {type(made).__name__}, not a scheduler")
+    if len(_required(made.step)) > 1:
+        raise ConfigError(
+            "scheduler._target_",
+            cfg._target_,
+            f"a schedule whose step() takes nothing or one metric: {type(made).__name__}.step needs "
+            f"{', '.join(_required(made.step))}",
+        )
     monitor = _monitored(cfg, made, metrics) if takes_metric(made) else None
     if monitor is None and cfg.monitor is not None:
         raise ConfigError(
@@ -123,19 +148,7 @@ def build_scheduler(
 
 def takes_metric(scheduler: Any) -> bool:
     """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``)."""
-    try:
-        parameters = list(inspect.signature(scheduler.step).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return (
-        bool(parameters)
-        and parameters[0].default is inspect.Parameter.empty
-        and parameters[0].kind
-        in (
-            inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        )
-    )
+    return len(_required(scheduler.step)) == 1
 
 
 def _monitored(cfg: SchedulerConfig, scheduler: Any, metrics: tuple[str, ...]) -> str:
@@ -158,11 +171,7 @@ def _monitored(cfg: SchedulerConfig, scheduler: Any, metrics: tuple[str, ...]) -
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` must be given a closure (L-BFGS: it evaluates the loss several times a step)."""
-    try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
+    return "closure" in _required(optimizer.step)
 
 
 class Clipping:

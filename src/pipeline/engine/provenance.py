@@ -8,6 +8,7 @@ refuses the GPU is recorded as such (the doctor's report explains it), not raise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import hashlib
 import os
@@ -27,7 +28,7 @@ import pipeline
 from pipeline import __version__
 from pipeline.common import usercode
 from pipeline.common.targets import resolve, source_file
-from pipeline.config import RunConfig, target_label
+from pipeline.config import DataConfig, RunConfig, target_label
 from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
 from pipeline.config.schema import MAX_TAG_KEY
 from pipeline.engine.devices import DeviceChoice, cudnn_version
@@ -204,34 +205,57 @@ UNNAMED = frozenset({"trainer.progress", "resume", "fork", "tracking", "monitor"
 # ... and how long it trains and how often it logs: a run's length is its own column in compare, not its name
 UNNAMED |= {"trainer.epochs", "trainer.max_steps", "trainer.log_every_n_steps"}
 NAME_TAIL = 40  # the most characters the typed overrides add to a name; longer, a hash of them
+KEYWORD_TAIL = 100  # ... and the keywords of the user's targets (emsize64-nhead2), shown before any hash
+KEYWORD_GROUPS = ("model.", "data.", "optimizer.", "scheduler.", "step.")  # whose other keys are a target's keywords
 SAFE = re.compile(r"[\w.=+,~-]+")  # a tail that is also a safe folder name (the run's checkpoints)
 
 
 def with_overrides(name: str, overrides: Sequence[str], swept: Sequence[str] = ()) -> str:
     """``name`` followed by the typed overrides it does not show: two runs whose configurations differ never
     share a name (``mlp-digits-cpu-bs64-w0-optimizer=adamw-lr1e-3``). The seed, bookkeeping, the run's length,
-    the keys the name shows and a sweep's ``swept`` keys (already at its front) are left out; a tail over
-    ``NAME_TAIL`` characters, or one no folder may be named, becomes ``cfg`` and a short hash of those overrides.
+    the keys the name shows and a sweep's ``swept`` keys (already at its front) are left out. The keywords of the
+    user's targets come first, each short (``lr5-emsize64``, a list's brackets dropped), as long as they fit
+    ``KEYWORD_TAIL`` characters; the other overrides then, up to ``NAME_TAIL``; a part longer than its room, or one
+    no folder may be named, becomes ``kw`` or ``cfg`` and a short hash of those overrides.
 
     Args:
         name: the derived (or sweep) name.
         overrides: the run's overrides as typed, secrets masked.
         swept: the keys a sweep varies (``SweepJob.values``), without ``+``/``~``.
     """
-    kept = []
+    keywords, others, tokens = [], [], []
     for override in overrides:
         key, sep, value = override.partition("=")
         key = key.lstrip("+~")
         if not sep or key in swept or key in SHOWN_AS or key in REPEAT_KEYS or _unnamed(key):
             continue
         leaf = key.rsplit(".", 1)[-1]
-        kept.append((override, f"{leaf}{_short(value)}" if NUMBER.fullmatch(value) else f"{leaf}={value}"))
+        shown = value.strip("[]()").replace(" ", "")
+        token = f"{leaf}{_short(value)}" if NUMBER.fullmatch(value) else f"{leaf}={shown}"
+        (keywords if _keyword(key) else others).append((override, token))
+        tokens.append(token)
+    parts = [_tail(keywords, KEYWORD_TAIL, "kw"), _tail(others, NAME_TAIL, "cfg")]
+    if parts == ["-".join(t for _, t in keywords), "-".join(t for _, t in others)]:  # nothing hashed: as typed
+        parts = tokens
+    return "-".join([name, *filter(None, parts)])
+
+
+FIXED_KEYS = {f"data.{f.name}" for f in dataclasses.fields(DataConfig)} | {"scheduler.interval", "scheduler.monitor"}
+
+
+def _keyword(key: str) -> bool:
+    """A keyword of one of the user's targets (``model.emsize``), not a key of the pipeline's (``data.root``)."""
+    return key.startswith(KEYWORD_GROUPS) and key not in FIXED_KEYS and not key.endswith("._target_")
+
+
+def _tail(kept: list[tuple[str, str]], room: int, mark: str) -> str:
+    """The tokens of ``kept`` joined, or ``mark`` and a hash of their overrides where they do not fit ``room``."""
     if not kept:
-        return name
+        return ""
     tail = "-".join(token for _, token in kept)
-    if len(tail) > NAME_TAIL or not SAFE.fullmatch(tail):
-        tail = "cfg" + _digest("\n".join(sorted(o for o, _ in kept)), 6)
-    return f"{name}-{tail}"
+    if len(tail) > room or not SAFE.fullmatch(tail):
+        tail = mark + _digest("\n".join(sorted(o for o, _ in kept)), 6)
+    return tail
 
 
 def _unnamed(key: str) -> bool:
