@@ -2,7 +2,7 @@
 with the group's other keys as keywords. The one implementation behind models, datasets, collate and split hooks,
 losses, metrics, optimizers and schedules:
 
-    python -m pipeline model=custom model._target_=nets.Tiny +model.width=64
+    python -m pipeline model=custom model._target_=nets.Tiny model.width=64
 
 - ``resolve`` imports the object; a path that does not import is one line naming the module and where it was
   looked for (the launch folder first, then ``PYTHONPATH``);

@@ -1,6 +1,6 @@
 """The groups the user fills with objects of their own: a ``_target_`` and its keywords.
 
-    python -m pipeline model=custom model._target_=nets.Tiny +model.width=64 task=regression
+    python -m pipeline model=custom model._target_=nets.Tiny model.width=64 task=regression
     python -m pipeline optimizer=adamw optimizer.lr=3e-4 scheduler=warmup_cosine
 
 ``model``, ``optimizer`` and ``scheduler`` hold a ``_target_`` (a dotted path) and any other keys, which are the

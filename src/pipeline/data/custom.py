@@ -1,6 +1,6 @@
 """The user's own datasets (``data=custom``): made by their factory, checked before any run starts.
 
-    python -m pipeline data=custom data._target_=sets.make +data.n=1000
+    python -m pipeline data=custom data._target_=sets.make data.n=1000
 
 The factory returns ``(train, val)`` or ``{"train": ..., "val": ...}``, each a map-style dataset (``__getitem__``
 and ``__len__``) or a ``torch.utils.data.IterableDataset``. An item is ``(input, target)``, or a dict whose

@@ -2,7 +2,7 @@
 
     python -m pipeline model=mlp                                  # pipeline.engine.models.mlp
     python -m pipeline model=torchvision model.arch=efficientnet_b0 model.weights=DEFAULT
-    python -m pipeline model=custom model._target_=nets.Tiny +model.width=64
+    python -m pipeline model=custom model._target_=nets.Tiny model.width=64
 
 The built-in options are factories here (the recipe's MLP, torchvision ResNets with stems adapted to small images,
 any torchvision or timm architecture), called the same way as the user's: the group's other keys as keywords, plus
@@ -67,7 +67,7 @@ def _check_required(cfg: ModelConfig, supplied: dict[str, Any]) -> None:
         if p is not None and p.default is p.empty and name not in supplied and name not in cfg.keywords:
             raise TargetError(
                 f"model._target_={cfg._target_} needs {name}, which the data does not give: set {fix}, or "
-                f"+model.{name}=..."
+                f"model.{name}=..."
             )
 
 
