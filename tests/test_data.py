@@ -331,3 +331,16 @@ def test_the_digits_are_read_from_scikit_learns_file_as_load_digits_gives_them_w
     assert np.array_equal(labels, reference.target) and labels.dtype.kind == "i"
     probe = "import sys; from pipeline.data import sources; sources.digits_arrays(); print('sklearn' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_the_datasets_own_order_gives_each_rank_a_contiguous_share_of_whole_batches() -> None:
+    """loader.shuffle=false: a corpus laid out in batch order stays a stream of the same batches on each rank."""
+    from pipeline.data.loaders import EpochOrder
+
+    one = EpochOrder(23, seed=1, shuffle=False, contiguous=True, unit=4)
+    assert one.indices().tolist() == list(range(23))
+    ranks = [EpochOrder(23, seed=1, shuffle=False, rank=r, world=2, contiguous=True, unit=4) for r in (0, 1)]
+    assert [r.indices().tolist() for r in ranks] == [list(range(12)), [*range(12, 23), 0]]  # 3 batches each, padded
+    assert [len(r) for r in ranks] == [12, 12]
+    val = [EpochOrder(23, seed=1, shuffle=False, rank=r, world=2, pad=False, contiguous=True, unit=4) for r in (0, 1)]
+    assert [v.indices().tolist() for v in val] == [list(range(12)), list(range(12, 23))] and len(val[1]) == 11

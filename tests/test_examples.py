@@ -92,3 +92,21 @@ def test_the_word_lm_trains_as_its_plain_script_does_and_keeps_every_record(tmp_
     assert lrs[0] == 20.0 and "train/grad_norm" in record.data.metrics
     (model,) = client.search_logged_models(["1"])
     assert "val/perplexity" in {m.key for m in model.metrics}
+
+
+@pytest.mark.slow
+def test_the_word_lm_trains_under_torchrun_each_rank_a_stream_of_its_own(tmp_path: Path) -> None:
+    """Two gloo ranks, each reading a contiguous share of whole batches in corpus order, its hidden state its own,
+    the gradients averaged before they are clipped."""
+    folder = tmp_path / "word_lm"
+    shutil.copytree(EXAMPLES / "word_lm", folder, ignore=shutil.ignore_patterns("mlflow.db*", "mlruns", "outputs"))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline"]
+    args = [*readme_command(folder)[3:], "trainer.epochs=2", "device=cpu", "monitor.plots=false"]
+    run = subprocess.run([*torchrun, *args], cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "distributed 2 ranks over gloo, batch 20 per rank, 40 in all" in run.stdout
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    (record,) = client.search_runs(["1"])
+    history = sorted((m.step, m.value) for m in client.get_metric_history(record.info.run_id, "val/perplexity"))
+    assert len(history) == 2 and history[-1][1] < history[0][1]

@@ -44,7 +44,8 @@ class EpochOrder(Sampler[int]):
     batch. ``pad`` (training) repeats the order's first samples so every rank has as many samples, and
     so as many steps, as the others; evaluation does not pad (its sums are reduced, not its steps).
     ``contiguous`` (``loader.shuffle=false``: the dataset's own order, for data laid out in batch order) gives
-    each rank its contiguous share instead, so a stream of batches stays a stream on each rank.
+    each rank its contiguous share instead, whole batches of ``unit`` samples each, so a stream of batches stays a
+    stream of the same batches on each rank.
     """
 
     def __init__(
@@ -57,9 +58,10 @@ class EpochOrder(Sampler[int]):
         world: int = 1,
         pad: bool = True,
         contiguous: bool = False,
+        unit: int = 1,
     ) -> None:
         self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.rank, self.world, self.pad, self.contiguous = rank, world, pad, contiguous
+        self.rank, self.world, self.pad, self.contiguous, self.unit = rank, world, pad, contiguous, unit
         self.epoch, self.start = 1, 0
 
     def set_epoch(self, epoch: int, *, start: int = 0) -> None:
@@ -71,12 +73,16 @@ class EpochOrder(Sampler[int]):
         """The samples this rank visits in a whole epoch."""
         if self.world == 1:
             return self.size
+        if self.contiguous:
+            share = self._share()
+            return share if self.pad else len(range(self.size)[self.rank * share : (self.rank + 1) * share])
         if self.pad:
             return math.ceil(self.size / self.world)
-        if self.contiguous:
-            share = math.ceil(self.size / self.world)
-            return len(range(self.size)[self.rank * share : (self.rank + 1) * share])
         return len(range(self.rank, self.size, self.world))
+
+    def _share(self) -> int:
+        """A contiguous share's samples: each rank as many whole batches of ``unit`` as the most any rank has."""
+        return math.ceil(math.ceil(self.size / self.unit) / self.world) * self.unit
 
     def indices(self) -> torch.Tensor:
         if not self.shuffle:
@@ -85,11 +91,11 @@ class EpochOrder(Sampler[int]):
             generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
             order = torch.randperm(self.size, generator=generator)
         if self.world > 1:
-            if self.pad and self.size % self.world:
+            if self.pad and self.shard_size * self.world > self.size:
                 extra = self.shard_size * self.world - self.size
                 order = torch.cat([order, order.repeat(math.ceil(extra / self.size))[:extra]])
             if self.contiguous:
-                share = math.ceil(len(order) / self.world)
+                share = self._share()
                 order = order[self.rank * share : (self.rank + 1) * share]
             else:
                 order = order[self.rank :: self.world]
@@ -239,7 +245,8 @@ def make_loader(
             rank=rank,
             world=world,
             pad=train,
-            contiguous=not cfg.shuffle,  # the dataset's order: each rank a contiguous share of it
+            contiguous=not cfg.shuffle,  # the dataset's order: each rank a contiguous share of it, whole batches
+            unit=cfg.batch_size,
         ),
         num_workers=cfg.num_workers,
         pin_memory=pin,
