@@ -143,14 +143,17 @@ SEQUENCE = [
 HOOK = ["step=custom", "step._target_=research.carry"]
 
 
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, text: str) -> Any:
+    """``tmp_path/<name>.py`` holding ``text``, importable as a launch folder's module is, freshly imported."""
+    (tmp_path / f"{name}.py").write_text(text.lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return __import__(name)
+
+
 @pytest.fixture
 def research(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    (tmp_path / "research.py").write_text(RESEARCH.lstrip())
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "research", raising=False)
-    import research
-
-    return research
+    return user_module(tmp_path, monkeypatch, "research", RESEARCH)
 
 
 def test_the_hooks_state_flows_across_batches_detached_and_is_emptied_at_each_epoch_and_evaluation(
@@ -392,12 +395,7 @@ LBFGS = [
 
 @pytest.fixture
 def sine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    (tmp_path / "sine.py").write_text(SINE.lstrip())
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "sine", raising=False)
-    import sine
-
-    return sine
+    return user_module(tmp_path, monkeypatch, "sine", SINE)
 
 
 def test_an_lbfgs_run_gives_the_plain_scripts_validation_loss(make_cfg: Any, sine: Any) -> None:
@@ -537,9 +535,7 @@ def test_namedtuple_inputs_train_through_the_fallbacks_cut_and_the_resident_load
     make_cfg: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loader: list[str]
 ) -> None:
     """Issue 36 (9): (Inp(a, b), y) items failed as Inp.__new__() missing 'b', an internal error."""
-    (tmp_path / "named.py").write_text(NAMED.lstrip())
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "named", raising=False)
+    user_module(tmp_path, monkeypatch, "named", NAMED)
     args = [
         "model=custom",
         "model._target_=named.Net",
@@ -613,9 +609,7 @@ HF = [
 @pytest.fixture
 def causal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
-    (tmp_path / "causal.py").write_text(CAUSAL.lstrip())
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "causal", raising=False)
+    user_module(tmp_path, monkeypatch, "causal", CAUSAL)
 
 
 def test_a_hugging_face_causal_lm_trains_on_its_own_loss_and_on_the_tasks_shifted_one_alike(

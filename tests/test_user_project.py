@@ -208,6 +208,30 @@ def test_autotune_offers_resident_only_for_map_style_tensors_and_searches_an_ite
 
 # --- the same project in real processes ------------------------------------------------------------------------
 
+
+def loaded_elsewhere(folder: Path, run_id: str, elsewhere: Path) -> tuple[str, str, str]:
+    """The run's logged model loaded in a fresh process in ``elsewhere`` (none of the project's code there): its class,
+    its validation MAE on ``folder``'s sets.py, and whether the project's activations module was loaded with it."""
+    elsewhere.mkdir()
+    probe = f"""
+import importlib.util, sys, mlflow, torch
+mlflow.set_tracking_uri("sqlite:///{folder / "mlflow.db"}")
+model = mlflow.pytorch.load_model("runs:/{run_id}/model")
+spec = importlib.util.spec_from_file_location("user_sets", {str(folder / "sets.py")!r})
+sets = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sets)
+_, val = sets.make()
+x, y = val.tensors
+with torch.no_grad():
+    mae = (model(x) - y).abs().mean().item()
+print(type(model).__module__ + "." + type(model).__name__, mae, "activations" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, mae, sibling = out.stdout.split()
+    return name, mae, sibling
+
+
 TINY = ["device=cpu", "trainer.epochs=2", "loader.batch_size=32", "monitor.plots=false"]
 
 
@@ -233,23 +257,7 @@ def test_the_project_trains_from_its_own_folder_its_model_reproduces_the_metric_
     (run,) = client.search_runs(["1"])
     (model,) = client.search_logged_models(["1"])
     assert {m.key for m in model.metrics} >= {"val/mae", "val/rmse", "val/loss"}
-    elsewhere = tmp_path / "elsewhere"  # no nets.py here: the model's code travels with it
-    elsewhere.mkdir()
-    probe = f"""
-import importlib.util, mlflow, torch
-mlflow.set_tracking_uri("sqlite:///{folder / "mlflow.db"}")
-model = mlflow.pytorch.load_model("runs:/{run.info.run_id}/model")
-spec = importlib.util.spec_from_file_location("user_sets", {str(folder / "sets.py")!r})
-sets = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sets)
-_, val = sets.make()
-x, y = val.tensors
-with torch.no_grad():
-    print(type(model).__module__ + "." + type(model).__name__, (model(x) - y).abs().mean().item())
-"""
-    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    name, mae = out.stdout.split()
+    name, mae, _ = loaded_elsewhere(folder, run.info.run_id, tmp_path / "elsewhere")  # no nets.py there
     assert name == "nets.Tiny" and float(mae) == pytest.approx(run.data.metrics["val/mae"], rel=1e-5)
 
     path = folder / "checkpoints" / run.info.run_id / "last.pt"
@@ -330,7 +338,7 @@ SIBLING_NET = """
 import torch
 from torch import nn
 
-from helpers import act
+from activations import act
 
 
 class Tiny2(nn.Module):
@@ -341,91 +349,75 @@ class Tiny2(nn.Module):
     def forward(self, x):
         return self.fc2(act(self.fc1(x))).squeeze(-1)
 """
-HELPERS = "import torch\n\n\ndef act(x):\n    return torch.tanh(x) * 1.5\n"
+ACTIVATIONS = "import torch\n\n\ndef act(x):\n    return torch.tanh(x) * 1.5\n"
 SIBLING = ["model=custom", "model._target_=nets2.Tiny2", "data=custom", "data._target_=sets.make", "task=regression"]
 
 
 def sibling_project(folder: Path) -> Path:
     write_project(folder)
     (folder / "nets2.py").write_text(SIBLING_NET.lstrip())
-    (folder / "helpers.py").write_text(HELPERS)
+    (folder / "activations.py").write_text(ACTIVATIONS)
+    return folder
+
+
+@pytest.fixture
+def siblings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The project with nets2.py and its activations.py, importable from ``tmp_path`` as a launch folder's are."""
+    folder = sibling_project(tmp_path)
+    monkeypatch.syspath_prepend(str(folder))
+    for name in ("nets2", "activations", "sets", "nets"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     return folder
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["pickle", "pt2"])
 def test_a_model_whose_file_imports_a_sibling_loads_elsewhere_and_reproduces_its_metric(
-    tmp_path: Path, form: str
+    siblings: Path, make_cfg: MakeCfg, store_uri: str, tmp_path: Path, form: str
 ) -> None:
-    """Issue 36 (11): only the files defining nn.Module classes were shipped; `from helpers import act` then failed to
-    load with ModuleNotFoundError in a fresh process elsewhere."""
-    folder = sibling_project(tmp_path / "myproject")
-    proc = pipeline(folder, *SIBLING, *TINY, f"tracking.model_format={form}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("(pt2)" in proc.stdout) == (form == "pt2")
-    (run,) = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_runs(["1"])
+    """Issue 36 (11): only the files defining nn.Module classes were shipped; `from activations import act` then
+    failed to load with ModuleNotFoundError in a fresh process elsewhere."""
+    result = train(make_cfg(*SIBLING, *TINY, f"tracking.model_format={form}"), echo=False)
+    assert result.logged_model.endswith(" (pt2)") == (form == "pt2")
+    run = MlflowClient(store_uri).get_run(result.run_id)
     assert run.data.tags["model.format"] == form
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    probe = f"""
-import importlib.util, sys, mlflow, torch
-mlflow.set_tracking_uri("sqlite:///{folder / "mlflow.db"}")
-model = mlflow.pytorch.load_model("runs:/{run.info.run_id}/model")
-spec = importlib.util.spec_from_file_location("user_sets", {str(folder / "sets.py")!r})
-sets = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sets)
-_, val = sets.make()
-x, y = val.tensors
-with torch.no_grad():
-    print((model(x) - y).abs().mean().item(), "helpers" in sys.modules)
-"""
-    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-3000:]
-    mae, helpers = out.stdout.split()
+    _, mae, sibling = loaded_elsewhere(siblings, result.run_id, tmp_path / "elsewhere")
     assert float(mae) == pytest.approx(run.data.metrics["val/mae"], rel=1e-5)
-    assert helpers == ("True" if form == "pickle" else "False")  # pt2 is a graph: no code of the user's loads
+    assert sibling == ("True" if form == "pickle" else "False")  # pt2 is a graph: no code of the user's loads
 
 
 def test_the_record_hashes_every_user_module_the_run_imported(
-    tmp_path: Path, make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
+    siblings: Path, make_cfg: MakeCfg, store_uri: str
 ) -> None:
     """Issue 36 (12): model.file_sha256 hashed the _target_'s file alone, not the sibling it imports."""
-    folder = sibling_project(tmp_path)
-    monkeypatch.syspath_prepend(str(folder))
-    for name in ("nets2", "helpers", "sets", "nets"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
     result = train(make_cfg(*SIBLING, "tracking.log_model=false"), echo=False)
     tags = MlflowClient(store_uri).get_run(result.run_id).data.tags
     files = {k.removeprefix("code.file."): v for k, v in tags.items() if k.startswith("code.file.")}
-    assert set(files) == {"nets2.py", "helpers.py", "sets.py"} and all(len(v) == 16 for v in files.values())
+    assert set(files) == {"nets2.py", "activations.py", "sets.py"} and all(len(v) == 16 for v in files.values())
     assert len(tags["code.sha256"]) == 16
 
 
 def test_a_resume_refuses_changed_code_naming_the_file_and_a_fork_continues_tagged(
-    tmp_path: Path, make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
+    siblings: Path, make_cfg: MakeCfg, store_uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 36 (12): resume compared config keys only, so an edit that kept the shapes resumed silently."""
     from helpers import sigterm_at_step
 
-    folder = sibling_project(tmp_path)
-    monkeypatch.syspath_prepend(str(folder))
-    for name in ("nets2", "helpers", "sets", "nets"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
     base = [*SIBLING, *EPOCHS, "tracking.log_model=false"]
     with monkeypatch.context() as patch:
         sigterm_at_step(patch, 5)
         with pytest.raises(Stopped):
             train(make_cfg(*base), echo=False)
-    (folder / "helpers.py").write_text(HELPERS.replace("1.5", "2.0"))
+    (siblings / "activations.py").write_text(ACTIVATIONS.replace("1.5", "2.0"))
     with pytest.raises(
         checkpoint.CheckpointError,
         match=r"^cannot resume run \w+: your code changed since its checkpoint "
-        r"\(helpers\.py: \w{16} then, \w{16} now\).*fork=true",
+        r"\(activations\.py: \w{16} then, \w{16} now\).*fork=true",
     ):
         train(make_cfg(*base, "resume=latest"), echo=False)
     forked = train(make_cfg(*base, "resume=latest", "fork=true"), echo=False)
     tags = MlflowClient(store_uri).get_run(forked.run_id).data.tags
-    assert "code:helpers.py" in tags["fork.changed"]
+    assert "code:activations.py" in tags["fork.changed"]
 
 
 def test_a_model_is_logged_at_every_epochs_checkpoint_and_the_best_is_found(

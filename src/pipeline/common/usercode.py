@@ -113,7 +113,10 @@ class Frame:
 def remember(obj: Any, key: str, *, module: str | None = None) -> None:
     """Note that ``key``'s ``_target_`` named or made ``obj`` (a function or a class): an error raised in its lines
     names ``key``. ``module``: the dotted name it was imported by, whose top folder then counts as the user's."""
-    span = _lines(obj)
+    try:
+        span = _lines(obj)
+    except TypeError:  # an object that cannot be a cache key (unhashable): no lines to remember
+        return
     if span is None:
         return
     chosen = Chosen(*span, key)

@@ -288,31 +288,31 @@ class UserCode:
     ``PYTHONPATH`` or a target's folder, outside site-packages): a hash of each file and one over them all. The
     record tags both; a checkpoint keeps them, and a resume refuses to continue the same run on changed code."""
 
-    files: dict[str, str]  # absolute path -> sha256 of its bytes (16 hex digits)
+    files: dict[str, str]  # path (relative to the launch folder where it is inside) -> sha256 of its bytes (16 hex)
 
     @classmethod
     def imported(cls) -> UserCode:
-        return cls({path: _sha(path) for path in sorted(set(usercode.imported().values()))})
+        paths = sorted(set(usercode.imported().values()))
+        return cls({_shown(path): _sha(path) for path in paths})
 
     @property
     def digest(self) -> str:
-        """One hash over every file's path (relative to the launch folder where it is inside) and bytes' hash."""
-        text = "".join(f"{_shown(path)}\0{sha}\0" for path, sha in sorted(self.files.items()))
+        """One hash over every file's path and bytes' hash."""
+        text = "".join(f"{path}\0{sha}\0" for path, sha in sorted(self.files.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def tags(self) -> dict[str, str]:
         """``code.sha256`` (the digest) and ``code.file.<path>`` (each file's hash); nothing without user code."""
         if not self.files:
             return {}
-        return {
-            "code.sha256": self.digest,
-            **{f"code.file.{_shown(p)}"[:MAX_TAG_KEY]: h for p, h in self.files.items()},
-        }
+        return {"code.sha256": self.digest, **{f"code.file.{p}"[:MAX_TAG_KEY]: h for p, h in self.files.items()}}
 
-    def changed_since(self, saved: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-        """The files of ``saved`` (a checkpoint's) whose bytes differ now: ``{path: (then, now)}`` (now ``missing``)."""
+    @staticmethod
+    def changed_since(saved: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+        """The files of ``saved`` (a checkpoint's; paths relative to the launch folder, so a project moved whole
+        resumes) whose bytes differ now: ``{path: (then, now)}``, now ``missing`` for a file gone."""
         now = {path: _sha(path) if os.path.isfile(path) else "missing" for path in saved}
-        return {_shown(path): (saved[path], now[path]) for path in saved if saved[path] != now[path]}
+        return {path: (saved[path], now[path]) for path in saved if saved[path] != now[path]}
 
 
 def _sha(path: str) -> str:

@@ -283,7 +283,7 @@ def resume_point(cfg: RunConfig, masked_config: Mapping[str, Any], *, world_size
             )
     changes = config_changes(flatten(saved["config"]), flatten(masked_config))
     check_resumable(changes, fork=cfg.fork, run=run)
-    edited = UserCode({}).changed_since(saved.get("code", {}))
+    edited = UserCode.changed_since(saved.get("code", {}))
     if edited and not cfg.fork:
         raise CheckpointError(
             f"cannot resume run {run}: your code changed since its checkpoint ({_edits(edited)}), and the run's record "
