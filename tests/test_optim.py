@@ -117,3 +117,14 @@ def test_an_optimizer_or_schedule_whose_step_needs_arguments_is_refused_at_build
     schedule = SchedulerConfig(f"{__name__}.Needy", {"step_size": 2})
     with pytest.raises(ConfigError, match=r"scheduler\._target_=.* Needy\.step needs loss, accuracy"):
         build_scheduler(schedule, torch.optim.SGD(params(), lr=0.1), steps=3, epochs=1)
+
+
+def test_a_schedule_stepped_per_epoch_moves_after_each_evaluation_only(make_cfg: MakeCfg) -> None:
+    optimizer = torch.optim.SGD(params(), lr=1.0)
+    cfg = make_cfg("scheduler=step", "scheduler.interval=epoch", "scheduler.step_size=1", "scheduler.gamma=0.5")
+    schedule = build_scheduler(cfg.scheduler, optimizer, steps=100, epochs=3)
+    for _ in range(5):
+        schedule.after_step()  # an optimizer step: not this schedule's cadence
+    assert optimizer.param_groups[0]["lr"] == 1.0
+    schedule.after_evaluation({"val/loss": 1.0})
+    assert optimizer.param_groups[0]["lr"] == 0.5

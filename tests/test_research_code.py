@@ -635,3 +635,8 @@ def test_the_tasks_loss_on_targets_equal_to_the_inputs_unshifted_is_refused_in_o
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: the targets are the inputs themselves") and "task.shift_labels=true" in line
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_batch_dimension_the_batches_do_not_have_is_refused_before_the_run(make_cfg: Any, research: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^data\.batch_dim=2 is not allowed: expected a dimension of the first"):
+        train(make_cfg(*SEQUENCE, "data.batch_dim=2", "tracking=none"), echo=False)

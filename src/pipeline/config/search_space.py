@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.common.errors import OverrideError
-from pipeline.config.compose import config_dir
+from pipeline.config.compose import config_dir, with_open_keys
 from pipeline.config.design import interleave
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ def check_search_space(overrides: list[str]) -> None:
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
             fixed = [o.input_line for o in parsed if not o.is_sweep_override()]  # what chooses the sweeper
-            sweeper = str(compose("config", overrides=fixed, return_hydra_config=True).hydra.sweeper._target_)
+            hydra = compose("config", overrides=with_open_keys(fixed), return_hydra_config=True).hydra
+            sweeper = str(hydra.sweeper._target_)
     except HydraException:  # a bad group or key: the job checks say so, in one line
         return
     if sweeper.endswith((".BasicSweeper", ".InterleavedSweeper")):
@@ -106,6 +107,8 @@ def check_search_space(overrides: list[str]) -> None:
 def sweep_values(overrides: Sequence[str]) -> list[str]:
     """The overrides that list values to sweep (``a,b``, ``choice()``, ``range()``, ``interval()``), as typed; [] for
     a single run's. One that Hydra cannot parse is left to the composition, which says so in one line."""
+    if not any("," in o or "(" in o for o in overrides):  # a list or a function: what every sweep value holds
+        return []
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -130,7 +133,7 @@ def check_multirun(overrides: Sequence[str]) -> None:
     fixed = [o for o in overrides if o not in listed]
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
-            mode = compose("config", overrides=fixed, return_hydra_config=True).hydra.mode
+            mode = compose("config", overrides=with_open_keys(fixed), return_hydra_config=True).hydra.mode
     except HydraException:  # a bad group or key: the job checks say so, in one line
         return
     if str(mode) != "RunMode.MULTIRUN" and str(mode) != "MULTIRUN":

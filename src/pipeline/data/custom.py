@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from pipeline.common.errors import DatasetError
+from pipeline.common.errors import ConfigError, DatasetError
 from pipeline.common.messages import brief
 from pipeline.common.targets import FactoryFailed, hook, instantiate, source_file
 from pipeline.config import DataConfig, LoaderConfig
@@ -129,7 +129,7 @@ def load(cfg: DataConfig, *, batch_size: int | None = None, long_targets: bool =
         for index, item in enumerate(first_items):
             check_item(item, cfg.target_key, where=f"training item {index}")
     first = collate(first_items)
-    check_batch(first, where="the first training batch")
+    check_batch(first, where="the first training batch", batch_dim=cfg.batch_dim)
     if _item(val, 0, "validation", path) is None:
         raise DatasetError(f"data._target_={path}: the validation set yields no items")
     classes, class_to_idx = _classes(train)
@@ -279,13 +279,22 @@ def _check_leaves(value: Any, where: str) -> None:
     raise DatasetError(f"{where} holds a {type(value).__module__}.{type(value).__name__}, not a tensor: {hint}")
 
 
-def check_batch(batch: tuple[Any, Any], *, where: str) -> None:
-    """The collated ``(inputs, targets)`` hold tensors (inputs may also hold other values the model takes)."""
+def check_batch(batch: tuple[Any, Any], *, where: str, batch_dim: int = 0) -> None:
+    """The collated ``(inputs, targets)`` hold tensors (inputs may also hold other values the model takes), the first
+    of them with a ``data.batch_dim`` to count samples along."""
     inputs, targets = batch
     if not structures.leaves(inputs):
         raise DatasetError(f"{where}'s inputs are {structures.describe(inputs)}: no tensor in them")
     if not isinstance(targets, torch.Tensor) and not structures.leaves(targets):
         raise DatasetError(f"{where}'s targets are {structures.describe(targets)}: expected a tensor")
+    first = structures.leaves(inputs)[0]
+    if batch_dim and first.dim() <= batch_dim:
+        raise ConfigError(
+            "data.batch_dim",
+            batch_dim,
+            f"a dimension of {where}'s inputs ({structures.describe(inputs)}: {first.dim()} of them), the one its "
+            f"samples lie along",
+        )
 
 
 def _classes(dataset: Any) -> tuple[tuple[str, ...] | None, dict[str, int] | None]:
