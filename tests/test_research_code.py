@@ -257,12 +257,13 @@ def test_the_memory_estimate_leaves_a_lazily_cached_mask_alone_and_the_model_tra
     assert model(tokens).shape == (5, 2, 8)
 
 
+@pytest.mark.parametrize("loader", ["loader=default", "loader=resident"])
 def test_integer_labels_of_any_width_are_cast_to_int64_and_train(
-    research: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    research: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], loader: str
 ) -> None:
     """Issue 36 (9): int32 labels passed the check and failed at step 1 as an internal error."""
     args = ["model=custom", "model._target_=torch.nn.Linear", "model.in_features=8", "model.out_features=2"]
-    code = run_main(monkeypatch, *args, "data=custom", "data._target_=research.labels32", "device=cpu", *LEAN)
+    code = run_main(monkeypatch, *args, "data=custom", "data._target_=research.labels32", loader, "device=cpu", *LEAN)
     assert code == 0, capsys.readouterr().err
 
 

@@ -55,9 +55,13 @@ class Batches:
         inputs, targets = as_pair(self.collate(items), self.target_key)
         if self.batch_dim and self.collate is default_collate:  # stacked along 0: the samples' dimension moved
             inputs, targets = (structures.apply(part, self._moved) for part in (inputs, targets))
+        return inputs, self.as_targets(targets)
+
+    def as_targets(self, targets: Any) -> Any:
+        """Integer targets of any width as int64 where the task scores class labels or token ids."""
         if self.long_targets and isinstance(targets, torch.Tensor) and _narrow_integer(targets):
-            targets = targets.long()
-        return inputs, targets
+            return targets.long()
+        return targets
 
     def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.movedim(0, self.batch_dim).contiguous() if tensor.dim() > self.batch_dim else tensor

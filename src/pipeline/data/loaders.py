@@ -307,14 +307,15 @@ def materialize(
 ) -> tuple[Any, Any]:
     """All samples as inputs and targets: free for tensor datasets, one pass over the others (an image folder's
     decoding, the user's items), after their estimated size is checked against the memory free on the host and on
-    ``device``.
+    ``device``. A tensor dataset's targets pass through the collate's ``as_targets`` where it has one (integer labels
+    made int64, as its batches would be).
 
     Raises:
         DoesNotFit: the dataset would not fit (``pipeline.common.device_memory``).
     """
     if isinstance(dataset, TensorDataset):
         images, labels = dataset.tensors
-        return images, labels
+        return images, getattr(collate, "as_targets", lambda targets: targets)(labels)
     _check_resident_room(dataset, collate, device)
     loader = DataLoader(dataset, batch_size=256, shuffle=False, collate_fn=collate)
     parts = list(loader)
