@@ -261,3 +261,12 @@ def test_custom_data_keeps_its_own_keys_and_hands_the_others_to_the_factory() ->
 def test_a_keyword_left_at_missing_is_required() -> None:
     with pytest.raises(ConfigError, match=r"^model\.arch is required"):
         load(["model=torchvision"])
+
+
+def test_a_data_key_the_chosen_source_does_not_have_is_still_refused() -> None:
+    """The data group's own keys are no factory's keywords: data.num_samples on the digits would be ignored."""
+    with pytest.raises(OverrideError, match=r"^data\.num_samples is not a key of data yet"):
+        compose(["data=digits", "data.num_samples=4000"])
+    assert load(["data=synthetic", "data.num_samples=4000"]).data.num_samples == 4000
+    with pytest.raises(ConfigError, match=r"^data\.bogus=1 is not allowed: expected one of the data keys"):
+        load(["data=digits", "data.bogus=1"])

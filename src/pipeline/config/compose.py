@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pipeline.common.errors import ConfigError, OverrideError
 from pipeline.common.secrets import env_keys
+from pipeline.config.data import DataConfig
 from pipeline.config.schema import MAX_TAG_KEY, MISSING_VALUE, MOVED, TAGS_PREFIX, RunConfig, _at_most
 from pipeline.config.targets import TargetConfig
 
@@ -47,9 +48,16 @@ def with_open_keys(overrides: Sequence[str]) -> list[str]:
 
 
 def opens_a_key(override: str) -> bool:
-    """Whether ``override`` sets a key inside a keyword group (``model.emsize=64``), as typed without a prefix."""
+    """Whether ``override`` sets a keyword of a group's target (``model.emsize=64``), as typed without a prefix. The
+    data group's own keys (``data.num_samples``) stay Hydra's to refuse where the chosen source has no such key: only
+    the user's factory takes keywords."""
     key, sep, _ = override.partition("=")
-    return bool(sep) and "." in key and key.split(".")[0] in OPEN_GROUPS and not key.startswith(("+", "~"))
+    if not sep or "." not in key or key.startswith(("+", "~")) or key.split(".")[0] not in OPEN_GROUPS:
+        return False
+    return not (key.startswith("data.") and key.split(".")[1] in DATA_KEYS)
+
+
+DATA_KEYS = frozenset(f.name for f in dataclasses.fields(DataConfig))  # the data group's own, of every source
 
 
 def as_typed(override: str) -> str:
