@@ -275,7 +275,7 @@ def code_tags(prefix: str, obj: Any, *, target: str) -> dict[str, str]:
     except Exception:  # it resolved when the object was made; a module changed since is no reason to fail a run
         made_by = type(obj) if obj is not None else None
     path = source_file(made_by) if made_by is not None else None
-    if path and not _installed(path):
+    if path and not usercode.installed(path):
         tags[f"{prefix}.file"] = path
         with contextlib.suppress(OSError):  # a file gone since it was imported: the path and class still say a lot
             tags[f"{prefix}.file_sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
@@ -322,11 +322,6 @@ def _sha(path: str) -> str:
 def _shown(path: str) -> str:
     here = os.getcwd()
     return os.path.relpath(path, here) if path.startswith(here + os.sep) else path
-
-
-def _installed(path: str) -> bool:
-    """A file of this package or of an installed library (site-packages), not the user's own code."""
-    return usercode.installed(path)
 
 
 def describe_loader(cfg: RunConfig) -> str:
