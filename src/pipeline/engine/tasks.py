@@ -215,9 +215,9 @@ class Regression(Builtin):
 
     def sums(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         error = logits(outputs).float() - targets.float()
-        n = float(error.numel())
-        squared = self._summed_loss(outputs, n) if self.from_model else error.square().sum()
-        return torch.stack([squared, error.abs().sum(), error.new_tensor(n), error.square().sum()])
+        n, squared = float(error.numel()), error.square().sum()
+        loss = self._summed_loss(outputs, n) if self.from_model else squared  # val/loss: the model's own, or MSE
+        return torch.stack([loss, error.abs().sum(), error.new_tensor(n), squared])
 
     def finish(self, totals: list[float]) -> dict[str, float]:
         loss, absolute, n, squared = totals
