@@ -29,7 +29,7 @@ try:  # Ctrl-C while Hydra, OmegaConf and the config load: one line, not the imp
 
     from pipeline.common.cli import DEBUG_FLAG, debugging, report_bug
     from pipeline.common.errors import OverrideError, PipelineError
-    from pipeline.common.heap import frozen_at_exit
+    from pipeline.common.heap import exit_without_teardown, frozen_at_exit
     from pipeline.common.secrets import mask_overrides
     from pipeline.config import (
         RunConfig,
@@ -145,9 +145,26 @@ def main() -> None:
     _CLOSED = False
     frozen_at_exit()  # the interpreter's last collections at exit would walk every object the run imported (~3 s)
     try:
-        _main()
-    except KeyboardInterrupt:  # outside training, where StopRequests turns Ctrl-C into a stop at a step boundary
-        _interrupted(resuming=any(a.startswith("resume=") for a in sys.argv[1:]))
+        try:
+            _main()
+        except KeyboardInterrupt:  # outside training, where StopRequests turns Ctrl-C into a stop at a step boundary
+            _interrupted(resuming=any(a.startswith("resume=") for a in sys.argv[1:]))
+    except SystemExit as end:
+        _leave_the_job(end.code)
+        raise
+    _leave_the_job(0)
+
+
+def _leave_the_job(code: int | str | None) -> None:
+    """A rank of a distributed job ends here, without the interpreter's teardown, where Gloo's threads can abort
+    it after its run has finished; any other process returns and exits as usual. (An unexpected exception, which
+    prints its traceback, does not come here.)"""
+    distributed = sys.modules.get("pipeline.parallel.distributed")  # loaded by any process that joined a job
+    if distributed is None or not distributed.joined_a_job():
+        return
+    if isinstance(code, str):  # as Python would: the message on stderr, status 1
+        print(code, file=sys.stderr)
+    exit_without_teardown(code if isinstance(code, int) else int(code is not None))
 
 
 def _interrupted(*, resuming: bool) -> NoReturn:

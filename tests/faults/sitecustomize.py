@@ -12,6 +12,9 @@ Python imports ``sitecustomize`` at start-up, before ``pipeline``; this one patc
 - ``sigterm-torchrun:<rank>:<step>``: as that rank finishes ``step``, it sends SIGTERM to its torchrun (its parent
   process, one "node" of a multi-node job) and waits until torchrun has passed the signal back to it, so that the
   job is still training when the stop arrives.
+- ``abort_at_exit:<rank>:``: that rank aborts (SIGABRT) in C's exit handlers, where C++'s static destructors run
+  after the interpreter's teardown, as Gloo's threads once did after a run that had succeeded ("terminate called
+  without an active exception").
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ if FAULT and RANK is not None:
                 return real_backward(model, loss, step=step, **kwargs)
 
             overlap.backward_reduced = backward_reduced
+        elif kind == "abort_at_exit":
+            import ctypes
+
+            libc = ctypes.CDLL(None)  # C's exit handlers, where C++'s destructors run, after the interpreter's own
+            libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
         elif kind == "sigterm-torchrun":
             import time
 

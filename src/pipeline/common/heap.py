@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from typing import NoReturn
 
 _BEFORE_PAUSE: list[bool] = []  # whether the collector was on before each open collector_paused block, innermost last
 
@@ -63,3 +66,18 @@ def frozen_at_exit() -> None:
     interpreter's last collections walk none of it (for a command's own process: the operating system frees it)."""
     atexit.unregister(gc.freeze)  # once, however often a command's main() runs in one process (the tests)
     atexit.register(gc.freeze)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End the process with ``code`` once Python's exit handlers have run and its output is flushed, skipping the
+    interpreter's teardown and C's exit handlers, where C++'s destructors run.
+
+    For a rank of a distributed job, whose run has finished and is recorded: Gloo's threads once aborted a rank
+    there ("terminate called without an active exception", SIGABRT) after a run that had succeeded, and torchrun
+    then failed the whole job. The operating system frees what the teardown would have.
+    """
+    atexit._run_exitfuncs()  # MLflow's, logging's: everything registered to run before the process ends
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            stream.flush()
+    os._exit(code)

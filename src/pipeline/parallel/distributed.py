@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that never answers a collective ends the run instead of hanging it
+_JOINED: list[bool] = []  # set once this process has joined a job's process group
+
+
+def joined_a_job() -> bool:
+    """Whether this process joined a distributed job (its command then ends without the interpreter's teardown:
+    ``pipeline.common.heap.exit_without_teardown``)."""
+    return bool(_JOINED)
 
 
 class Solo:
@@ -152,6 +159,7 @@ class Group(Solo):
         else:
             dist.init_process_group(self.backend, timeout=TIMEOUT)
         self._control = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
+        _JOINED.append(True)
         log.info("rank %d of %d joined the job (%s)", self.rank, self.world_size, self.backend)
 
     def place(self, device: torch.device) -> torch.device:
@@ -280,7 +288,8 @@ class Group(Solo):
         """Leave the job. After a clean run every rank first waits for the others, so that no rank closes its
         connections under a peer still in a collective. (A rank once aborted at its exit, "terminate called without
         an active exception", after a run that had succeeded: the run's result held DDP's wrapper, whose reducer
-        keeps the process group, so Gloo was torn down in the interpreter's finalisation; see ``unwrap``.)"""
+        keeps the process group, so Gloo was torn down in the interpreter's finalisation; see ``unwrap``. It happened again
+        once, with no such reference left: a rank's command now ends without that teardown, ``joined_a_job``.)"""
         import torch.distributed as dist
 
         if not dist.is_initialized():
