@@ -288,8 +288,8 @@ class Group(Solo):
         """Leave the job. After a clean run every rank first waits for the others, so that no rank closes its
         connections under a peer still in a collective. (A rank once aborted at its exit, "terminate called without
         an active exception", after a run that had succeeded: the run's result held DDP's wrapper, whose reducer
-        keeps the process group, so Gloo was torn down in the interpreter's finalisation; see ``unwrap``. It happened again
-        once, with no such reference left: a rank's command now ends without that teardown, ``joined_a_job``.)"""
+        keeps the process group, so Gloo was torn down in the interpreter's finalisation; see ``unwrap``. It happened
+        again once, with no such reference left: a rank's command now ends without that teardown, ``joined_a_job``.)"""
         import torch.distributed as dist
 
         if not dist.is_initialized():
