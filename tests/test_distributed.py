@@ -15,6 +15,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from helpers import run_main
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
 from pipeline.engine.loop import SOLO, LossWindow, StepMetrics, TrainState, train_epoch
@@ -318,6 +319,16 @@ def test_an_out_of_memory_error_on_one_rank_shrinks_both_and_training_finishes(
     run = only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.metrics["oom/micro_batch_size"] == 8
     assert_same_weights(final_weights(tmp_path, run.info.run_id), one_process_weights)  # the global batch kept
+
+
+def test_a_command_in_a_process_that_joined_a_group_before_it_returns_as_any_other(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # a test that joined a one-rank group earlier in this process: the command that follows is no rank of a job,
+    # and must not end the process without its teardown (it would end the test run)
+    monkeypatch.setattr(distributed, "_JOINED", [True])
+    monkeypatch.chdir(tmp_path)
+    assert run_main(monkeypatch, "tracking=none", "trainer.max_steps=2", "trainer.epochs=1") == 0
 
 
 @pytest.mark.slow

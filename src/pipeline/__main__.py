@@ -144,24 +144,31 @@ def main() -> None:
     _TYPED_OVERRIDES = _OWN_OVERRIDES = None  # a resume before this one, in this process (tests), set them
     _CLOSED = False
     frozen_at_exit()  # the interpreter's last collections at exit would walk every object the run imported (~3 s)
+    joins = _joins()  # a test's process may have joined a group before: only this command's join counts
     try:
         try:
             _main()
         except KeyboardInterrupt:  # outside training, where StopRequests turns Ctrl-C into a stop at a step boundary
             _interrupted(resuming=any(a.startswith("resume=") for a in sys.argv[1:]))
     except SystemExit as end:
-        _leave_the_job(end.code)
+        if _joins() > joins:
+            _leave_the_job(end.code)
         raise
-    _leave_the_job(0)
+    if _joins() > joins:
+        _leave_the_job(0)
 
 
-def _leave_the_job(code: int | str | None) -> None:
+def _joins() -> int:
+    """How many times this process has joined a distributed job's process group (the module that joins one is
+    loaded by then)."""
+    distributed = sys.modules.get("pipeline.parallel.distributed")
+    return 0 if distributed is None else distributed.joins()
+
+
+def _leave_the_job(code: int | str | None) -> NoReturn:
     """A rank of a distributed job ends here, without the interpreter's teardown, where Gloo's threads can abort
     it after its run has finished; any other process returns and exits as usual. (An unexpected exception, which
     prints its traceback, does not come here.)"""
-    distributed = sys.modules.get("pipeline.parallel.distributed")  # loaded by any process that joined a job
-    if distributed is None or not distributed.joined_a_job():
-        return
     if isinstance(code, str):  # as Python would: the message on stderr, status 1
         print(code, file=sys.stderr)
     exit_without_teardown(code if isinstance(code, int) else int(code is not None))

@@ -37,13 +37,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that never answers a collective ends the run instead of hanging it
-_JOINED: list[bool] = []  # set once this process has joined a job's process group
+_JOINED: list[bool] = []  # one entry each time this process joined a job's process group
 
 
-def joined_a_job() -> bool:
-    """Whether this process joined a distributed job (its command then ends without the interpreter's teardown:
-    ``pipeline.common.heap.exit_without_teardown``)."""
-    return bool(_JOINED)
+def joins() -> int:
+    """How many times this process joined a distributed job (a command that joined one ends without the
+    interpreter's teardown: ``pipeline.common.heap.exit_without_teardown``)."""
+    return len(_JOINED)
 
 
 class Solo:
@@ -95,6 +95,9 @@ class Solo:
 
     def step_metrics(self) -> dict[str, float]:  # time/allreduce_ms: a one-process run has no all-reduce
         return {}
+
+    def untimed(self) -> Any:  # a block time/allreduce_ms leaves out: a one-process run times none
+        return nullcontext()
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -240,6 +243,20 @@ class Group(Solo):
         """``time/allreduce_ms``: the all-reduce time backward did not hide, per step since the last logged one."""
         return self._clock.metrics() if self._clock is not None else {}
 
+    @contextmanager
+    def untimed(self) -> Iterator[None]:
+        """A block whose all-reduces ``time/allreduce_ms`` leaves out (the steps ``pipeline.engine.replay`` replays,
+        which are no training steps): the clock is disarmed in it, and armed again as it was."""
+        clock = self._clock
+        armed = clock is not None and clock.armed
+        if clock is not None:
+            clock.armed = False
+        try:
+            yield
+        finally:
+            if clock is not None:
+                clock.armed = armed
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
@@ -289,7 +306,7 @@ class Group(Solo):
         connections under a peer still in a collective. (A rank once aborted at its exit, "terminate called without
         an active exception", after a run that had succeeded: the run's result held DDP's wrapper, whose reducer
         keeps the process group, so Gloo was torn down in the interpreter's finalisation; see ``unwrap``. It happened
-        again once, with no such reference left: a rank's command now ends without that teardown, ``joined_a_job``.)"""
+        again once, with no such reference left: a rank's command now ends without that teardown, ``joins``.)"""
         import torch.distributed as dist
 
         if not dist.is_initialized():
