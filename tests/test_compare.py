@@ -500,7 +500,9 @@ def test_main_compares_the_latest_sweep_writes_the_files_and_attaches_them_to_it
     assert f"/#/experiments/{sweep_store['experiment']}/runs?workflowType=machine_learning" in printed
 
     logged = sweep_store["client"].list_artifacts(sweep_store["parent"], "compare")
-    assert sorted(Path(a.path).name for a in logged) == ["compare.csv", "compare.md", "compare.png"]
+    assert sorted(Path(a.path).name for a in logged) == ["compare.csv", "compare.md", "compare.png", "compare.txt"]
+    text = Path(sweep_store["client"].download_artifacts(sweep_store["parent"], "compare/compare.txt", str(tmp_path)))
+    assert text.read_text() == printed[: printed.index("\nwrote ")]  # the table as printed, word for word
 
 
 def test_main_with_run_ids_keeps_their_order_and_refuses_to_log_without_a_sweep(
@@ -845,6 +847,36 @@ def test_each_row_shows_its_runs_median_mfu_in_every_view() -> None:
     assert csv_rows[0]["mfu_peak"] == "this GPU's bf16 peak (H200 datasheet)"
 
 
+def test_mfu_read_against_cpu_peaks_of_different_measurements_is_marked_in_every_view() -> None:
+    """A CPU's peak is measured, and a later quiet measurement raises it: rows whose runs read MFU against peaks of
+    different measurements (tag ``perf.peak_measured``) get ``‡`` and the note; one measurement, or a GPU's
+    datasheet (no tag), none."""
+    first, later = "2026-12-07T06:30:12.000+00:00", "2026-12-07T09:02:45.500+00:00"
+    cpu = {"device.type": "cpu", "perf.peak": "this CPU's fp32 peak (measured matmul, 2 thread(s))"}
+    runs = [
+        compared_run(f"a{i}", 1000 + i, seed=i, mfu=16.0, tags={**cpu, "perf.peak_measured": first}) for i in (0, 1)
+    ]
+    runs += [
+        compared_run(f"b{i}", 3600 + i, seed=i, mfu=2.0, params={"amp": "1"}, tags={**cpu, "perf.peak_measured": later})
+        for i in (0, 1)
+    ]
+    table = build(runs)
+    note = (
+        f"‡ MFU read against CPU peaks from 2 measurements (perf.peak_measured {first} to {later}): rows' MFU differ "
+        "by their peaks as well as by their speed; compare samples/s, or rerun the rows to read MFU against one "
+        "measurement."
+    )
+    text = table_markdown(table)
+    assert "| 16‡ " in text and "| 2‡ " in text and note in " ".join(text.split())
+    rows = [line for line in terminal_lines(table) if line.startswith("mlp-")]
+    assert [row.split()[-2] for row in rows] == ["16‡", "2‡"]  # MFU %, then step ms's "–"
+    assert note in " ".join(terminal_lines(table))
+    same = build([replace(r, tags={**r.tags, "perf.peak_measured": first}) for r in runs])
+    gpu = build([replace(r, tags={k: v for k, v in r.tags.items() if k != "perf.peak_measured"}) for r in runs])
+    for unmarked in (same, gpu):
+        assert "‡" not in table_markdown(unmarked) and "‡" not in "\n".join(terminal_lines(unmarked))
+
+
 def test_rows_with_runs_on_a_busy_machine_are_marked_in_every_view() -> None:
     busy = {"machine.busy": "true", "machine.others_cpu_pct": "60"}
     runs = [
@@ -876,3 +908,166 @@ def test_the_terminal_view_with_busy_rows_still_fits_160_columns() -> None:
     assert max(len(line) for line in lines) <= 160
     assert sum(line.startswith("bs") and "†" in line for line in lines) == 9
     assert "†" not in table_markdown(build(readme_sweep(1)))
+
+
+# ---- the comparison back in MLflow: rows and verdicts as the runs' tags ----
+
+
+class TagRecorder:
+    """A client that records ``log_batch`` calls, refusing the experiments in ``refused`` as a server refuses a
+    user who may not write them."""
+
+    def __init__(self, runs: list[ComparedRun], refused: frozenset[str] = frozenset()) -> None:
+        self.experiment = {r.id: r.experiment_id for r in runs}
+        self.refused = refused
+        self.written: dict[str, dict[str, str]] = {}
+        self.calls: list[str] = []
+
+    def log_batch(self, run_id: str, *, tags: list[Any]) -> None:
+        from mlflow.exceptions import MlflowException
+
+        self.calls.append(run_id)
+        if self.experiment[run_id] in self.refused:
+            raise MlflowException(f"Permission denied for run {run_id}.\nPERMISSION_DENIED")
+        self.written[run_id] = {t.key: t.value for t in tags}
+
+
+def three_rows() -> list[ComparedRun]:
+    """mlp-fp32 (the baseline), mlp-amp 1.5× faster, mlp-lr the same speed: 5 repeats each."""
+    return [
+        *repeats("a", [1000, 1010, 990, 1005, 995], name="mlp-fp32"),
+        *repeats("b", [1500, 1490, 1510, 1505, 1495], name="mlp-amp", params={"amp": "true"}),
+        *repeats("c", [1001, 1003, 998, 1002, 999], name="mlp-lr", params={"optimizer.lr": "0.1"}),
+    ]
+
+
+def test_each_run_is_tagged_with_its_rows_name_verdict_and_speed_up_as_the_terminal_prints_them() -> None:
+    table = build(three_rows())
+    tags = compare.run_tags(table)
+    assert tags["a0"] == {
+        "compare.row": "mlp-fp32",
+        "compare.verdict": "baseline",
+        "compare.speedup": "1.00× (baseline)",
+    }
+    assert tags["b3"]["compare.row"] == "mlp-amp" and tags["b3"]["compare.verdict"] == "faster: shown"
+    assert (
+        tags["b3"]["compare.speedup"].startswith("1.50× [") and tags["c1"]["compare.verdict"] == "no difference shown"
+    )
+    assert len(tags) == 15 and len({tuple(t.values()) for t in tags.values()}) == 3  # a row's runs: its tags
+    rows = {line.split("  ")[0]: line for line in terminal_lines(table) if line.startswith("mlp-")}
+    for said in tags.values():
+        assert (
+            said["compare.speedup"] in rows[said["compare.row"]]
+            and said["compare.verdict"] in rows[said["compare.row"]]
+        )
+
+    client = TagRecorder(three_rows())
+    tagging = compare.tag_runs(client, table)
+    assert client.written == tags and (tagging.runs, tagging.changed, tagging.failed) == (15, 15, 0)
+    assert tagging.line().startswith("tags: 15 runs carry their row and its verdict (compare.row, compare.verdict and")
+    again = TagRecorder(three_rows())  # the same comparison of runs that already carry its tags: nothing to write
+    tagged = [replace(r, tags={**r.tags, **tags[r.id]}) for r in three_rows()]
+    assert compare.tag_runs(again, build(tagged)).changed == 0 and again.calls == []
+    other = compare.tag_runs(again, build(tagged, baseline="mlp-amp"))  # another comparison replaces them
+    assert other.changed == 15 and again.written["a0"]["compare.verdict"] == "slower: shown"
+    assert again.written["b0"] == {
+        "compare.row": "mlp-amp",
+        "compare.verdict": "baseline",
+        "compare.speedup": "1.00× (baseline)",
+    }
+
+
+def test_runs_whose_experiment_refuses_the_tags_are_counted_in_one_line_and_the_others_still_tagged() -> None:
+    runs = [replace(r, experiment_id="2") if r.id.startswith("b") else r for r in three_rows()]
+    client = TagRecorder(runs, refused=frozenset({"2"}))
+    tagging = compare.tag_runs(client, build(runs))
+    assert sorted(client.written) == sorted(r.id for r in runs if r.experiment_id == "1")
+    assert [c for c in client.calls if c.startswith("b")] == ["b0"]  # its first refusal skips the rest of it
+    assert (tagging.changed, tagging.failed) == (10, 5)
+    assert tagging.line() == (
+        "warning: the tags compare.row, compare.verdict and compare.speedup were not written on 5 of 15 runs "
+        "(MlflowException: Permission denied for run b0.): the table is whole, but MLflow's UI cannot group those "
+        "runs by row"
+    )
+
+
+def test_main_tags_the_runs_of_the_latest_sweep_and_a_second_run_changes_nothing(
+    sweep_store: dict[str, Any], store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out
+    client: MlflowClient = sweep_store["client"]
+    tags = {r: client.get_run(r).data.tags for r in sweep_store["children"]}
+    rows = [line for line in printed.splitlines() if line.startswith("mlp-digits")]
+    for said in tags.values():
+        row = next(line for line in rows if line.split("  ")[0] == said["compare.row"])
+        assert said["compare.verdict"] in row and said["compare.speedup"] in row
+    assert (
+        sorted(t["compare.verdict"] for t in tags.values())
+        == ["baseline"] * 5 + ["faster: shown"] * 5 + ["no samples/s"]  # the failed bs4096 has none
+    )
+    assert "compare.row" not in client.get_run(sweep_store["parent"]).data.tags  # the parent is never a row
+    assert (
+        "(compare.row, compare.verdict and compare.speedup; 11 written): group MLflow's runs by compare.row" in printed
+    )
+    assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o")]) == 0
+    assert "; none changed)" in capsys.readouterr().out
+    assert (
+        compare.main(["--uri", store_uri, "--out", str(tmp_path / "o"), "--baseline", "mlp-digits-cuda-fp32-bs128-w0"])
+        == 0
+    )
+    again = capsys.readouterr().out
+    assert "; 10 written)" in again  # the failed run's row says "no samples/s" whatever the baseline: not written
+    assert "the sweep's parent run sweep-S1 holds the table its sweep ended with: --log puts this one there" in again
+    assert client.get_run(sweep_store["children"][0]).data.tags["compare.verdict"] == "slower: shown"
+
+
+def test_main_over_runs_of_no_sweep_tags_them_and_says_no_run_holds_the_table(
+    sweep_store: dict[str, Any], store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = sweep_store["children"][5], sweep_store["children"][0]
+    assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o"), "--runs", f"{first},{second}"]) == 0
+    printed = capsys.readouterr().out
+    assert "the table itself stays in compare.md: runs chosen without a sweep have no parent run in MLflow" in printed
+    client: MlflowClient = sweep_store["client"]
+    assert client.get_run(first).data.tags["compare.verdict"] == "baseline"
+    assert client.get_run(second).data.tags["compare.verdict"] == "cannot tell: add repeats"
+    assert "compare.row" not in client.get_run(sweep_store["children"][1]).data.tags  # not in this table: untouched
+    assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o"), "--last", "3", "--no-tags"]) == 0
+    assert "tags:" not in capsys.readouterr().out
+    assert "compare.row" not in client.get_run(sweep_store["children"][1]).data.tags
+
+
+def test_a_store_that_refuses_writes_still_gets_its_table_and_one_line_on_what_was_not_tagged(
+    sweep_store: dict[str, Any], store_uri: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import sqlite3
+
+    import sqlalchemy
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    def read_only(connection: object, record: object) -> None:  # SQLite's own refusal, as a read-only file gives
+        if isinstance(connection, sqlite3.Connection):
+            connection.execute("PRAGMA query_only=ON")
+
+    def reconnect() -> None:  # MLflow keeps one engine per store: its pooled connections would keep writing
+        engine = SqlAlchemyStore._engine_map.pop(store_uri, None)
+        if engine is not None:
+            engine.dispose()
+
+    reconnect()
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "connect", read_only)
+    try:
+        assert compare.main(["--uri", store_uri, "--out", str(tmp_path / "o")]) == 0
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "connect", read_only)
+        reconnect()
+    out, err = capfd.readouterr()
+    assert "## sweep S1: 11 runs in 3 rows" in out and "faster: shown" in out
+    assert err.splitlines() == [  # one line: MLflow's own log of the error, with its traceback, is not shown
+        "warning: the tags compare.row, compare.verdict and compare.speedup were not written on 11 of 11 runs "
+        "(MlflowException: (sqlite3.OperationalError) attempt to write a readonly database): the table is whole, "
+        "but MLflow's UI cannot group those runs by row"
+    ]
+    client = MlflowClient(tracking_uri=store_uri)
+    assert all("compare.row" not in client.get_run(r).data.tags for r in sweep_store["children"])

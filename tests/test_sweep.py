@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from helpers import cli, run_main
 from pipeline.config import config_dir, load
 from pipeline.engine.provenance import sweep_run_name, with_overrides
-from pipeline.experiments import sweep
+from pipeline.experiments import compare, sweep
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=2", "monitor.plots=false", "device=cpu"]  # batch size set per test
 CONF = config_dir()
@@ -236,6 +236,41 @@ def test_a_2x2_sweep_nests_four_named_runs_under_a_summarised_parent(
         f"this sweep:   http://127.0.0.1:5000/#/experiments/1/runs/{parent.info.run_id}?workflowType=machine_learning"
         in out
     )
+
+
+def table_rows(printed: str) -> dict[str, dict[str, str]]:
+    """The rows of the compare table a terminal shows, by row: each cell under its column's header."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("row "))
+    end = lines.index("", start)
+    headers = re.split(r"\s{2,}", lines[start])
+    cells = [dict(zip(headers, re.split(r"\s{2,}", line.strip()), strict=True)) for line in lines[start + 1 : end]]
+    return {row["row"]: row for row in cells}
+
+
+def test_after_a_repeat_sweep_every_run_carries_its_row_and_verdict_as_compare_prints_them_and_the_parent_the_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The README's repeat sweep, 2 seeds a value: its end tags the jobs; compare afterwards prints the same table."""
+    assert run_main(monkeypatch, "-m", "amp=false,true", "trainer.seed=1,2", "loader.batch_size=64", *TINY) == 0
+    swept = capsys.readouterr().out
+    parent, children = sweep_runs(tmp_path)  # read before compare runs: what the sweep's end wrote
+    assert compare.main(["--uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    rows = table_rows(printed)
+    assert list(rows) == ["fp32-mlp-digits-cpu-bs64-w0", "amp-bf16-mlp-digits-cpu-bs64-w0"]
+    assert table_rows(swept) == rows and "; none changed)" in printed  # the sweep wrote what compare would
+    assert rows["fp32-mlp-digits-cpu-bs64-w0"]["verdict"] == "baseline"
+    assert rows["amp-bf16-mlp-digits-cpu-bs64-w0"]["verdict"] == "cannot tell: add repeats"  # 2 repeats never can
+    for run in children:
+        tags = run.data.tags
+        row = rows[tags["compare.row"]]
+        assert run.info.run_name == tags["compare.row"].replace("-mlp", f"-seed{run.data.params['trainer.seed']}-mlp")
+        assert (tags["compare.verdict"], tags["compare.speedup"]) == (row["verdict"], row["speed-up [95% CI]"])
+    assert [sum(r.data.tags["compare.row"] == name for r in children) for name in rows] == [2, 2]
+    assert "compare.row" not in parent.data.tags
+    held = Path(artifact(tmp_path, parent, "compare/compare.txt")).read_text()
+    assert table_rows(held) == rows and held.split("\n\n")[1:3] == printed.split("\n\n")[1:3]  # the table whole
 
 
 def test_a_job_whose_loss_turns_nan_is_recorded_failed_and_the_sweep_exits_2_listing_it(

@@ -1,7 +1,8 @@
 """A sweep's parent MLflow run: opened in the sweep's experiment and store (``open_parent``, tagged
 ``sweep.role=parent``), given the compare table of its jobs at the end (``summarize_sweep``: ``compare/compare.md``,
-``.csv``, ``.png`` and the description) and closed FINISHED, or FAILED with its failed jobs (``close_parent``); a job
-that failed before it had a run gets a FAILED one (``failed_run``), named like the run it would have had.
+``.csv``, ``.png``, ``.txt`` and the description; each job's run tagged with its row and verdict) and closed
+FINISHED, or FAILED with its failed jobs (``close_parent``); a job that failed before it had a run gets a FAILED one
+(``failed_run``), named like the run it would have had.
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ def close_parent(
 
 
 def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], *, sweep: Sweep | None = None) -> str:
-    """Log the sweep's comparison (``pipeline.experiments.compare``: Markdown, CSV, a chart) on its parent run, and the
-    table as the run's description (with links relative to the UI's page). Returns the terminal's view (printed
-    at the end of the sweep). A search's rows are ranked by what it searched for."""
+    """Log the sweep's comparison (``pipeline.experiments.compare``: Markdown, CSV, a chart, the terminal's view) on
+    its parent run, the table as the run's description (with links relative to the UI's page), and each child's row
+    and verdict as its tags (``compare.tag_runs``). Returns the terminal's view with a line on the tags (printed at
+    the end of the sweep). A search's rows are ranked by what it searched for."""
     # lazy: compare's 19 modules (~0.05 s); every python -m pipeline, --help too, imports this one (end_unfinished)
     from pipeline.experiments import compare
 
@@ -139,7 +141,7 @@ def summarize_sweep(client: Any, parent_run_id: str, child_runs: Sequence[Any], 
     result = compare.report(client, list(child_runs), note=note, rank_by=rank_by)
     compare.attach(client, parent_run_id, result)
     client.set_tag(parent_run_id, "mlflow.note.content", result.note.rstrip("\n"))
-    return result.terminal
+    return result.terminal + compare.tag_runs(client, result.table).line() + "\n"
 
 
 def _end_parent(sweep: Sweep, status: str, tags: dict[str, str]) -> None:

@@ -21,17 +21,21 @@ Everything comes from one ``MlflowClient.search_runs`` call (``--sweep latest`` 
 (tag ``sweep.role=parent``) are never rows. It writes ``compare.md``, ``compare.csv`` and ``compare.png``
 (samples/s, and the step time stacked by part) to ``--out`` and prints the columns that matter, in lines a
 terminal shows whole (``terminal``: the speed-up and a verdict in words), with the link to MLflow's own
-compare page for exactly these runs; ``--log`` attaches the three files to the sweep's parent run under
-``compare/``. Exit status: 0 written, 2 nothing to compare (no store, experiment or runs) or the store cannot be
-read.
+compare page for exactly these runs; ``--log`` attaches the three files, and the terminal's view as
+``compare.txt``, to the sweep's parent run under ``compare/``. Every run of the table is tagged with its row and
+the row's verdict (``tagging``: ``compare.row``, ``compare.verdict``, ``compare.speedup``), so that MLflow's runs
+table grouped by ``compare.row`` shows the same rows; ``--no-tags`` leaves the runs as they are. Exit status: 0
+written (tags that could not be written are a warning), 2 nothing to compare (no store, experiment or runs) or the
+store cannot be read.
 
 The sweep callback calls the same pieces: ``select(client, experiment, sweep=...)``, ``report(client,
-selection.runs, note=selection.note)`` and ``attach(client, selection.parent.id, result)``.
+selection.runs, note=selection.note)``, ``attach(client, selection.parent.id, result)`` and ``tag_runs(client,
+result.table)``.
 
 The modules, in the order the data flows: ``selection`` (reading MLflow into ``ComparedRun``s, ``runs``),
 ``rows`` (repeats into rows), ``table`` (the comparisons, from ``pipeline.common.stats``), ``formats`` (Markdown, CSV),
 ``terminal`` (what is printed), ``charts`` (the chart), ``reporting`` (all of it with the links, written or
-attached) and ``cli`` (``main``).
+attached), ``tagging`` (the rows and verdicts as the runs' tags) and ``cli`` (``main``).
 """
 
 from pipeline.common.markdown import markdown_table
@@ -39,7 +43,16 @@ from pipeline.common.uris import UI_URL, ui_base
 from pipeline.experiments.compare.charts import chart
 from pipeline.experiments.compare.cli import main
 from pipeline.experiments.compare.formats import table_csv, table_markdown
-from pipeline.experiments.compare.reporting import ARTIFACTS, FILES, Report, attach, compare_link, report, write
+from pipeline.experiments.compare.reporting import (
+    ARTIFACTS,
+    FILES,
+    TERMINAL,
+    Report,
+    attach,
+    compare_link,
+    report,
+    write,
+)
 from pipeline.experiments.compare.rows import (
     BOOKKEEPING,
     PROVENANCE,
@@ -69,6 +82,7 @@ from pipeline.experiments.compare.runs import (
 )
 from pipeline.experiments.compare.selection import MAX_RUNS, Selection, open_store, search_objective, select
 from pipeline.experiments.compare.table import BASELINE, Line, Speedup, Table, build, step_change, sweep_drift
+from pipeline.experiments.compare.tagging import ROW, SPEEDUP, TAGS, VERDICT, Tagging, run_tags, tag_runs
 from pipeline.experiments.compare.terminal import MAX_WIDTH, table_terminal
 
 __all__ = [
@@ -90,11 +104,16 @@ __all__ = [
     "PROVENANCE",
     "REPEAT_KEYS",
     "ROLE",
+    "ROW",
     "SHOWN",
+    "SPEEDUP",
     "STEP_PARTS",
+    "TAGS",
+    "TERMINAL",
     "THROUGHPUT",
     "UI_URL",
     "VAL_ACC",
+    "VERDICT",
     "CompareError",
     "ComparedRun",
     "Line",
@@ -103,6 +122,7 @@ __all__ = [
     "Selection",
     "Speedup",
     "Table",
+    "Tagging",
     "attach",
     "build",
     "chart",
@@ -114,6 +134,7 @@ __all__ = [
     "markdown_table",
     "open_store",
     "report",
+    "run_tags",
     "search_objective",
     "select",
     "step_change",
@@ -121,6 +142,7 @@ __all__ = [
     "table_csv",
     "table_markdown",
     "table_terminal",
+    "tag_runs",
     "ui_base",
     "write",
 ]

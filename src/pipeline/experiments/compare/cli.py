@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeline.common.cli import Parser, command
 from pipeline.common.errors import PipelineError
@@ -16,8 +17,9 @@ from pipeline.common.secrets import mask_text
 from pipeline.common.stats import MIN_EFFECT
 from pipeline.common.uris import UI_URL, absolute, sqlite_path
 from pipeline.experiments.compare.reporting import ARTIFACTS, Report, attach, report, write
-from pipeline.experiments.compare.runs import PARENT, ROLE
+from pipeline.experiments.compare.runs import PARENT, ROLE, ComparedRun
 from pipeline.experiments.compare.selection import open_store, select
+from pipeline.experiments.compare.tagging import ROW, tag_runs
 from pipeline.record.reachability import parse
 
 MAX_EFFECT = 10.0  # a required speed-up of 1,000%: anything above is a typo
@@ -65,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-effect", type=float, default=MIN_EFFECT, help="smallest real speed-up (default 0.03)")
     parser.add_argument("--out", type=Path, help="folder for the files (default: compare/ beside the store)")
     parser.add_argument("--log", action="store_true", help="attach the files to the sweep's parent run")
+    parser.add_argument(
+        "--no-tags", action="store_true", help=f"leave the runs' tags as they are (default: tag each with its {ROW})"
+    )
     parser.add_argument("--ui", help=f"the MLflow UI's address for the links (default: the server's, or {UI_URL})")
     return parser
 
@@ -130,4 +135,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         attach(client, selection.parent.id, result)
         print(f"attached to the sweep's parent run {selection.parent.name} ({selection.parent.id}) under {ARTIFACTS}/")
+    if not args.no_tags:
+        _tag(client, result, selection.parent, logged=args.log)
     return 0
+
+
+def _tag(client: Any, result: Report, parent: ComparedRun | None, *, logged: bool) -> None:
+    """Tag the table's runs (``tag_runs``) and say it in a line, on stderr where some could not be written; then
+    where the table is: runs that are not one sweep (``--last``, ``--runs``) have no parent run to hold it, so in
+    MLflow they carry only their tags; a sweep's parent keeps its table until ``--log`` replaces it."""
+    tagging = tag_runs(client, result.table)
+    print(tagging.line(), file=sys.stderr if tagging.failed else sys.stdout)
+    if parent is None:
+        print("the table itself stays in compare.md: runs chosen without a sweep have no parent run in MLflow for it")
+    elif tagging.changed and not logged:
+        print(f"the sweep's parent run {parent.name} holds the table its sweep ended with: --log puts this one there")

@@ -19,6 +19,8 @@ from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
 BUSY_MARK = "†"  # after a row's samples/s when some of its runs ran on a busy machine (tag machine.busy)
+PEAKS_MARK = "‡"  # after a row's MFU when the table's CPU peaks come from more than one measurement
+PEAK_MEASURED = "perf.peak_measured"  # the tag: when the CPU peak a run's MFU is read against was measured
 
 
 def number(x: float | None) -> str:
@@ -130,7 +132,7 @@ def _cells(table: Table, line: Line) -> list[str]:
         "baseline" if is_base else line.step_change or "–",
         _range(row.stat(table.quality)),
         number(s.median) if (s := row.stat(GPU_UTIL)) else "–",
-        mfu_cell(row),
+        mfu_cell(table, row),
         (number(peak.median) + ("²" if device_peak else "")) if peak else "–",
         row.tag("bottleneck"),
         str(row.oom_events),
@@ -138,10 +140,31 @@ def _cells(table: Table, line: Line) -> list[str]:
     ]
 
 
-def mfu_cell(row: Row) -> str:
-    """The row's median MFU in percent (``perf/mfu_pct``), ``–`` where its runs have none."""
+def mfu_cell(table: Table, row: Row) -> str:
+    """The row's median MFU in percent (``perf/mfu_pct``), ``–`` where its runs have none; marked ``PEAKS_MARK``
+    where the row's runs read it against a CPU peak and the table's runs against more than one measurement."""
     stat = row.stat(MFU)
-    return f"{stat.median:.0f}" if stat and stat.median >= 1 else f"{stat.median:.2g}" if stat else "–"
+    if not stat:
+        return "–"
+    mixed = len(peak_measurements(table)) > 1 and any(PEAK_MEASURED in run.tags for run in row.runs)
+    return (f"{stat.median:.0f}" if stat.median >= 1 else f"{stat.median:.2g}") + (PEAKS_MARK if mixed else "")
+
+
+def peak_measurements(table: Table) -> list[str]:
+    """The measurements of the CPU peaks the table's runs read MFU against (``PEAK_MEASURED``), oldest first."""
+    return sorted({when for line in table.lines for run in line.row.runs if (when := run.tags.get(PEAK_MEASURED))})
+
+
+def peaks_note(table: Table) -> str | None:
+    """The note under both tables that explains ``PEAKS_MARK``; None when the table's CPU peaks are one measurement."""
+    measured = peak_measurements(table)
+    if len(measured) < 2:
+        return None
+    return (
+        f"{PEAKS_MARK} MFU read against CPU peaks from {len(measured)} measurements ({PEAK_MEASURED} "
+        f"{measured[0]} to {measured[-1]}): rows' MFU differ by their peaks as well as by their speed; compare "
+        "samples/s, or rerun the rows to read MFU against one measurement."
+    )
 
 
 def _any_unfinished(table: Table) -> bool:
@@ -258,6 +281,8 @@ def _footnotes(table: Table) -> list[str]:
         notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
     if busy := busy_note(table):
         notes.append(busy)
+    if peaks := peaks_note(table):
+        notes.append(peaks)
     if power := power_note(table):
         notes.append(power)
     return [wrapped for note in notes for wrapped in wrap(note)] + gaps(table)

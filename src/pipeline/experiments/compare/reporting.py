@@ -1,5 +1,5 @@
 """The comparison as the user gets it: ``report`` (Markdown, CSV, the links, and the note MLflow's UI shows),
-``write`` (files in a folder) and ``attach`` (the same files on the sweep's parent run)."""
+``write`` (files in a folder) and ``attach`` (the same files on the sweep's parent run, with the terminal's view)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pipeline.experiments.compare.terminal import MAX_WIDTH, table_terminal
 
 ARTIFACTS = "compare"  # the folder under the parent run that --log writes to
 FILES = ("compare.md", "compare.csv", "compare.png")
+TERMINAL = "compare.txt"  # on the parent run only: the table as the terminal prints it, in the same words
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,9 @@ def write(result: Report, folder: Any) -> list[Any]:
 
 
 def attach(client: Any, run_id: str, result: Report) -> None:
-    """Log the three files to ``run_id`` (the sweep's parent run) under ``compare/``."""
+    """Log the three files, and ``compare.txt`` (``Report.terminal``), to ``run_id`` (the sweep's parent run) under
+    ``compare/``."""
     client.log_text(run_id, result.markdown, f"{ARTIFACTS}/{FILES[0]}")
     client.log_text(run_id, result.csv, f"{ARTIFACTS}/{FILES[1]}")
+    client.log_text(run_id, result.terminal, f"{ARTIFACTS}/{TERMINAL}")
     client.log_figure(run_id, result.figure(), f"{ARTIFACTS}/{FILES[2]}")

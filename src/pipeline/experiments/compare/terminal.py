@@ -15,7 +15,17 @@ from __future__ import annotations
 
 import textwrap
 
-from pipeline.experiments.compare.formats import above, busy_mark, busy_note, gaps, mfu_cell, number, step_cell, wrap
+from pipeline.experiments.compare.formats import (
+    above,
+    busy_mark,
+    busy_note,
+    gaps,
+    mfu_cell,
+    number,
+    peaks_note,
+    step_cell,
+    wrap,
+)
 from pipeline.experiments.compare.table import Line, Table, power_note
 
 MAX_WIDTH = 160  # a terminal's width at most: no line of the view is longer
@@ -56,12 +66,17 @@ def _cells(table: Table, line: Line, keys: list[str]) -> list[str]:
     marked = any(other.row.busy_runs for other in table.lines)  # then unmarked numbers keep the digits aligned
     mark = busy_mark(row) or (" " if marked else "")
     cells = [row.name, str(row.n), *(row.param(k) for k in keys), (number(speed.median) if speed else "–") + mark]
-    cells += ["1.00× (baseline)" if base else line.vs_baseline.estimate(), line.vs_baseline.verdict()]
+    cells += [speedup_cell(line, baseline=base), line.vs_baseline.verdict()]
     if table.ladder:
         previous = line.vs_previous
         cells.append(f"{previous.estimate().split(' ')[0]} {previous.verdict()}" if previous else "–")
-    cells += [number(quality.median) if quality else "–", mfu_cell(row), step_cell(row)]
+    cells += [number(quality.median) if quality else "–", mfu_cell(table, row), step_cell(row)]
     return cells
+
+
+def speedup_cell(line: Line, *, baseline: bool) -> str:
+    """The speed-up column: ``1.18× [1.12–1.24]`` (``estimate``), ``1.00× (baseline)`` on the baseline's row."""
+    return "1.00× (baseline)" if baseline else line.vs_baseline.estimate()
 
 
 def _fit(lines: list[str]) -> list[str]:
@@ -107,4 +122,6 @@ def _notes(table: Table) -> list[str]:
         notes.append(power)
     if busy := busy_note(table):
         notes.append(busy)
+    if peaks := peaks_note(table):
+        notes.append(peaks)
     return [wrapped for note in notes for wrapped in wrap(note)]
