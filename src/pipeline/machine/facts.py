@@ -33,7 +33,7 @@ from pipeline.machine.platforms import (
     shadowing_cudnn,
     vendor_of,
 )
-from pipeline.monitor.peaks import cpu_peak
+from pipeline.monitor.peaks import WINDOW_DTYPES, cpu_peaks, measure_window
 
 # CUDA versions of PyTorch's wheel indexes (download.pytorch.org/whl/cuXYZ), newest last
 WHEEL_CUDA = ["11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0"]
@@ -97,6 +97,7 @@ class Facts:
     cpu_amx: bool | None = None  # amx_bf16: the tile unit that makes bfloat16 pay off on the CPU
     # the CPU's measured matmul peak per dtype (TFLOP/s; pipeline.monitor.peaks), measured again by gather_speed
     cpu_peak_tflops: dict[str, float] = field(default_factory=dict)
+    cpu_peak_refused: str = ""  # why gather_speed's measurement was refused (the machine was busy): not cached
 
 
 def gather(probe: Probe | None = None) -> Facts:
@@ -164,7 +165,8 @@ def gather_speed(facts: Facts) -> Facts:
     again: under two seconds.
 
     Only the doctor's own run (and ``report(smoke=True)``) pays for this, never the report
-    attached to each training run. Fills ``facts.cpu_bf16_*``, the CPU's bfloat16 flags and ``cpu_peak_tflops``.
+    attached to each training run. Fills ``facts.cpu_bf16_*``, the CPU's bfloat16 flags, ``cpu_peak_tflops`` and
+    ``cpu_peak_refused``.
     """
     flags = amp_check.cpu_flags()  # the amp check's reading of the CPU's flags: one reader of /proc/cpuinfo
     facts.cpu_avx512_bf16, facts.cpu_amx = (None, None) if flags is None else _bf16_flags(flags)
@@ -175,14 +177,10 @@ def gather_speed(facts: Facts) -> Facts:
     facts.cpu_bf16_matmul_speed = _bf16_speed(torch.matmul, (a, b), until=start + 0.3)
     conv = torch.nn.functional.conv2d
     facts.cpu_bf16_conv_speed = _bf16_speed(lambda x, w: conv(x, w, padding=1), (x, w), until=start + 1.0)
-    facts.cpu_peak_tflops = cpu_peaks()
+    found = cpu_peaks(WINDOW_DTYPES, cpu=cpu_name(), refresh=True, measure=measure_window)
+    facts.cpu_peak_tflops = {dtype: found.figures[dtype].tflops for dtype in WINDOW_DTYPES if dtype in found.figures}
+    facts.cpu_peak_refused = found.refused
     return facts
-
-
-def cpu_peaks() -> dict[str, float]:
-    """The CPU's matmul peaks that runs read MFU against, measured again (about 0.7 s) and cached for them."""
-    measured = {dtype: cpu_peak(dtype, cpu=cpu_name(), refresh=True).tflops for dtype in ("fp32", "bf16")}
-    return {dtype: tflops for dtype, tflops in measured.items() if tflops is not None}
 
 
 def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> float:

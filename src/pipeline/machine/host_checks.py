@@ -147,19 +147,33 @@ def cpu_bf16_check(facts: Facts) -> Check:
 
 
 def cpu_peak_check(facts: Facts) -> Check:
-    """What MFU is read against on this CPU: its measured matmul peaks, cached for the runs."""
+    """What MFU is read against on this CPU: its measured matmul peaks, cached for the runs; a WARN when the
+    measurement just taken was refused because the machine was busy."""
     import torch
 
+    refused = facts.cpu_peak_refused
     if not facts.cpu_peak_tflops:
-        return Check("CPU peak (MFU)", "INFO", "not measured (gather_speed did not run)")
+        if not refused:
+            return Check("CPU peak (MFU)", "INFO", "not measured (gather_speed did not run)")
+        return Check(
+            "CPU peak (MFU)",
+            "WARN",
+            f"not measured: {refused}. Nothing is cached, so CPU runs report no MFU (and say why)",
+            "run python -m pipeline.doctor again when the machine is quiet",
+        )
     figures = ", ".join(f"{dtype} {tflops:.3g} TFLOP/s" for dtype, tflops in facts.cpu_peak_tflops.items())
-    return Check(
-        "CPU peak (MFU)",
-        "INFO",
-        f"{figures}: the fastest matmul of up to {CPU_MATMUL_N}x{CPU_MATMUL_N} at {torch.get_num_threads()} thread(s), "
-        f"measured now and cached in {cache_file()}; a CPU run's MFU is its model FLOPs per second over this. "
-        "Measured on a busy machine it reads low (and MFU high): run the doctor again when the machine is quiet",
+    how = (
+        f"the fastest matmul of up to {CPU_MATMUL_N}x{CPU_MATMUL_N} at {torch.get_num_threads()} thread(s), the best "
+        f"of the quiet measurements cached in {cache_file()}; a CPU run's MFU is its model FLOPs per second over this"
     )
+    if refused:
+        return Check(
+            "CPU peak (MFU)",
+            "WARN",
+            f"{figures}: {how}. Measured again now but refused, not cached: {refused}",
+            "run python -m pipeline.doctor again when the machine is quiet",
+        )
+    return Check("CPU peak (MFU)", "INFO", f"{figures}: {how}. Measured again now, on a quiet machine")
 
 
 def loading_check(facts: Facts) -> Check:
