@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import pipeline.engine.build as build_module
+import pipeline.engine.replay as replay_module
 from pipeline.__main__ import main
 
 # A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
@@ -86,15 +87,22 @@ def without_first_batch_check(monkeypatch: pytest.MonkeyPatch) -> None:
 def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
     """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds. The hook
     goes once it has fired, so the model the run logs at its end carries none (an action holding a lock could not
-    be pickled)."""
-    original = build_module.build_model
-    calls = {"n": 0}
+    be pickled). The steps the replay check replays (``pipeline.engine.replay``) are no training steps: not counted."""
+    original, replay = build_module.build_model, replay_module.replay
+    calls = {"n": 0, "replaying": False}
+
+    def replaying(*args, **kwargs):
+        calls["replaying"] = True
+        try:
+            return replay(*args, **kwargs)
+        finally:
+            calls["replaying"] = False
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            if module.training:
+            if module.training and not calls["replaying"]:
                 calls["n"] += 1
                 if calls["n"] == step:
                     handle.remove()
@@ -104,6 +112,7 @@ def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callabl
         return model
 
     monkeypatch.setattr(build_module, "build_model", build)
+    monkeypatch.setattr(replay_module, "replay", replaying)
 
 
 def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:

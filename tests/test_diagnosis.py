@@ -69,7 +69,7 @@ def slow_bundle(delay_s: float, clock: StepClock, n: int = 96) -> DataBundle:
 
 
 def test_a_slow_dataset_is_judged_input_bound(
-    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, clock: StepClock
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, clock: StepClock, quiet_machine: None
 ) -> None:
     monkeypatch.setattr(build_module, "load_data", lambda cfg, **kwargs: slow_bundle(delay_s=0.01, clock=clock))
     monkeypatch.setattr(build_module, "build_model", lambda *a, **k: SlowModel(delay_s=0.02, clock=clock))
@@ -77,43 +77,62 @@ def test_a_slow_dataset_is_judged_input_bound(
     b = result.breakdown
     assert b.data_wait_pct + b.h2d_pct + b.compute_pct + b.overhead_pct == pytest.approx(100.0)
     assert b.data_wait_pct == pytest.approx(100 * 0.16 / 0.18) and result.bottleneck == "input"  # 16 x 10 ms a step
-    assert result.verdict.startswith("input-bound: ") and "loader.resident=true" in result.verdict
+    assert result.verdict.startswith("highly input-bound (") and "loader.resident=true" in result.verdict
+    assert "decided by the step-time split" in result.verdict
 
 
 def test_a_slow_model_is_judged_compute_bound(
-    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, clock: StepClock
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, clock: StepClock, quiet_machine: None
 ) -> None:
     """The model's 30 ms forward is all a step's time on the step timer's clock: no wall-clock share is asserted
     (a busy two-core machine once made a real one 89.5%)."""
     monkeypatch.setattr(build_module, "build_model", lambda *a, **k: SlowModel(delay_s=0.03, clock=clock))
     result = train(make_cfg("tracking=none", "trainer.max_steps=6", "loader=resident"), echo=False)
     assert result.breakdown.compute_pct == pytest.approx(100.0) and result.bottleneck == "compute"
-    assert result.verdict.startswith("compute-bound: ") and "device=cuda" in result.verdict
+    assert result.verdict.startswith("compute-bound") and "no GPU that torch can use" in result.verdict
 
 
 @pytest.mark.parametrize(
-    ("wait", "h2d", "gpu", "expected"),
+    ("input_pct", "overhead", "mfu", "idle", "expected"),
     [
-        (58, 2, 41, "input"),
-        (35, 0, None, "input"),
-        (16, 0, 30, "input"),
-        (16, 0, 90, "mixed"),
-        (20, 0, None, "mixed"),
-        (5, 2, 97, "compute"),
-        (5, 2, None, "compute"),
-        (5, 2, 20, "mixed"),
-        (0, 30, 95, "input"),
+        (58, 0, None, False, "input-high"),
+        (20, 30, None, False, "input-high"),  # input first: the loader's share is the larger win
+        (19, 15, None, False, "overhead"),
+        (19, 0, 8, True, "overhead"),  # MFU under 10% with the device mostly idle
+        (19, 0, 8, False, "input-moderate"),
+        (5, 0, None, False, "input-moderate"),
+        (4.9, 14.9, 40, False, "compute"),
+        (0, 0, 3, False, "compute"),
     ],
 )
-def test_classification_rules(wait: float, h2d: float, gpu: float | None, expected: str) -> None:
-    assert classify(data_wait_pct=wait, h2d_pct=h2d, gpu_util_pct=gpu) == expected
+def test_classification_rules(input_pct: float, overhead: float, mfu: float | None, idle: bool, expected: str) -> None:
+    assert classify(input_pct=input_pct, overhead_pct=overhead, mfu_pct=mfu, idle=idle) == expected
+
+
+def test_epochs_that_agree_make_a_confident_verdict_and_epochs_that_disagree_cannot_tell(make_cfg: MakeCfg) -> None:
+    agree = judge(make_cfg(), device_type="cpu", data_wait_pct=30, h2d_pct=0, gpu_util_pct=None, precision="fp32",
+                  epochs=[(28, 1), (31, 1), (33, 0)])  # fmt: skip
+    assert agree.bottleneck == "input" and agree.confidence == "high"
+    assert agree.message.startswith(
+        "highly input-bound (high confidence: input 28-33% over 3 epochs; decided by the step-time split): "
+    )
+    split = judge(make_cfg(), device_type="cpu", data_wait_pct=12, h2d_pct=0, gpu_util_pct=None, precision="fp32",
+                  epochs=[(2, 1), (25, 1)])  # fmt: skip
+    assert split.bottleneck == "unknown" and split.confidence == "low"
+    assert split.message.startswith(
+        "cannot tell: the steady epochs disagree, input 2-25% over 2 epochs; the shares lean moderately input-bound: "
+    )
+    near = judge(make_cfg(), device_type="cpu", data_wait_pct=5, h2d_pct=0, gpu_util_pct=None, precision="fp32",
+                 epochs=[(4.5, 0), (6, 0)])  # fmt: skip
+    assert near.confidence == "high"  # classes differ across a threshold by less than DISAGREE_SPREAD_PCT: noise
 
 
 def test_input_hint_on_a_gpu_names_workers_and_pinned_memory(make_cfg: MakeCfg) -> None:
     cfg = make_cfg("loader.pin_memory=false")
     verdict = judge(cfg, device_type="cuda", data_wait_pct=58, h2d_pct=2, gpu_util_pct=41, precision="fp32", cpus=8)
     assert verdict.message == (
-        "input-bound: 58% of step time waiting for data, 2% copying it, GPU busy 41% on average — "
+        "highly input-bound (medium confidence: one steady epoch; decided by the step-time split): 58% of step time "
+        "waiting for data, 2% copying it, GPU busy 41% on average — "
         "try loader.num_workers=4 loader.persistent_workers=true loader.pin_memory=true, or loader.resident=true"
     )
 
@@ -148,19 +167,21 @@ def test_compute_hints_follow_device_and_precision(make_cfg: MakeCfg) -> None:
     cpu = judge(
         make_cfg("amp=true"), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16"
     )
-    assert "train on a GPU (device=cuda); amp's effect on this CPU was not measured" in cpu.message
+    assert "trainer.compile=true; amp's effect on this CPU was not measured" in cpu.message
+    assert cpu.message.index("loader.batch_size=64") < cpu.message.index("no GPU that torch can use")
 
 
-def test_on_a_busy_machine_the_verdict_says_its_evidence_is_unreliable(make_cfg: MakeCfg) -> None:
+def test_on_a_busy_machine_the_verdict_cannot_tell_and_says_which_way_the_shares_lean(make_cfg: MakeCfg) -> None:
     busy = "the machine was busy (others used 60% of its CPUs)"
     verdict = judge(
         make_cfg(), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="fp32", busy=busy
     )
-    assert verdict.bottleneck == "compute"  # the rules read the step's shares, never a CPU utilisation
+    assert (verdict.bottleneck, verdict.confidence) == ("unknown", "low")
     assert verdict.message.startswith(
-        "compute-bound: 1% of step time waiting for data, 0% copying it; the machine was busy (others used 60% of its "
-        "CPUs), so this evidence is unreliable — "
+        "cannot tell: the machine was busy (others used 60% of its CPUs); the shares lean compute-bound: 1% of step "
+        "time waiting for data, 0% copying it — "
     )
+    assert verdict.tags()["verdict.class"] == "unknown" and verdict.tags()["verdict.top_ops"] == "none profiled"
 
 
 def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
@@ -187,7 +208,9 @@ def test_a_tracked_run_records_system_metrics_breakdown_verdict_and_plots(
         assert key in metrics, key
     assert run.data.tags["machine.busy"] in ("true", "false") and run.data.tags["machine.others_cpu_pct"].isdigit()
     assert len(client.get_metric_history(result.run_id, "time/compute_pct")) == 2
-    assert run.data.tags["bottleneck"] in ("input", "compute", "mixed")
+    assert run.data.tags["bottleneck"] in ("input", "overhead", "compute", "unknown")
+    assert run.data.tags["verdict.class"] == run.data.tags["bottleneck"]
+    assert run.data.tags["verdict.confidence"] in ("high", "medium", "low")
     assert run.data.tags["bottleneck.hint"] == result.verdict
     artifacts = {a.path for a in client.list_artifacts(result.run_id, "plots")}
     assert artifacts == {"plots/utilisation.png", "plots/step_time.png"}

@@ -140,19 +140,21 @@ def test_a_run_with_no_step_to_profile_says_so(clock: StepClock, caplog: pytest.
     assert caplog.text.count("trainer.profile=true, but no step was profiled") == 1
 
 
-def test_profile_false_makes_no_profiler_and_leaves_the_loop_as_it_was(
+def test_profile_and_auto_profile_false_make_no_profiler_and_leave_the_loop_as_it_was(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def refused(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a profiler was made with trainer.profile=false")
+        raise AssertionError("a profiler was made with trainer.profile=false trainer.auto_profile=false")
 
     monkeypatch.setattr(torch.profiler, "profile", refused)
     monkeypatch.setattr(profiling, "StepProfiler", refused)
+    monkeypatch.setattr(profiling, "AutoProfiler", refused)
     monkeypatch.setattr(profiling, "ProfiledTimer", refused)
     timer = WallTimer()
-    assert make_profiler(load([]).trainer, torch.device("cpu")) is NO_PROFILER
+    off = load(["trainer.auto_profile=false"]).trainer
+    assert make_profiler(off, torch.device("cpu"), mfu_pct=lambda speed: None) is NO_PROFILER
     assert NO_PROFILER.wrap(timer, step=lambda: 0) is timer
-    result = train(make_cfg("tracking=none", "trainer.max_steps=5"), echo=False)
+    result = train(make_cfg("tracking=none", "trainer.max_steps=5", "trainer.auto_profile=false"), echo=False)
     assert result.profile is None and result.breakdown.profiled_steps == 0 and result.breakdown.steady_steps == 4
 
 

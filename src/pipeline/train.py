@@ -122,8 +122,9 @@ def _train(
             logbook.start(tracker, setup, cfg, masked_config, typed_overrides, start)
         models = logbook.epoch_models(cfg, tracker, setup)  # tracking.log_model=checkpoints: one at each epoch's
         epochs, starts, sampler = _fit(
-            cfg, setup, start, masked_config, tracker=tracker, stop=stop, own=own, quiet=quiet, models=models
-        )
+            cfg, setup, start, masked_config, tracker=tracker, stop=stop, own=own, quiet=quiet, models=models,
+            started=started,
+        )  # fmt: skip
         total_s = time.perf_counter() - started
         result = logbook.conclude(
             setup, cfg, epochs, tracker=tracker, sampler=sampler, epoch_starts=starts, total_s=total_s, models=models
@@ -206,6 +207,7 @@ def _fit(
     own: list[str],
     quiet: bool,
     models: Any,
+    started: float,
 ) -> tuple[list[EpochResult], list[float], Any]:
     """Train from ``start`` with the checkpointer (holding ``masked_config``) and the utilisation sampler open.
     Returns the epochs' results, their start times on the sampler's clock, and the sampler (stopped); the last
@@ -244,6 +246,7 @@ def _fit(
                 stop=stop,
                 show_progress=progress_mode(cfg.trainer.progress, quiet=quiet),
                 models=models,
+                started=started,
             )
         finally:
             sampler.stop()
@@ -264,12 +267,14 @@ def run_epochs(
     stop: StopRequests,
     show_progress: str,
     models: Any,
+    started: float,
 ) -> tuple[list[EpochResult], list[float]]:
     """Train from ``start`` to the last epoch or ``trainer.max_steps``, checkpointing as configured.
 
     Returns the epochs' records and their start times on the sampler's clock (the timeline's
     epoch marks). Raises ``Stopped`` after writing a checkpoint when a stop request ended an epoch.
-    ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``).
+    ``show_progress``: ``bar``, ``lines`` or ``none`` (``pipeline.engine.progress.progress_mode``); ``started``:
+    when the run started (``time.perf_counter``), the origin of the auto profile's budget.
     """
     total = steps_to_train(
         epochs=trainer.epochs,
@@ -286,7 +291,7 @@ def run_epochs(
         speak=setup.group.is_main,
     )
     step, apart = (lambda: setup.state.step), run_progress.set_apart  # profile=false: the timer as it is
-    timer = setup.profiler.wrap(make_timer(setup.device), step=step, apart=apart)
+    timer = setup.profiler.wrap(make_timer(setup.device), step=step, apart=apart, total=total, began=started)
     epochs: list[EpochResult] = []
     epoch_starts: list[float] = []
     for epoch in range(start.epoch, trainer.epochs + 1):
@@ -370,12 +375,17 @@ def run_epoch(
             stop=stop,
             checkpoints=MidwayCheckpoints(saver, tracker, lambda at: checkpoint.Position(epoch, skip + steps.done, at)),
             on_step=steps.step,
+            keep=setup.replay.keep,
         )
         bar.close()
         if stats.stopped:
             stop.adopt(stats.stop_signal)  # under DDP the signal may have reached another rank only
             tracker.flush()
             return None, steps.done
+        # perf/replay_speedup: once, a few steps on one batch, the state put back (pipeline.engine.replay)
+        setup.replay.after_epoch(
+            state, stats.breakdown, inputs=setup.inputs, group=setup.group, run_steps=progress.total
+        )
         setup.group.broadcast_buffers(state.model)  # BatchNorm's running statistics: rank 0's, on every rank
         setup.scoring.context.epoch = epoch
         val = evaluate(
@@ -391,8 +401,9 @@ def run_epoch(
         state.scheduler.after_evaluation(val.metrics)  # scheduler.interval=epoch, or a schedule fed a val metric
     utilisation = sampler.summary(since=since)
     ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
-    record = EpochResult(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks)
     launch = launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}
+    record = EpochResult(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks,
+                         launch_s=launch.get("time/launch_to_first_step_s"))  # fmt: skip
     tracker.log_metrics(epoch_metrics(setup, record, stats, utilisation, launch), step=epoch)
     tracker.flush()
     _log_epoch(record, trainer.epochs, setup.task.primary)

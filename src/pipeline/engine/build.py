@@ -50,6 +50,7 @@ from pipeline.engine.optim import Schedule, build_optimizer, build_scheduler, ma
 from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
 from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import UserCode, run_name
+from pipeline.engine.replay import NO_REPLAY, NoReplay, ReplayCheck, make_replay
 from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
 from pipeline.engine.step import Inputs
 from pipeline.engine.tasks import Task, make_task
@@ -85,6 +86,7 @@ class Setup:
     code: UserCode = field(default_factory=lambda: UserCode({}))  # the user's code it imported (hashed)
     profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.profiling)
     snapshot: OomSnapshot | NoSnapshot = NO_SNAPSHOT  # trainer.memory_snapshot (pipeline.engine.snapshot)
+    replay: ReplayCheck | NoReplay = NO_REPLAY  # trainer.replay_check: the step time with free data (engine.replay)
 
     @property
     def device(self) -> torch.device:
@@ -168,8 +170,9 @@ def build(
         group=group,
         model_flops=model_flops,
         code=UserCode.imported(),  # every user module is imported by now: the data's, the model's, the step's
-        profiler=make_profiler(trainer, device),
+        profiler=make_profiler(trainer, device, mfu_pct=model_flops.mfu_pct),
         snapshot=snapshot,
+        replay=make_replay(trainer),
     )
     return setup
 

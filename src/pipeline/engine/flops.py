@@ -29,6 +29,10 @@ from pipeline.data.structures import call_model
 from pipeline.monitor.peaks import Peak
 
 FORWARD_AND_BACKWARD = 3  # the backward pass costs about two forwards
+# Under this share of the device's peak a run leaves most of it unused (well-tuned training reaches 40-60% of a GPU's
+# dense peak: nanoGPT's GPT-2 on an A100, about 40%): the verdict looks for where the time goes, and a run profiles
+# a few steps by itself to find it (``pipeline.engine.profiling.AutoProfiler``).
+LOW_MFU_PCT = 30.0
 
 
 @dataclass
@@ -89,11 +93,14 @@ class ModelFlops:
         return {k: v for k, v in values.items() if v is not None}
 
     def tags(self) -> dict[str, str]:
-        """The record of what MFU is read against: ``perf.peak`` (its words), ``perf.peak_tflops``, ``perf.dtype``;
-        ``perf.no_mfu`` (why) when there is none."""
+        """The record of what MFU is read against: ``perf.peak`` (its words), ``perf.peak_tflops``, ``perf.dtype``,
+        and for a measured peak ``perf.peak_measured``, the time of the measurement (by which ``pipeline.compare``
+        tells whether rows' MFU share one); ``perf.no_mfu`` (why) when there is none."""
         tags = {"perf.dtype": self.peak.dtype}
         if self.peak.tflops:
             tags.update({"perf.peak": self.peak.what, "perf.peak_tflops": f"{self.peak.tflops:.4g}"})
+        if self.peak.measured_at:
+            tags["perf.peak_measured"] = self.peak.measured_at
         if self.why_none():
             tags["perf.no_mfu"] = self.why_none()
         return tags

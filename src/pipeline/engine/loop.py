@@ -170,14 +170,14 @@ def train_epoch(
     stop: StopSource = NO_STOP,
     checkpoints: Checkpoints | None = None,
     on_step: Callable[[int], None] = lambda samples: None,
+    keep: Callable[[Any, Any, int], None] = lambda images, labels, samples: None,
 ) -> EpochStats:
-    """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit).
-
-    Each batch is moved and augmented once (``inputs``), then ``run_step`` trains on it. ``timer`` is marked four
-    times a step and told when a step compiled; ``on_step`` (e.g. a progress bar) gets each step's samples and must
-    not touch the device. ``metrics`` and ``checkpoints`` say which steps are theirs; a checkpoint never holds weights
-    from unchecked steps. The epoch ends after a step at which a stop was requested, or before one it abandoned.
-    """
+    """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit). Each batch is
+    moved and augmented once (``inputs``), then ``run_step`` trains on it. ``timer`` is marked four times a step and
+    told when a step compiled; ``on_step`` (a progress bar) gets each step's samples, never touching the device;
+    ``keep`` each trained batch as the step had it (``pipeline.engine.replay``). ``metrics`` and ``checkpoints`` say
+    which steps are theirs; a checkpoint never holds weights from unchecked steps. The epoch ends after a step at
+    which a stop was requested, or before one it abandoned."""
     metrics, checkpoints = metrics or StepMetrics(), checkpoints or NoCheckpoints()
     state.model.train()
     state.context.training = True
@@ -194,7 +194,7 @@ def train_epoch(
         if outcome.abandoned:  # not counted, nothing applied: the epoch ends at the last step
             break
         state.step += 1
-        tally.add(n)
+        tally.add(n), keep(images, labels, n)  # keep: a reference, no copy
         window.add(outcome.loss, n, state.step)  # one small device copy per step, no sync
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)

@@ -146,10 +146,14 @@ class ProfileReport:
     gpu: GpuBusy | None  # on CUDA
     trace: str = ""  # the trace's artifact path; "" when it is not in the run's record
     why_no_trace: str = "tracking off"  # then, why
+    optimizer_pct: float = 0.0  # the optimizer's step and zero_grad, everything they called included
+    auto: bool = False  # profiled by the run itself (trainer.auto_profile), not asked for
+    cost_s: float = 0.0  # the auto profile's cost beyond its steps' own time: the window's extra and the analysis
 
     def metrics(self) -> dict[str, float]:
         gpu = self.gpu.metrics() if self.gpu is not None else {}
-        return {"profile/steps": float(self.steps), "profile/step_ms": self.step_ms, **gpu}
+        cost = {"profile/cost_s": self.cost_s} if self.auto else {}
+        return {"profile/steps": float(self.steps), "profile/step_ms": self.step_ms, **gpu, **cost}
 
     def table(self, rows: int = TABLE_ROWS) -> str:
         """The top ``rows`` operators as the Markdown artifact."""
@@ -173,8 +177,9 @@ class ProfileReport:
         """The summary's lines: the steps profiled and where the trace is, the GPU's time, the top operators."""
         short = f", {self.steps} of the {self.asked} asked: the epoch ended" if self.steps < self.asked else ""
         where = f"trace {self.trace} (ui.perfetto.dev opens it)" if self.trace else f"no trace ({self.why_no_trace})"
+        how = f"by the run itself (low MFU; it cost {self.cost_s:.2f} s)" if self.auto else "under torch.profiler"
         lines = [
-            f"steps {self.first}-{self.first + self.steps - 1} under torch.profiler{short}, {self.step_ms:.2f} ms a "
+            f"steps {self.first}-{self.first + self.steps - 1} {how}{short}, {self.step_ms:.2f} ms a "
             f"step, left out of samples/s; {where}"
         ]
         if self.gpu is not None:
@@ -197,15 +202,27 @@ def analyse(profiler: Any, *, labels: list[str], asked: int, first: int, on_devi
     if on_device:
         waits = [(e.time_range.start, e.time_range.end) for e in host if e.name == WAIT]
         gpu = gpu_busy([(e.time_range.start, e.time_range.end) for e in events if is_kernel(e)], steps, waits)
+    averages = profiler.key_averages()
     return ProfileReport(
         steps=len(labels),
         asked=asked,
         first=first,
         step_ms=steps_us / 1e3 / len(labels) if labels else 0.0,
         clock="CUDA" if on_device else "CPU",
-        operators=top_operators(profiler.key_averages(), on_device=on_device, steps_us=steps_us),
+        operators=top_operators(averages, on_device=on_device, steps_us=steps_us),
         gpu=gpu,
+        optimizer_pct=optimizer_share(averages, on_device=on_device, steps_us=steps_us),
     )
+
+
+def optimizer_share(averages: Iterable[Any], *, on_device: bool, steps_us: float) -> float:
+    """The optimizer's share of the profiled steps: torch's ``Optimizer.step#...`` and ``Optimizer.zero_grad#...``
+    ranges with everything they called (on CUDA, their kernels' time)."""
+    total = 0.0
+    for average in averages:
+        if average.key.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
+            total += average.device_time_total if on_device else average.cpu_time_total
+    return 100 * total / steps_us if steps_us > 0 else 0.0
 
 
 def is_kernel(event: Any) -> bool:

@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from pipeline.common.messages import brief
+from pipeline.engine.flops import LOW_MFU_PCT
 from pipeline.engine.profile_report import WAIT, ProfileReport, analyse
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
 
@@ -91,15 +93,38 @@ class StepProfiler:
         self.labels: list[str] = []  # the ranges of the steps profiled so far: "step N"
         self._first = self._last = 0  # the first and last profiled steps' numbers
         self._step: Callable[[], int] = lambda: 0
+        self._total = self._began_at = 0  # the steps this process trains, and the step it started after
+        self.created = time.perf_counter()  # the run's start (``wrap``'s ``began``): the auto profile's budget origin
         self._tracker: Tracker | None = None
         self.report: ProfileReport | None = None
 
+    keeps_trace = True  # the Chrome trace is written to the run (the auto profile keeps only the table)
+
+    def _analysed(self, report: ProfileReport, *, analysis_s: float) -> ProfileReport:
+        """The report as recorded (the auto profile adds its cost, ``analysis_s`` the analysis's part)."""
+        return report
+
+    def _nothing_profiled(self) -> None:
+        log.warning(
+            "trainer.profile=true, but no step was profiled: profiling starts after an epoch's first step and any "
+            "that compiled, and no epoch of this run had a step after those (raise trainer.max_steps)"
+        )
+
     def wrap(
-        self, timer: WallTimer | EventTimer, *, step: Callable[[], int], apart: Callable[[], None] = _pass
+        self,
+        timer: WallTimer | EventTimer,
+        *,
+        step: Callable[[], int],
+        apart: Callable[[], None] = _pass,
+        total: int = 0,
+        began: float | None = None,
     ) -> ProfiledTimer:
         """``timer`` with the profiler on its marks; ``step()`` is the run's number of the step last done, and
-        ``apart()`` hears of each profiled step (the run's time estimate leaves them out too)."""
-        self._step = step
+        ``apart()`` hears of each profiled step (the run's time estimate leaves them out too); ``total``: the steps
+        this process will train; ``began``: when the run started (``time.perf_counter``)."""
+        self._step, self._total, self._began_at = step, total, step()
+        if began is not None:
+            self.created = began
         return ProfiledTimer(timer, self, apart)
 
     @contextlib.contextmanager
@@ -127,18 +152,17 @@ class StepProfiler:
         (None when nothing was profiled)."""
         if self._stage == "waiting":  # the run ends with no step profiled
             self._stage = "recorded"
-            log.warning(
-                "trainer.profile=true, but no step was profiled: profiling starts after an epoch's first step and any "
-                "that compiled, and no epoch of this run had a step after those (raise trainer.max_steps)"
-            )
+            self._nothing_profiled()
         if self._stage != "stopped":
             return self.report
         profiler, self._profiler, self._stage = self._profiler, None, "recorded"
         tracker = self._tracker
+        began = time.perf_counter()
         report = analyse(
             profiler, labels=self.labels, asked=self.steps, first=self._first, on_device=self.device.type == "cuda"
         )
-        if tracker is not None and tracker.run_id is not None:
+        report = self._analysed(report, analysis_s=time.perf_counter() - began)
+        if tracker is not None and tracker.run_id is not None and self.keeps_trace:
             try:
                 with tempfile.TemporaryDirectory(prefix="pipeline-profile-") as folder:
                     tracker.log_file(write_trace(profiler, Path(folder)), "profile")
@@ -171,10 +195,10 @@ class StepProfiler:
             self._stop()
         return True
 
-    def step_marked(self, compiled: bool) -> None:
+    def step_marked(self, compiled: bool, samples: int = 0) -> None:
         """After a step's end is marked: the profiler starts once a step has not compiled (its start is the next
         step's cost, and that step is profiled), and each profiled step's range opens."""
-        if self._stage == "waiting" and not compiled:
+        if self._stage == "waiting" and self._starts_now(compiled, samples):
             self._sync()  # the window starts with nothing queued: its kernels are its steps' own
             self._profiler = self._make()
             self._profiler.start()
@@ -182,6 +206,11 @@ class StepProfiler:
         if self._stage == "active":
             self._range = torch.profiler.record_function(f"step {self._step() + 1}")
             self._range.__enter__()
+
+    def _starts_now(self, compiled: bool, samples: int) -> bool:
+        """Whether the profiler starts after the step just marked (``samples`` in it): after any step that did not
+        compile."""
+        return not compiled
 
     def epoch_ended(self) -> None:
         """The epoch ended in the window: what was profiled is kept (none: the next epoch tries again)."""
@@ -212,13 +241,111 @@ class StepProfiler:
         self._stage = "stopped"
 
 
+AUTO_STEPS = 3  # steps the auto profile records
+AUTO_BUDGET = 0.02  # of the run's time, at most
+# What the profiler's start, stop and analysis of three steps cost (15 ms for a bare MLP step on a quiet 2-core EPYC;
+# 0.1 s inside a run on a busy one, the analysis most of it), and how much slower a profiled step runs than a plain
+# one (each operator recorded): the estimate the budget is checked against before the window starts. The window's
+# real cost is measured and recorded (``profile/cost_s``).
+AUTO_FIXED_S = 0.1
+PROFILED_SLOWDOWN = 2.0
+RECENT_STEPS = 20  # the steps whose times estimate a step's time and the run's speed
+
+
+class AutoProfiler(StepProfiler):
+    """``trainer.auto_profile``: torch.profiler over ``AUTO_STEPS`` steps in the middle of the run, when its MFU so
+    far is under ``LOW_MFU_PCT`` (or unknown) and the window fits in ``AUTO_BUDGET`` of the run's time; the verdict
+    then names where the time went (``pipeline.report.operators``). Never in the first half of the run's steps, so
+    never in the first epoch's first steps; no trace is written (``trainer.profile=true`` keeps one).
+
+    Args:
+        device: the training device.
+        mfu_pct: the MFU at a speed in samples/s (``ModelFlops.mfu_pct``), None when it cannot be told.
+        make: makes the profiler (default ``torch.profiler.profile``).
+        clock: the wall clock (a test's fake one).
+    """
+
+    keeps_trace = False
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        mfu_pct: Callable[[float], float | None],
+        make: Callable[[], Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        super().__init__(AUTO_STEPS, device, make=make)
+        self.mfu_pct, self.clock = mfu_pct, clock
+        self.skipped = ""  # why no step was profiled
+        self._recent: list[tuple[float, int]] = []  # the last steps' (seconds, samples)
+        self._last_end: float | None = None
+        self._window: tuple[float, float] = (0.0, 0.0)  # (wall time the window took, a plain step's seconds)
+
+    def _starts_now(self, compiled: bool, samples: int) -> bool:
+        now = self.clock()
+        if self._last_end is not None and not compiled:
+            self._recent = [*self._recent[-RECENT_STEPS + 1 :], (now - self._last_end, samples)]
+        self._last_end = now
+        if compiled or self.skipped or len(self._recent) < 2:
+            return False
+        if self._step() - self._began_at < max(self._total // 2, 2):
+            return False
+        return self._affordable(now)
+
+    def _affordable(self, now: float) -> bool:
+        """MFU low enough to look, and the window within budget; otherwise ``skipped`` says why."""
+        seconds = sorted(s for s, _ in self._recent)[len(self._recent) // 2]
+        speed = sum(n for _, n in self._recent) / max(sum(s for s, _ in self._recent), 1e-9)
+        mfu = self.mfu_pct(speed)
+        if mfu is not None and mfu >= LOW_MFU_PCT:
+            self.skipped = f"not profiled: MFU {mfu:.0f}% (from {LOW_MFU_PCT:.0f}% the arithmetic is the time)"
+            return False
+        remaining = self._total - (self._step() - self._began_at)
+        expected = now - self.created + remaining * seconds
+        cost = AUTO_STEPS * seconds * PROFILED_SLOWDOWN + AUTO_FIXED_S
+        if cost > AUTO_BUDGET * expected:
+            self.skipped = (
+                f"not profiled: {AUTO_STEPS} profiled steps would cost about {cost:.2f} s, over "
+                f"{AUTO_BUDGET:.0%} of the run's {expected:.1f} s"
+            )
+            return False
+        self._window = (now, seconds)
+        return True
+
+    def epoch_ended(self) -> None:
+        super().epoch_ended()
+        self._last_end = None  # the evaluation between epochs is no step's time
+
+    def _stop(self) -> None:
+        super()._stop()
+        started, seconds = self._window
+        self._window = (self.clock() - started, seconds)
+
+    def _analysed(self, report: ProfileReport, *, analysis_s: float) -> ProfileReport:
+        window_s, seconds = self._window
+        extra = max(0.0, window_s - report.steps * seconds)  # what the window cost beyond its steps' own time
+        why = "trainer.profile=true keeps one"
+        return dataclasses.replace(report, auto=True, cost_s=extra + analysis_s, why_no_trace=why)
+
+    def _nothing_profiled(self) -> None:
+        if not self.skipped:
+            self.skipped = "not profiled: the run ended before its middle step, or every step compiled"
+
+
 class NoProfiler:
     """``trainer.profile=false``: the timer as it is, nothing recorded."""
 
     report: ProfileReport | None = None
 
     def wrap(
-        self, timer: WallTimer | EventTimer, *, step: Callable[[], int], apart: Callable[[], None] = _pass
+        self,
+        timer: WallTimer | EventTimer,
+        *,
+        step: Callable[[], int],
+        apart: Callable[[], None] = _pass,
+        total: int = 0,
+        began: float | None = None,
     ) -> WallTimer | EventTimer:
         return timer
 
@@ -263,16 +390,21 @@ class ProfiledTimer:
         if profiled:
             self.timer.profiled()
             self.apart()
-        self.profiler.step_marked(compiled)
+        self.profiler.step_marked(compiled, samples)
 
     def finish(self) -> Breakdown:
         self.profiler.epoch_ended()
         return self.timer.finish()
 
 
-def make_profiler(trainer: Any, device: torch.device) -> StepProfiler | NoProfiler:
-    """The run's profiler: ``trainer.profile`` over ``trainer.profile_steps`` steps, or none."""
-    return StepProfiler(trainer.profile_steps, device) if trainer.profile else NO_PROFILER
+def make_profiler(
+    trainer: Any, device: torch.device, *, mfu_pct: Callable[[float], float | None]
+) -> StepProfiler | NoProfiler:
+    """The run's profiler: ``trainer.profile`` over ``trainer.profile_steps`` steps, else ``trainer.auto_profile``'s
+    (``mfu_pct``: the MFU at a speed), or none."""
+    if trainer.profile:
+        return StepProfiler(trainer.profile_steps, device)
+    return AutoProfiler(device, mfu_pct=mfu_pct) if trainer.auto_profile else NO_PROFILER
 
 
 def _torch_profiler(device: torch.device) -> Any:

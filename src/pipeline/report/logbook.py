@@ -26,9 +26,10 @@ from pipeline.machine import doctor
 from pipeline.monitor import allocator_metrics, job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import Logged, ModelCard, check_format
+from pipeline.report.operators import operator_groups
 from pipeline.report.plots import step_breakdown, utilisation_timeline
-from pipeline.report.summary import EpochResult, RunResult, busy_words, device_speed, run_breakdown
-from pipeline.report.verdict import Mfu, judge
+from pipeline.report.summary import EpochResult, RunResult, busy_words, device_speed, run_breakdown, steady_epochs
+from pipeline.report.verdict import Mfu, Verdict, judge
 
 
 def start(
@@ -92,9 +93,10 @@ def conclude(
     # Every rank concludes, so every rank takes part in this gather; it makes the job's other ranks on this machine
     # count as the run's own CPU use, not as other processes keeping the machine busy.
     utilisation = job_summary(utilisation, setup.group.gather(rank_cpu(utilisation)))
-    verdict = _verdict(setup, cfg, epochs, breakdown, utilisation)
+    profile = setup.profiler.record()  # the trace and the top operators (None when not profiled)
+    verdict = _verdict(setup, cfg, epochs, breakdown, utilisation, profile)
     note = batchnorm_note(setup.state.model, setup.state.micro)
-    tags = {"bottleneck": verdict.bottleneck, "bottleneck.hint": verdict.message, **utilisation.tags()}
+    tags = {**verdict.tags(), **utilisation.tags()}
     tracker.set_tags({**tags, "oom.batchnorm": note} if note else tags)
     if cfg.monitor.plots:
         _plots(tracker, setup.run_name, sampler, epochs, epoch_starts)
@@ -107,13 +109,15 @@ def conclude(
         tracker.set_tags({"model.format": logged.form})
     compile_s = compile_seconds([e.breakdown for e in epochs]) if cfg.trainer.compile else None
     once.update(setup.state.compiles.metrics())  # compile/graphs, compile/recompiles (compiled runs only)
+    replay = setup.replay.outcome(breakdown)  # perf/replay_speedup, or the tag perf.replay says why not
+    once.update(replay.metrics())
+    tracker.set_tags(replay.tags())
     notes = [note] if note else []
     if compile_s is not None:
         once["time/compile_s"] = compile_s
         notes.append(compile_note(compile_s, breakdown, setup.state.compiles, mode=cfg.trainer.compile_mode))
     times = {"time/tracking_write_s": tracker.write_s, "time/tracking_background_write_s": tracker.background_write_s}
     tracker.log_metrics({**once, **times}, step=len(epochs))
-    profile = setup.profiler.record()  # trainer.profile: the trace, the top operators (None when not profiled)
     return RunResult(
         **_setup_facts(setup, cfg),
         run_id=tracker.run_id,
@@ -132,11 +136,18 @@ def conclude(
         else "",
         notes=notes,
         profile=profile,
+        replay=replay,
     )
 
 
-def _verdict(setup: Setup, cfg: RunConfig, epochs: list[EpochResult], breakdown: Breakdown, utilisation: Any) -> Any:
-    """What held the run back (``pipeline.report.verdict.judge``), from its step-time shares and the machine's use."""
+def _verdict(
+    setup: Setup, cfg: RunConfig, epochs: list[EpochResult], breakdown: Breakdown, utilisation: Any, profile: Any
+) -> Verdict:
+    """What held the run back (``pipeline.report.verdict.judge``), from its step-time shares, each steady epoch's,
+    the machine's use and what the profile found."""
+    groups = (
+        operator_groups(profile, outputs=cfg.task.outputs, device_type=setup.device.type) if profile is not None else []
+    )
     return judge(
         cfg,
         device_type=setup.device.type,
@@ -149,7 +160,19 @@ def _verdict(setup: Setup, cfg: RunConfig, epochs: list[EpochResult], breakdown:
         amp_check=setup.amp_probe,
         convolutional=has_convolutions(setup.state.model),
         busy=busy_words(utilisation) if utilisation.busy else "",
+        epochs=[
+            (e.breakdown.data_wait_pct + e.breakdown.h2d_pct, e.breakdown.overhead_pct) for e in steady_epochs(epochs)
+        ],
+        groups=groups,
+        profiled=_profiled_words(setup.profiler, profile),
     )
+
+
+def _profiled_words(profiler: Any, profile: Any) -> str:
+    """Which steps the profile covered, or why the run profiled none (the auto profile's reason)."""
+    if profile is not None:
+        return f"profile of steps {profile.first}-{profile.first + profile.steps - 1}"
+    return getattr(profiler, "skipped", "")
 
 
 def _plots(tracker: Tracker, title: str, sampler: Any, epochs: list[EpochResult], epoch_starts: list[float]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.common import stats
 from pipeline.engine.flops import ModelFlops
+from pipeline.engine.replay import ReplayOutcome
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.monitor import UtilSummary, summarize
 from pipeline.report.verdict import data_wait_words
@@ -29,6 +30,7 @@ class EpochResult:
     samples_per_s: float  # steady state
     breakdown: Breakdown
     ranks: dict[str, float] = field(default_factory=dict)  # DDP: every rank's shares (pipeline.parallel.distributed)
+    launch_s: float | None = None  # the first epoch of a fresh run: the process's start to its first step's end
 
     @property
     def val_loss(self) -> float:
@@ -87,6 +89,7 @@ class RunResult:
     primary: str = "val/acc"  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
     logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
     profile: Any = None  # pipeline.engine.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
+    replay: ReplayOutcome | None = None  # the step time with free data (pipeline.engine.replay): the free data line
 
     @property
     def val_acc(self) -> float:
@@ -143,6 +146,7 @@ def format_summary(result: RunResult) -> str:
             f"{b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]
+        lines += [f"  free data   {result.replay.describe()}"] if result.replay is not None else []
     lines += utilisation_lines(result.utilisation)
     if result.oom_events:
         first = result.oom_events[0].micro_batch
@@ -176,6 +180,8 @@ def speed_line(result: RunResult) -> str:
     own = device_speed(result.epochs) if any(e.ranks for e in steady) else None
     ranks = f", all ranks; rank 0 {own:,.0f}" if own is not None else ""
     first = f"first step {result.breakdown.first_step_s:.2f} s"
+    launch = next((e.launch_s for e in result.epochs if e.launch_s is not None), None)
+    first += f", {launch:.1f} s from launch" if launch is not None else ""  # time/launch_to_first_step_s
     return f"  speed       {speed.median:,.0f} samples/s{said}steady state{ranks}; {first})"
 
 

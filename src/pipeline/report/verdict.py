@@ -1,49 +1,114 @@
-"""The bottleneck verdict: is this run waiting for its input, or for its arithmetic?
+"""The bottleneck verdict: what held the run back, how sure that is, and what to try.
 
-The rules, on the steady-state step-time breakdown (``input`` = waiting for the batch plus
-copying it to the device) and, when a GPU was sampled, its mean utilisation:
+The classes, on the steady-state step-time split (``input`` = waiting for the batch plus copying it to the
+device; ``overhead`` = the pipeline's own work between steps), in the spirit of TensorFlow's profiler (XProf):
 
-- ``input``:   input >= 30% of step time, or input >= 15% while the GPU is busy < 50% on average.
-- ``compute``: input < 10% of step time (and, with a GPU, busy >= 50% or not measured).
-- ``mixed``:   everything in between.
+- ``input``:    input >= ``INPUT_HIGH_PCT`` (20%) of step time: *highly* input-bound; >= ``INPUT_MODERATE_PCT`` (5%),
+  when no overhead rule applies: *moderately*.
+- ``overhead``: overhead >= ``OVERHEAD_BOUND_PCT`` (15%), or MFU under ``IDLE_MFU_PCT`` (10%) with the device mostly
+  idle: a GPU busy under ``IDLE_GPU_PCT`` on average, or, on a CPU, a profile whose steps spent at least
+  ``OUTSIDE_IDLE_PCT`` of their time outside any operator (Python between small kernels).
+- ``compute``:  the rest. From ``LOW_MFU_PCT`` of the device's peak on, the arithmetic itself is the limit; under it the
+  run is compute-bound *at low MFU*, and the profile names where the time goes.
+- ``unknown`` ("cannot tell"): other processes kept the machine busy (``pipeline.monitor.BUSY_OTHERS_PCT``), or the
+  steady epochs disagree (their classes differ and the deciding share spreads over ``DISAGREE_SPREAD_PCT`` points);
+  the message still says which way the shares lean.
 
-The pipeline's own work between steps (reading the loss back, checkpoints, the progress bar;
-``time/overhead_pct``) is not input: it never makes a run input-bound. When it takes
-``OVERHEAD_PCT`` or more of the step time, the verdict says so and how to reduce it.
+The confidence is ``high`` when two or more steady epochs agree, ``medium`` with one, ``low`` for ``unknown``; the
+message says which measurement decided and the epochs' spread. When MFU is low the run profiles a few steps by itself
+(``pipeline.engine.profiling.AutoProfiler``); the operator groups it found (``pipeline.report.operators``) are named
+with their share of step time and their hints, and recorded as ``verdict.top_ops``.
 
-The hint names the overrides to try next, chosen from the run's own loader and device. A compute-bound run is
-judged by its MFU too (``pipeline.engine.flops``): under ``LOW_MFU_PCT`` of the device's peak it gets the changes
-that raise it (amp, channels_last, compile, a larger batch); from ``HIGH_MFU_PCT`` on it is told that the model's
-own arithmetic is the limit at this precision.
-
-No rule reads a CPU utilisation: the machine's figure counts every process on it, so it says nothing of this run.
-When other processes kept the machine busy (``pipeline.monitor.BUSY_OTHERS_PCT``), the evidence says so: the shares
-then measure the contention as much as the run.
+The hints are concrete overrides chosen from the run's own configuration. On a CPU they are the ones that raise MFU
+there (a larger batch, torch's threads, ``trainer.compile=true``, ``amp=true`` where the start-up amp check measured
+it faster); a GPU comes after them, as a fact about this machine.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from pipeline.config import RunConfig
 from pipeline.engine.amp_check import AmpProbe, has_amx
+from pipeline.engine.flops import LOW_MFU_PCT
+from pipeline.report.operators import OperatorGroup
 
-INPUT_BOUND_PCT = 30.0
-INPUT_WITH_IDLE_GPU_PCT = 15.0
+INPUT_HIGH_PCT = 20.0
+INPUT_MODERATE_PCT = 5.0
+OVERHEAD_BOUND_PCT = 15.0
+IDLE_MFU_PCT = 10.0
 IDLE_GPU_PCT = 50.0
-COMPUTE_BOUND_PCT = 10.0
-OVERHEAD_PCT = 10.0
-# MFU bands: well-tuned training reaches 40-60% of a GPU's dense peak (nanoGPT's GPT-2 on an A100: about 40%);
-# under 30% a run leaves most of the device unused, from 50% on little is left to win by tuning the training loop.
-LOW_MFU_PCT = 30.0
-HIGH_MFU_PCT = 50.0
+OUTSIDE_IDLE_PCT = 50.0
+DISAGREE_SPREAD_PCT = 5.0
+INPUT_WITH_IDLE_GPU_PCT = 15.0  # the copies' share above which pinned memory is the first hint on a GPU
+HIGH_MFU_PCT = 50.0  # from here on little is left to win by tuning the loop (LOW_MFU_PCT: pipeline.engine.flops)
+OVERHEAD_PCT = 10.0  # the pipeline's own work named in the evidence (with how to cut it) from this share on
+
+LABELS = {
+    "input-high": "highly input-bound",
+    "input-moderate": "moderately input-bound",
+    "overhead": "overhead-bound",
+    "compute": "compute-bound",
+}
 
 
 @dataclass(frozen=True)
 class Verdict:
-    bottleneck: str  # input | compute | mixed
-    message: str  # the printed line: the evidence, then what to try
+    bottleneck: str  # input | overhead | compute | unknown
+    message: str  # the printed line: the class, its confidence, the evidence, then what to try
+    confidence: str = "medium"  # high | medium | low
+    top_ops: str = ""  # the operator groups named, with their shares ("" when none was profiled)
+
+    def tags(self) -> dict[str, str]:
+        """The run's tags: ``bottleneck`` (as before) and ``verdict.*``, which ``pipeline.compare`` shows per row."""
+        return {
+            "bottleneck": self.bottleneck,
+            "bottleneck.hint": self.message,
+            "verdict.class": self.bottleneck,
+            "verdict.confidence": self.confidence,
+            "verdict.top_ops": self.top_ops or "none profiled",
+        }
+
+
+@dataclass(frozen=True)
+class Mfu:
+    """A run's model FLOPs utilisation and the peak's dtype, as the verdict reads it."""
+
+    pct: float
+    dtype: str  # fp32, tf32, bf16, fp16
+
+    def words(self) -> str:
+        return f"{self.pct:.0f}% of its {self.dtype} peak (MFU)"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the verdict reads: the run's steady-state shares (and each steady epoch's), the GPU's utilisation, the
+    MFU, the machine's business and what the profile found."""
+
+    data_wait_pct: float
+    h2d_pct: float
+    overhead_pct: float = 0.0
+    gpu_util_pct: float | None = None
+    mfu: Mfu | None = None
+    busy: str = ""  # how busy other processes kept the machine ("" when they did not)
+    epochs: Sequence[tuple[float, float]] = ()  # each steady epoch's (input %, overhead %)
+    groups: Sequence[OperatorGroup] = ()  # the profile's operator groups, largest first
+    profiled: str = ""  # "steps 51-53 profiled" or why no step was
+
+    @property
+    def input_pct(self) -> float:
+        return self.data_wait_pct + self.h2d_pct
+
+    def device_idle(self) -> bool:
+        """The device mostly idle: a GPU busy under ``IDLE_GPU_PCT``, or a CPU profile mostly outside operators."""
+        if self.gpu_util_pct is not None:
+            return self.gpu_util_pct < IDLE_GPU_PCT
+        return any(g.name == "outside operators" and g.share_pct >= OUTSIDE_IDLE_PCT for g in self.groups)
 
 
 def data_wait_words(resident: bool) -> str:
@@ -52,15 +117,33 @@ def data_wait_words(resident: bool) -> str:
     return "cutting batches from the resident tensors" if resident else "waiting for data"
 
 
-def classify(*, data_wait_pct: float, h2d_pct: float, gpu_util_pct: float | None) -> str:
-    """``input``, ``compute`` or ``mixed`` by the rules in the module docstring."""
-    input_pct = data_wait_pct + h2d_pct
-    gpu_idle = gpu_util_pct is not None and gpu_util_pct < IDLE_GPU_PCT
-    if input_pct >= INPUT_BOUND_PCT or (gpu_idle and input_pct >= INPUT_WITH_IDLE_GPU_PCT):
-        return "input"
-    if input_pct < COMPUTE_BOUND_PCT and not gpu_idle:
-        return "compute"
-    return "mixed"
+def classify(*, input_pct: float, overhead_pct: float, mfu_pct: float | None = None, idle: bool = False) -> str:
+    """``input-high``, ``overhead``, ``input-moderate`` or ``compute``, by the rules in the module docstring."""
+    if input_pct >= INPUT_HIGH_PCT:
+        return "input-high"
+    if overhead_pct >= OVERHEAD_BOUND_PCT or (mfu_pct is not None and mfu_pct < IDLE_MFU_PCT and idle):
+        return "overhead"
+    if input_pct >= INPUT_MODERATE_PCT:
+        return "input-moderate"
+    return "compute"
+
+
+def _deciding(kind: str) -> str:
+    return {"input-high": "input", "input-moderate": "input", "overhead": "overhead"}.get(kind, "input")
+
+
+def agreement(evidence: Evidence, kind: str) -> tuple[str, str]:
+    """The confidence (``high``, ``medium``, or ``low`` when the steady epochs disagree) and its words: the deciding
+    share's range over the steady epochs."""
+    if len(evidence.epochs) < 2:
+        return "medium", "one steady epoch"
+    index = 1 if _deciding(kind) == "overhead" else 0
+    shares = [epoch[index] for epoch in evidence.epochs]
+    spread = f"{_deciding(kind)} {min(shares):.0f}-{max(shares):.0f}% over {len(shares)} epochs"
+    kinds = {classify(input_pct=i, overhead_pct=o) for i, o in evidence.epochs}
+    if len(kinds) > 1 and max(shares) - min(shares) >= DISAGREE_SPREAD_PCT:
+        return "low", spread
+    return "high", spread
 
 
 def judge(
@@ -77,44 +160,92 @@ def judge(
     convolutional: bool = True,
     mfu: Mfu | None = None,
     busy: str = "",
+    epochs: Sequence[tuple[float, float]] = (),
+    groups: Sequence[OperatorGroup] = (),
+    profiled: str = "",
 ) -> Verdict:
-    """The verdict with its evidence and a hint made of concrete overrides; on a CPU, what it says of amp follows
-    ``amp_check`` (the start-up measurement of amp=true, ``pipeline.engine.amp_check``); ``mfu``: the run's model
+    """The verdict with its confidence, its evidence and a hint made of concrete overrides. On a CPU, what it says of
+    amp follows ``amp_check`` (the start-up measurement, ``pipeline.engine.amp_check``); ``mfu``: the run's model
     FLOPs utilisation, when it has one; ``busy``: how busy other processes kept the machine
-    (``pipeline.report.summary.busy_words``), "" when they did not."""
-    kind = classify(data_wait_pct=data_wait_pct, h2d_pct=h2d_pct, gpu_util_pct=gpu_util_pct)
-    evidence = f"{data_wait_pct:.0f}% of step time {data_wait_words(cfg.loader.resident)}, {h2d_pct:.0f}% copying it"
-    if gpu_util_pct is not None:
-        evidence += f", GPU busy {gpu_util_pct:.0f}% on average"
-    bookkeeping = ""
-    if overhead_pct >= OVERHEAD_PCT:
-        evidence += f", {overhead_pct:.0f}% the pipeline's own work between steps"
-        bookkeeping = f"; to cut that, raise trainer.log_every_n_steps (now {cfg.trainer.log_every_n_steps})" + (
-            f" or checkpoint.every_n_steps (now {cfg.checkpoint.every_n_steps})" if cfg.checkpoint.every_n_steps else ""
-        )
-    if busy:
-        evidence += f"; {busy}, so this evidence is unreliable"
-    if kind == "input":
-        hint = input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
-    elif kind == "compute":
-        hint = compute_hint(
-            cfg, device_type=device_type, precision=precision, amp_check=amp_check, convolutional=convolutional, mfu=mfu
-        )
+    (``pipeline.report.summary.busy_words``), "" when they did not; ``epochs``: each steady epoch's (input %,
+    overhead %); ``groups`` and ``profiled``: what the run's profile found (``pipeline.report.operators``)."""
+    e = Evidence(data_wait_pct, h2d_pct, overhead_pct, gpu_util_pct, mfu, busy, epochs, groups, profiled)
+    kind = classify(
+        input_pct=e.input_pct, overhead_pct=overhead_pct, mfu_pct=mfu.pct if mfu else None, idle=e.device_idle()
+    )
+    confidence, spread = agreement(e, kind)
+    label = LABELS[kind]
+    if kind == "compute" and mfu is not None and mfu.pct < LOW_MFU_PCT:
+        label = "compute-bound at low MFU"
+    if busy or confidence == "low":
+        why = busy or f"the steady epochs disagree, {spread}"
+        head, bottleneck, confidence = f"cannot tell: {why}; the shares lean {label}", "unknown", "low"
     else:
-        hint = (
-            input_hint(cfg, device_type=device_type, h2d_pct=h2d_pct, cpus=cpus or os.cpu_count() or 1)
-            + "; then "
-            + compute_hint(
-                cfg,
-                device_type=device_type,
-                precision=precision,
-                amp_check=amp_check,
-                convolutional=convolutional,
-                mfu=mfu,
-            )
-        )
-    label = {"input": "input-bound", "compute": "compute-bound", "mixed": "mixed"}[kind]
-    return Verdict(kind, f"{label}: {evidence} — {hint}{bookkeeping}")
+        head, bottleneck = label, kind.split("-")[0]
+        head += f" ({confidence} confidence: {spread}; decided by {decided_by(kind, e)})"
+    cpus = cpus or os.cpu_count() or 1
+    hint = _hint(kind, cfg, e, device_type=device_type, precision=precision, cpus=cpus, amp_check=amp_check,
+                 convolutional=convolutional)  # fmt: skip
+    top = " · ".join(f"{g.name} {g.share_pct:.0f}%" for g in groups)
+    return Verdict(bottleneck, f"{head}: {_evidence(cfg, e)} — {hint}{_bookkeeping(cfg, e)}", confidence, top)
+
+
+def decided_by(kind: str, e: Evidence) -> str:
+    """Which measurement decided the class."""
+    if kind.startswith("input") or (kind == "overhead" and e.overhead_pct >= OVERHEAD_BOUND_PCT):
+        return "the step-time split"
+    if kind == "overhead":
+        return "MFU with the device mostly idle" + (" in the profile" if e.gpu_util_pct is None else "")
+    return "the step-time split and MFU" if e.mfu is not None else "the step-time split"
+
+
+def _evidence(cfg: RunConfig, e: Evidence) -> str:
+    words = f"{e.data_wait_pct:.0f}% of step time {data_wait_words(cfg.loader.resident)}, {e.h2d_pct:.0f}% copying it"
+    if e.gpu_util_pct is not None:
+        words += f", GPU busy {e.gpu_util_pct:.0f}% on average"
+    if e.overhead_pct >= OVERHEAD_PCT:
+        words += f", {e.overhead_pct:.0f}% the pipeline's own work between steps"
+    if e.mfu is not None:
+        words += f", {e.mfu.words()}"
+    if e.groups:
+        words += "; " + ", ".join(g.words() for g in e.groups) + f" ({e.profiled})"
+    elif e.profiled:
+        words += f"; {e.profiled}"
+    return words
+
+
+def _bookkeeping(cfg: RunConfig, e: Evidence) -> str:
+    if e.overhead_pct < OVERHEAD_PCT:
+        return ""
+    every, log_every = cfg.checkpoint.every_n_steps, cfg.trainer.log_every_n_steps
+    return f"; to cut the pipeline's own work, raise trainer.log_every_n_steps (now {log_every})" + (
+        f" or checkpoint.every_n_steps (now {every})" if every else ""
+    )
+
+
+def _hint(
+    kind: str,
+    cfg: RunConfig,
+    e: Evidence,
+    *,
+    device_type: str,
+    precision: str,
+    cpus: int,
+    amp_check: AmpProbe | None,
+    convolutional: bool,
+) -> str:
+    """The class's hint: the loader's (an input-bound run) and the operator groups' (they name the step's waste)
+    first, then the device's (a CPU's whatever the class: it does the loading and the arithmetic)."""
+    ops = "; ".join(g.hint for g in e.groups if g.hint and g.name != "outside operators")
+    first = input_hint(cfg, device_type=device_type, h2d_pct=e.h2d_pct, cpus=cpus) if kind.startswith("input") else ""
+    ops = "; ".join(filter(None, [first, ops]))
+    if kind.startswith("input") and device_type != "cpu":  # a GPU waiting for its data: the data first and only
+        return ops
+    if device_type == "cpu":
+        device = cpu_hint(cfg, precision=precision, amp_check=amp_check, mfu=e.mfu, cpus=cpus, overhead=kind)
+    else:
+        device = compute_hint(cfg, device_type=device_type, precision=precision, convolutional=convolutional, mfu=e.mfu)
+    return f"{ops}; then {device}" if ops else device
 
 
 def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -> str:
@@ -134,30 +265,16 @@ def input_hint(cfg: RunConfig, *, device_type: str, h2d_pct: float, cpus: int) -
     return f"all {cpus} CPUs already load data; try loader.resident=true{pin}"
 
 
-@dataclass(frozen=True)
-class Mfu:
-    """A run's model FLOPs utilisation and the peak's dtype, as the verdict reads it."""
-
-    pct: float
-    dtype: str  # fp32, tf32, bf16, fp16
-
-    def words(self) -> str:
-        return f"{self.pct:.0f}% of its {self.dtype} peak (MFU)"
-
-
 def compute_hint(
     cfg: RunConfig,
     *,
     device_type: str,
     precision: str,
-    amp_check: AmpProbe | None = None,
     convolutional: bool = True,
     mfu: Mfu | None = None,
 ) -> str:
-    """What to try when the device computes most of the time; ``convolutional``: the model has 2-D convolutions
+    """What to try when a GPU computes most of the time; ``convolutional``: the model has 2-D convolutions
     (only then is ``channels_last`` worth a try); ``mfu``: how much of its peak the device reached."""
-    if device_type == "cpu":
-        return _cpu_compute_hint(precision, amp_check, mfu)
     steps = []
     if precision == "fp32":
         steps.append("amp=true")
@@ -175,18 +292,31 @@ def compute_hint(
     return f"{busy}; to go faster try " + " ".join(steps)
 
 
-def _cpu_compute_hint(precision: str, amp_check: AmpProbe | None, mfu: Mfu | None) -> str:
-    hint = "the CPU does the arithmetic: train on a GPU (device=cuda)"
-    if mfu is not None:
-        hint = f"the CPU does the arithmetic, at {mfu.words()}: train on a GPU (device=cuda)"
-        if mfu.pct >= HIGH_MFU_PCT:
-            hint += "; on this CPU the model's own arithmetic is the limit"
+def cpu_hint(
+    cfg: RunConfig, *, precision: str, amp_check: AmpProbe | None, mfu: Mfu | None, cpus: int, overhead: str
+) -> str:
+    """What raises MFU on this CPU, in the order to try it; a GPU after them, as a fact about this machine."""
+    if mfu is not None and mfu.pct >= HIGH_MFU_PCT:
+        steps = ["on this CPU the model's own arithmetic is the limit"]
+    else:
+        steps = [f"try loader.batch_size={cfg.loader.batch_size * 2} (more work for each operator)"]
+        threads = torch.get_num_threads()
+        if threads < cpus:
+            steps.append(f"torch computes on {threads} of the {cpus} CPUs' threads: OMP_NUM_THREADS={cpus}")
+        if not cfg.trainer.compile:
+            steps.append("trainer.compile=true" + (" (fuses the small operators)" if overhead == "overhead" else ""))
     if precision != "fp32":
-        return f"{hint}; {cpu_amp_hint(amp_check)}"
-
-    if has_amx():
-        hint += "; this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains"
-    return hint
+        steps.append(cpu_amp_hint(amp_check))
+    elif amp_check is not None and amp_check.verdict == "faster":
+        steps.append(f"amp=true ({amp_check.speed:.2f}x float32 measured at start)")
+    elif has_amx():
+        steps.append("this CPU has AMX (amx_bf16): try amp=true, whose start-up check measures what it gains")
+    gpu = (
+        "this machine has a CUDA GPU that torch can use: device=cuda"
+        if torch.cuda.is_available()
+        else "this machine has no GPU that torch can use: a GPU machine computes this arithmetic many times faster"
+    )
+    return "; ".join([*steps, gpu])
 
 
 def cpu_amp_hint(check: AmpProbe | None) -> str:
