@@ -205,6 +205,14 @@ def test_a_step_that_returns_only_its_loss_reports_val_loss(make_cfg: Any, resea
     assert set(result.epochs[-1].val_metrics) == {"val/loss"} and math.isfinite(result.epochs[-1].val_loss)
 
 
+def test_a_step_hook_under_amp_on_the_cpu_is_timed_by_the_amp_check_and_trains(make_cfg: Any, research: Any) -> None:
+    # the amp check once called the step's loss as the task's, loss(outputs, targets): a TypeError at start-up
+    result = train(make_cfg(*SEQUENCE, "step=custom", "step._target_=research.loss_only", "amp=true", "tracking=none"),
+                   echo=False)  # fmt: skip
+    assert result.amp_probe is not None and result.amp_probe.measured
+    assert result.precision == "amp-bf16" and result.val_loss == result.val_loss  # trained, a finite val/loss
+
+
 @pytest.mark.parametrize(
     ("hook", "error"),
     [

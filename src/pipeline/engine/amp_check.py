@@ -52,7 +52,12 @@ MAX_REPEATS = 100
 BUDGET_S = 10.0  # no pair starts that would end later (the warm-ups always run)
 SAME = 1.10  # amp within this factor of float32's speed either way is "about the same"
 _FORMATS = {"bf16": "bfloat16", "fp16": "float16"}
-Loss = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> scalar
+StepLoss = Callable[[nn.Module, Any, Any], torch.Tensor]  # (model, inputs, targets) -> scalar: one step's loss
+
+
+def model_loss(loss: Callable[[Any, Any], torch.Tensor]) -> StepLoss:
+    """A loss of (outputs, targets) as a step's: the model called on the inputs, then the loss."""
+    return lambda model, inputs, targets: loss(call_model(model, inputs), targets)
 
 
 @dataclass(frozen=True)
@@ -131,14 +136,16 @@ def has_amx() -> bool | None:
     return None if flags is None else "amx_bf16" in flags
 
 
-def probe_batch(model: nn.Module, images: Any, run_batch: int) -> int:
+def probe_batch(model: nn.Module, images: Any, run_batch: int, *, per_sample: float | None = None) -> int:
     """The run's batch, capped so that one float32 step is about ``PROBE_FLOPS`` of arithmetic.
 
-    The FLOPs are counted on a 2-sample forward of ``model`` (in eval mode, on a copy): the same for every run of
-    the same model and input, whatever the machine is doing.
+    The FLOPs per sample are the run's own where it counted them (``per_sample``: a step hook's model takes more
+    than its inputs), else counted on a 2-sample forward of ``model`` (in eval mode, on a copy): the same for every
+    run of the same model and input, whatever the machine is doing.
     """
-    sample = take(images, slice(0, PROBE_MIN_BATCH))
-    per_sample = flops.per_sample(flops.forward_flops(model, sample), count(sample))
+    if per_sample is None:
+        sample = take(images, slice(0, PROBE_MIN_BATCH))
+        per_sample = flops.per_sample(flops.forward_flops(model, sample), count(sample))
     fits = int(PROBE_FLOPS // per_sample) if per_sample else run_batch
     return max(PROBE_MIN_BATCH, min(run_batch, count(images), fits))
 
@@ -151,7 +158,8 @@ def probe_cpu_amp(
     dtype: torch.dtype,
     budget_s: float = BUDGET_S,
     pairs: int = PAIRS,
-    loss: Loss = F.cross_entropy,
+    loss: StepLoss | None = None,
+    per_sample: float | None = None,
 ) -> AmpProbe:
     """Time training steps of ``model`` in float32 and under CPU autocast to ``dtype``, in interleaved pairs.
 
@@ -162,7 +170,9 @@ def probe_cpu_amp(
         model: The run's model, on the CPU.
         images: An already-normalised float32 batch on the CPU (the run's first, after ``prepare``).
         labels: Its targets.
-        loss: The run's loss (``pipeline.engine.tasks``): ``loss(outputs, targets)``.
+        loss: The run's step loss, ``loss(model, inputs, targets)`` (a step hook's, or ``model_loss`` of the task's;
+            default cross-entropy on the model's outputs).
+        per_sample: The run's training FLOPs per sample, where it counted them (``probe_batch``).
         dtype: The autocast dtype the run would use (``torch.bfloat16`` or ``torch.float16``).
         budget_s: No pair starts that would end after this many seconds (the two warm-ups always run).
         pairs: The most pairs.
@@ -171,11 +181,12 @@ def probe_cpu_amp(
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         copied = _bare_copy(model)
-        batch = probe_batch(copied, images, count(labels))
+        batch = probe_batch(copied, images, count(labels), per_sample=per_sample)
         copied.train()
         cut = slice(0, batch)
-        fp32_step = _train_step(copied, take(images, cut), take(labels, cut), None, loss)
-        amp_step = _train_step(copied, take(images, cut), take(labels, cut), dtype, loss)
+        step_loss = loss or model_loss(F.cross_entropy)
+        fp32_step = _train_step(copied, take(images, cut), take(labels, cut), None, step_loss)
+        amp_step = _train_step(copied, take(images, cut), take(labels, cut), dtype, step_loss)
         first, times = time_pairs(fp32_step, amp_step, pairs=pairs, until=deadline)
     if not times[0]:
         return AmpProbe(first[0], first[1], math.nan, batch, 0, name, has_amx(), count(labels))
@@ -234,7 +245,7 @@ def _bare_copy(model: nn.Module) -> nn.Module:
 
 
 def _train_step(
-    model: nn.Module, images: Any, labels: Any, dtype: torch.dtype | None, loss: Loss
+    model: nn.Module, images: Any, labels: Any, dtype: torch.dtype | None, loss: StepLoss
 ) -> Callable[[], None]:
     """One forward and backward step, as the loop runs it (no optimizer step: it costs the same in both)."""
 
@@ -242,7 +253,7 @@ def _train_step(
         model.zero_grad(set_to_none=True)
         cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with cast:
-            value = loss(call_model(model, images), labels)
+            value = loss(model, images, labels)
         value.backward()
 
     return step
@@ -262,7 +273,11 @@ def amp_advice(probe: AmpProbe) -> str | None:
 
 
 def check_cpu_amp(
-    policy: PrecisionPolicy, model: nn.Module, batch: Callable[[], tuple[Any, Any]], loss: Loss = F.cross_entropy
+    policy: PrecisionPolicy,
+    model: nn.Module,
+    batch: Callable[[], tuple[Any, Any]],
+    loss: StepLoss | None = None,
+    per_sample: float | None = None,
 ) -> AmpProbe | None:
     """With amp=true on the CPU, time the run's model in both formats before training and warn if amp is slower.
 
@@ -271,7 +286,7 @@ def check_cpu_amp(
     """
     if policy.device_type != "cpu" or policy.dtype is None:
         return None
-    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype, loss=loss)
+    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype, loss=loss, per_sample=per_sample)
     advice = amp_advice(probe)
     if advice:
         log.warning(advice)

@@ -37,7 +37,7 @@ from pipeline.data import (
 from pipeline.data.iterable import IterableLoader, check_shares, steps_per_epoch
 from pipeline.data.structures import count, move, split
 from pipeline.engine import flops
-from pipeline.engine.amp_check import AmpProbe, check_cpu_amp
+from pipeline.engine.amp_check import AmpProbe, check_cpu_amp, model_loss
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, compile_model
 from pipeline.engine.devices import DeviceChoice, activate, resolve_device
 from pipeline.engine.footprint import check_training
@@ -132,7 +132,11 @@ def build(
             cfg.data, in_shape=spec.in_shape, seed=trainer.seed, device=device, rank=group.rank, world=group.world_size
         )
     amp_probe = check_cpu_amp(
-        policy, model, _first_prepared(data, cfg.loader, prepare, device), loss=_amp_loss(step, task, device, model)
+        policy,
+        model,
+        _first_prepared(data, cfg.loader, prepare, device),
+        loss=_amp_loss(step, task, device, model),
+        per_sample=model_flops.per_sample,
     )
     parameters = count_parameters(model)
     module = model
@@ -232,11 +236,12 @@ def _closure_allowed(cfg: RunConfig, optimizer: torch.optim.Optimizer, policy: P
 
 
 def _amp_loss(step: Step, task: Task, device: torch.device, model: torch.nn.Module) -> Callable[..., Any]:
-    """The run's loss as the CPU amp check times it: the step's, each call in a context of its own."""
+    """The run's step loss as the CPU amp check times it, ``(model, inputs, targets)``: the task's on the model's
+    outputs, or a step hook's, each call in a context of its own (on the copy the check times)."""
     if not step.custom:
-        return task.loss
+        return model_loss(task.loss)
     return lambda model_, inputs, targets: step.loss(
-        model_, inputs, targets, StepContext(task.loss, device, model, training=True)
+        model_, inputs, targets, StepContext(task.loss, device, model_, training=True)
     )
 
 
