@@ -131,13 +131,8 @@ def build(
         augment = make_augment(
             cfg.data, in_shape=spec.in_shape, seed=trainer.seed, device=device, rank=group.rank, world=group.world_size
         )
-    amp_probe = check_cpu_amp(
-        policy,
-        model,
-        _first_prepared(data, cfg.loader, prepare, device),
-        loss=_amp_loss(step, task, device, model),
-        per_sample=model_flops.per_sample,
-    )
+    first_prepared, amp_loss = _first_prepared(data, cfg.loader, prepare, device), _amp_loss(step, task, device, model)
+    amp_probe = check_cpu_amp(policy, model, first_prepared, loss=amp_loss, per_sample=model_flops.per_sample)
     parameters = count_parameters(model)
     module = model
     model = _wrapped(model, group, trainer)
