@@ -14,6 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.autotune import cli as autotune_cli
+from pipeline.autotune import tuning
 from pipeline.benchmarks import bench
 from pipeline.experiments.compare import cli as compare_cli
 from pipeline.machine import doctor
@@ -44,6 +45,7 @@ def exit_code(main: Callable[[list[str]], int], argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[], Callable[[list[str]], int]]] = {
     "compare": lambda: compare_cli.main,
     "autotune": lambda: autotune_cli.main,
+    "tune": lambda: tuning.main,
     "stale": lambda: stale.main,
     "outbox": lambda: outbox.main,
     "bench": lambda: bench.main,
@@ -62,6 +64,10 @@ BAD_INPUT = [
     ("autotune", ["--budget-s", "-1"], "--budget-s must be > 0"),
     ("autotune", ["loader.batch_size=0"], "loader.batch_size=0 is not allowed"),
     ("autotune", ["trainer.seed=36893488147419103232"], "trainer.seed=36893488147419103232 is not allowed"),
+    ("tune", ["--warmup", "0"], "--warmup must be >= 1"),
+    ("tune", ["--budget-s", "inf"], "--budget-s must be a finite number of seconds > 0"),
+    ("tune", ["loader.batch_size=0"], "loader.batch_size=0 is not allowed"),
+    ("tune", ["--config-dir", "{missing}"], "no such folder"),
     ("stale", ["--nope"], "unrecognized arguments: --nope"),
     ("stale", ["--uri", "http://[::1"], "tracking.uri=http://[::1 is not a valid URI (Invalid IPv6 URL)"),
     ("compare", ["--uri", "http://127.0.0.1:99999"], "is not a valid URI (Port out of range 0-65535)"),

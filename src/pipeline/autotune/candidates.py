@@ -14,17 +14,56 @@ from typing import Any
 
 from pipeline.common.device_memory import free_memory
 from pipeline.common.errors import PipelineError
-from pipeline.config import LoaderConfig
+from pipeline.config import LoaderConfig, RunConfig
 
 RESIDENT_SHARE = 0.5  # resident only if the dataset takes at most this share of the free memory (model, batches)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One loader setting to time: a whole ``LoaderConfig``, the run's own with some keys changed."""
+    """One configuration to time: the run's own ``RunConfig`` with its loader group replaced by ``loader`` and the
+    keys of ``changes`` set (``python -m pipeline.tune``: ``(("amp", True),)``); autotune's have loader changes only.
+
+    ``name`` is the short name the tables print ("" = ``describe``'s, from the loader)."""
 
     loader: LoaderConfig
     oom_fallback: bool = True  # false while searching the batch size: an out-of-memory error must surface
+    changes: tuple[tuple[str, Any], ...] = ()  # (dotted key, value) beyond the loader group, in override order
+    name: str = ""
+
+    def config(self, base: RunConfig) -> RunConfig:
+        """``base`` as this candidate runs it, validated as a whole (a micro-batch over the batch is refused)."""
+        cfg = dataclasses.replace(base, loader=self.loader)
+        for key, value in self.changes:
+            cfg = _replaced(cfg, key.split("."), value)
+        cfg.check()
+        return cfg
+
+    def overrides(self, current: LoaderConfig) -> list[str]:
+        """The overrides that make this candidate from the run: the loader keys it changes, then ``changes``."""
+        loader = [
+            f"loader.{f.name}={yaml_value(getattr(self.loader, f.name))}"
+            for f in dataclasses.fields(LoaderConfig)
+            if getattr(self.loader, f.name) != getattr(current, f.name)
+        ]
+        return loader + [f"{key}={yaml_value(value)}" for key, value in self.changes]
+
+
+def _replaced(node: Any, path: list[str], value: Any) -> Any:
+    """``node`` (a frozen config dataclass) with the key at ``path`` set to ``value``."""
+    head, *rest = path
+    return dataclasses.replace(node, **{head: _replaced(getattr(node, head), rest, value) if rest else value})
+
+
+def yaml_value(value: Any) -> str:
+    """A value as an override or YAML spells it: ``true``, ``null``, ``0.5``, ``4``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -120,7 +159,10 @@ def resident_fits(spec: Any, device: Any) -> bool:
 
 
 def describe(candidate: Candidate, current: Candidate) -> str:
-    """A short name: ``resident``, ``workers=4``, ``workers=4 unpinned prefetch=4 batch=256``."""
+    """A short name: ``resident``, ``workers=4``, ``workers=4 unpinned prefetch=4 batch=256``; a named candidate's
+    own (``amp``)."""
+    if candidate.name:
+        return candidate.name
     loader = candidate.loader
     parts = ["resident"] if loader.resident else [f"workers={loader.num_workers}"]
     if loader.pin_memory is False:

@@ -63,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 with a winner, 2 for a problem the user can fix (a budget that allowed no trial is one)."""
     started = time.monotonic()  # the budget covers loading the config and building the first candidate too
     args = parse_args(argv)
+    print(
+        "autotune tries loader settings only; python -m pipeline.tune also tries amp, compile, channels_last and "
+        "the micro-batch, as your run's bottleneck implies",
+        flush=True,
+    )
     settings = Settings(args.budget_s, args.steps, args.warmup, args.rounds, args.batch_size, args.confirm)
     try:
         cfg = load(args.overrides)

@@ -8,12 +8,17 @@ Choosing the fastest of several noisy measurements and then quoting its margin f
 overstates it (the winner is, in part, the luckiest), and so does stopping when the lead looks large. So the
 search only *chooses*: its early stops may favour whatever they like. The margin the tuner claims comes from
 ``Settings.confirm`` rounds run afterwards, the winner, the current setting and the runner-up timed again side
-by side in alternating order, with ``CONFIRM_SHARE`` of the budget kept for them.
+by side in alternating order (or, with ``Settings.order_seed``, in a seeded random order: every rank of a DDP
+job draws the same), with ``CONFIRM_SHARE`` of the budget kept for them.
+
+``search`` is the same for any list of candidates (``python -m pipeline.tune`` hands it whole-config variants); a
+candidate whose trial raises ``Unusable`` is skipped with the reason, and the search goes on without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +44,13 @@ class Settings:
     rounds: int = 3  # interleaved rounds at most
     search_batch_size: bool = False  # first double loader.batch_size until out of memory or no faster
     confirm: int = 6  # fresh rounds of the winner, the current setting and the runner-up, after the search
+    order_seed: int | None = None  # None: confirmation rounds alternate their order; else a seeded random order
+    runner_up: bool = True  # the runner-up is confirmed too (its margin is printed); false: winner vs current only
+
+
+class Unusable(Exception):
+    """A candidate this device or run cannot use (autocast unsupported, compile unavailable, out of memory): its
+    message is the reason, printed in its row."""
 
 
 class Measure(Protocol):
@@ -181,19 +193,43 @@ def tune(
         started: the clock's value when the budget began (default: now).
     """
     session = _Session(measure, release, clock, settings, started)
-    if settings.confirm:
-        session.limit_s = settings.budget_s * (1 - CONFIRM_SHARE)
     batch_size, batch_sizes = current.batch_size, []
     if settings.search_batch_size:
+        session.limit_s = settings.budget_s * (1 - CONFIRM_SHARE) if settings.confirm else settings.budget_s
         batch_size, batch_sizes = _search_batch_size(current, session, cap=machine.max_batch_size)
     plan = candidates(current, machine, batch_size=batch_size)
+    outcome = _searched(plan, Candidate(current), session, ladder=worker_ladder(machine.max_workers))
+    return dataclasses.replace(outcome, batch_sizes=batch_sizes, batch_size=batch_size)
+
+
+def search(
+    plan: list[Candidate],
+    current: Candidate,
+    *,
+    measure: Measure,
+    settings: Settings = Settings(),
+    release: Callable[[Candidate], None] = lambda candidate: None,
+    clock: Callable[[], float] = time.monotonic,
+    started: float | None = None,
+    ladder: list[int] | None = None,
+) -> Outcome:
+    """``tune``'s rounds and confirmation over any ``plan`` (``current`` first in it): the search of
+    ``python -m pipeline.tune``. ``ladder`` is the worker ladder whose plateau ends it early (none: no plateau)."""
+    session = _Session(measure, release, clock, settings, started)
+    return _searched(plan, current, session, ladder=ladder or [])
+
+
+def _searched(plan: list[Candidate], now: Candidate, session: _Session, *, ladder: list[int]) -> Outcome:
+    """The search, then the confirmation of its finalists, as an ``Outcome``."""
+    settings = session.settings
+    if settings.confirm:
+        session.limit_s = settings.budget_s * (1 - CONFIRM_SHARE)
     tallies = {c: Tally(c) for c in plan}
-    now = Candidate(current)
-    reason = _search(plan, tallies, session, ladder=worker_ladder(machine.max_workers), current=now)
+    reason = _search(plan, tallies, session, ladder=ladder, current=now)
     for tally in tallies.values():
         if not tally.measured and not tally.stopped:
             tally.stopped = "not measured: time budget"
-    finalists = _finalists(list(tallies.values()), now)
+    finalists = _finalists(list(tallies.values()), now, runner_up=settings.runner_up)
     for tally in tallies.values():
         if tally.candidate not in finalists:
             session.release(tally.candidate)
@@ -209,8 +245,8 @@ def tune(
         elapsed_s=session.elapsed(),
         budget_s=settings.budget_s,
         trials=session.trials,
-        batch_sizes=batch_sizes,
-        batch_size=batch_size,
+        batch_sizes=[],
+        batch_size=now.loader.batch_size,
         confirmed=confirmed,
         unconfirmed=unconfirmed,
     )
@@ -255,7 +291,12 @@ def _round(
         if why:
             tallies[candidate].stopped = why
             continue
-        value = session.run(candidate, round_)
+        try:
+            value = session.run(candidate, round_)
+        except Unusable as why:
+            tallies[candidate].stopped = f"skipped: {why}"
+            session.release(candidate)
+            continue
         if value is None:
             break
         tallies[candidate].by_round[round_] = value
@@ -281,13 +322,13 @@ def _settled(tallies: Any, round_: int) -> str:
     return ""
 
 
-def _finalists(tallies: list[Tally], current: Candidate) -> list[Candidate]:
-    """The search's winner, the current setting and the runner-up, as far as they were measured."""
+def _finalists(tallies: list[Tally], current: Candidate, *, runner_up: bool = True) -> list[Candidate]:
+    """The search's winner, the current setting and (``runner_up``) the runner-up, as far as they were measured."""
     ranking = sorted((t for t in tallies if t.measured), key=lambda t: t.median, reverse=True)
     found = [t.candidate for t in ranking[:1]]
     if any(t.candidate == current for t in ranking):
         found.append(current)
-    found += [t.candidate for t in ranking[1:2]]
+    found += [t.candidate for t in ranking[1:2]] if runner_up or len(found) < 2 else []
     return list(dict.fromkeys(found))
 
 
@@ -300,9 +341,17 @@ def _confirm(finalists: list[Candidate], session: _Session, settings: Settings) 
         return [], "no confirmation rounds were asked for (--confirm 0)"
     session.limit_s = settings.budget_s
     tallies = {c: Tally(c) for c in finalists}
+    draw = random.Random(settings.order_seed)  # seeded: every rank of a DDP job runs the same order
     for round_ in range(1, settings.confirm + 1):
-        for candidate in finalists if round_ % 2 else finalists[::-1]:
-            value = session.run(candidate, round_, confirm=True)
+        if settings.order_seed is not None:
+            order = draw.sample(finalists, len(finalists))
+        else:
+            order = finalists if round_ % 2 else finalists[::-1]
+        for candidate in order:
+            try:
+                value = session.run(candidate, round_, confirm=True)
+            except Unusable:  # it ran in the search: a failure now (out of memory) ends the confirmation
+                value = None
             if value is None:
                 break
             tallies[candidate].by_round[round_] = value
@@ -346,7 +395,7 @@ def _search_batch_size(current: LoaderConfig, session: _Session, *, cap: int) ->
 
 def _best_at(tallies: list[Tally], workers: int) -> float | None:
     """The fastest median among the DataLoader candidates with ``workers`` workers (any pinning), or None."""
-    at = [t for t in tallies if t.measured and not t.candidate.loader.resident]
+    at = [t for t in tallies if t.measured and not t.candidate.loader.resident and not t.candidate.changes]
     return max((t.median for t in at if t.candidate.loader.num_workers == workers), default=None)
 
 
@@ -354,7 +403,7 @@ def _plateau(candidate: Candidate, tallies: Any, ladder: list[int]) -> str:
     """Why the ladder ends below ``candidate``'s worker count ('' if it does not): a doubling (1 -> 2 and up;
     0 -> 1 is none) gained less than ``PLATEAU_GAIN``."""
     loader = candidate.loader
-    if loader.resident or loader.num_workers not in ladder:
+    if loader.resident or loader.num_workers not in ladder or candidate.changes:
         return ""
     tallies = list(tallies)
     for rung in range(3, ladder.index(loader.num_workers) + 1):
@@ -370,7 +419,7 @@ def _plateau(candidate: Candidate, tallies: Any, ladder: list[int]) -> str:
 def _prefetch_candidate(tallies: Any) -> Candidate | None:
     """prefetch_factor 4 (or 2) for the best candidate with workers, if it is within reach of the leader."""
     measured = [t for t in tallies if t.measured]
-    with_workers = [t for t in measured if t.candidate.loader.num_workers > 0]
+    with_workers = [t for t in measured if t.candidate.loader.num_workers > 0 and not t.candidate.changes]
     if not with_workers:
         return None
     best = max(with_workers, key=lambda t: t.median)

@@ -51,14 +51,20 @@ class Trials:
     that has filled its prefetch queue waits, using no CPU); the search releases a dropped candidate at once.
     """
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, group: Any = None) -> None:
         self.cfg = cfg
+        self.group = group  # a DDP job's (``pipeline.parallel.distributed``): every rank builds and trains each one
         self._live: dict[Candidate, _Live] = {}
-        if cfg.trainer.compile:
+        self._compiling = False
+        self.split: dict[Candidate, Any] = {}  # each candidate's last timed call: its ``Breakdown`` (the step split)
+
+    def _allow_compiling(self) -> None:
+        if not self._compiling:
             compilation.fresh()
             # Each live candidate is a model of its own, and each one's graphs count towards the same forward's
             # recompile limit: room for a dozen candidates' shapes, beyond which it still raises, never runs eager.
             compilation.allow_models(12)
+            self._compiling = True
 
     def probe(self) -> Any:
         """Build the current setting first (its ``Setup``): its device and data decide the other candidates."""
@@ -86,6 +92,7 @@ class Trials:
             samples = seconds = 0.0
             while True:  # whole calls of ``steps`` timed steps until they add up to MIN_TIMED_S
                 done = self._train(live, steps + 1).breakdown
+                self.split[candidate] = done
                 samples, seconds = samples + done.steady_samples, seconds + done.step_s
                 if seconds >= MIN_TIMED_S or not done.steady_steps:
                     return samples / seconds if seconds > 0 else 0.0
@@ -110,10 +117,11 @@ class Trials:
 
     def _get(self, candidate: Candidate) -> _Live:
         if candidate not in self._live:
-            oom = dataclasses.replace(self.cfg.oom, enabled=self.cfg.oom.enabled and candidate.oom_fallback)
-            setup = build(
-                dataclasses.replace(self.cfg, loader=candidate.loader, oom=oom), explain_missing_gpu=doctor.main_finding
-            )
+            cfg = candidate.config(self.cfg)
+            if cfg.trainer.compile:
+                self._allow_compiling()
+            oom = dataclasses.replace(cfg.oom, enabled=cfg.oom.enabled and candidate.oom_fallback)
+            setup = build(dataclasses.replace(cfg, oom=oom), self.group, explain_missing_gpu=doctor.main_finding)
             keep = candidate.loader.num_workers == 0 or candidate.loader.persistent_workers
             self._live[candidate] = _Live(setup, make_timer(setup.device), keep)
         return self._live[candidate]
@@ -125,7 +133,8 @@ class Trials:
             live.batches,
             inputs=setup.inputs,  # the run's own input path, GPU augmentation included
             timer=live.timer,
-            metrics=StepMetrics(every=self.cfg.trainer.log_every_n_steps),  # the run's own host syncs, nothing written
+            metrics=StepMetrics(every=self.cfg.trainer.log_every_n_steps),
+            group=setup.group,  # the run's own host syncs, nothing written
             max_steps=setup.state.step + steps,
         )
 
