@@ -350,12 +350,13 @@ BENCHES = {
     "ddp": lambda sizes, work: _module("bench_ddp").bench_ddp(sizes, work),
     "compare": lambda sizes, work: _module("bench_compare").bench_compare(sizes, work),
     "mfu": lambda sizes, work: _module("bench_mfu").bench_mfu(sizes, work),
+    "tune": lambda sizes, work: _module("bench_tune").bench_tune(sizes, work),
 }
 
 
 def _module(name: str) -> Any:
     """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``, ``bench_compare``,
-    ``bench_mfu``), imported when its rows are asked for."""
+    ``bench_mfu``, ``bench_tune``), imported when its rows are asked for."""
     import importlib
 
     return importlib.import_module(f"pipeline.benchmarks.{name}")
