@@ -76,6 +76,7 @@ ROWS = {  # each benchmark's rows in a --quick run (ddp: the next test runs its 
         "compare / search_runs with the collector paused, 40 runs (10 rows), fresh processes",
     ],
     "mfu": ["MFU, 784-2048-2048-10 at batch 256 / the recipe's 784-512-10 at batch 64"],
+    "tune": ["tune: time against an exhaustive sweep", "tune: its choice against the exhaustive best", "tune: its c"],
 }
 
 

@@ -44,10 +44,10 @@ def bench_tune(sizes: Sizes, work: Path) -> list[Row]:
     quick = sizes.repeats == 1
     overrides = ["experiment=ladder_cpu", "tracking=none", "trainer.progress=false", "trainer.replay_check=false"]
     if quick:
-        overrides.append("data.num_samples=2000")
+        overrides.append("data.num_samples=1000")
     cfg = load(overrides)
     started = time.monotonic()
-    result = tune_run(cfg, Settings(budget_s=20.0 if quick else TUNE_BUDGET_S), group=Solo(), started=started)
+    result = tune_run(cfg, Settings(budget_s=10.0 if quick else TUNE_BUDGET_S), group=Solo(), started=started)
     tune_s = time.monotonic() - started
     chosen, said = tuned.claim(result.outcome)
     current = result.outcome.current
