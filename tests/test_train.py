@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,6 +155,17 @@ def test_worker_processes_give_the_same_weights_as_the_main_process(make_cfg: Ma
     main = train(make_cfg(*base), echo=False)
     workers = train(make_cfg(*base, "loader.num_workers=2", "loader.persistent_workers=true"), echo=False)
     assert torch.equal(weights(main.model), weights(workers.model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", ["true", "false"])
+def test_a_run_with_loader_workers_ends_them_when_it_ends(make_cfg: MakeCfg, persistent: str) -> None:
+    """Kept between epochs, the train and val loaders' workers were left to the garbage collector, which met their
+    queues already closed: the next run's first collection waited 5 s for each worker to time out (20 s for a
+    sweep job after one with 2 workers). The run stops mid-epoch (``max_steps``), with batches still in flight."""
+    workers = ["loader.num_workers=2", f"loader.persistent_workers={persistent}"]
+    train(make_cfg("tracking=none", "trainer.max_steps=4", *workers), echo=False)
+    assert multiprocessing.active_children() == []
 
 
 @pytest.mark.slow

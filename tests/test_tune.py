@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow import MlflowClient
-from tests.project import REGRESSION, use_project
 
 from pipeline.autotune import tuned
 from pipeline.autotune.candidates import Candidate, Machine
@@ -17,6 +16,7 @@ from pipeline.autotune.changes import Probe, plan
 from pipeline.autotune.search import Settings, Unusable, search
 from pipeline.autotune.tuning import Tuning, main
 from pipeline.config import RunConfig, load
+from project import REGRESSION, use_project
 
 CPU = torch.device("cpu")
 MACHINE = Machine(device_type="cpu", max_workers=2, resident_fits=True)

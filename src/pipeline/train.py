@@ -111,6 +111,7 @@ def _train(
     start = resume.start_point(cfg, masked_config, group)  # a resumed run stays locked to this process until it ends
     with start, contextlib.ExitStack() as session:
         setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
+        session.callback(setup.end_loaders)  # its loader workers end with it, whichever way it ends
         typed_overrides = mask_overrides(overrides, cfg.env_keys)
         setup = _named(setup, typed_overrides, sweep) if not cfg.tracking.run_name else setup
         announce(setup, cfg)  # under the name the summary and MLflow show

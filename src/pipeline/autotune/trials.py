@@ -108,7 +108,8 @@ class Trials:
 
         device = live.setup.device
         live.close_batches()
-        del live  # the loader goes with it, and its persistent workers are shut down
+        live.setup.end_loaders()  # its persistent workers end now
+        del live
         release_memory(device)
 
     def close(self) -> None:

@@ -43,11 +43,11 @@ CLAIM_WITHIN = 1.5  # the claimed gain within this factor of the gain measured a
 def bench_tune(sizes: Sizes, work: Path) -> list[Row]:
     quick = sizes.repeats == 1
     overrides = ["experiment=ladder_cpu", "tracking=none", "trainer.progress=false", "trainer.replay_check=false"]
-    if quick:
-        overrides.append("data.num_samples=1000")
+    if quick:  # the rows' shape, not their figures: one short epoch a run
+        overrides += ["data.num_samples=1000", "data.val_samples=200", "trainer.epochs=1"]
     cfg = load(overrides)
     started = time.monotonic()
-    result = tune_run(cfg, Settings(budget_s=10.0 if quick else TUNE_BUDGET_S), group=Solo(), started=started)
+    result = tune_run(cfg, Settings(budget_s=5.0 if quick else TUNE_BUDGET_S), group=Solo(), started=started)
     tune_s = time.monotonic() - started
     chosen, said = tuned.claim(result.outcome)
     current = result.outcome.current

@@ -70,6 +70,10 @@ class IterableLoader:
     def batch_size(self) -> int:
         return self.loader.batch_size or 1
 
+    def close(self) -> None:
+        """End the loader's persistent workers (``WatchedLoader.close``)."""
+        self.loader.close()
+
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         """Epoch ``epoch``, less its first ``skip`` batches (read and dropped: a stream cannot skip)."""
         self.epoch, self.skip = epoch, skip

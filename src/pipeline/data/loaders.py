@@ -139,6 +139,9 @@ class ResidentLoader:
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         self.order.set_epoch(epoch, start=skip * self.batch_size)
 
+    def close(self) -> None:
+        """No workers to end: the batches are cut in the training process."""
+
     def __len__(self) -> int:
         n = len(self.order)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)

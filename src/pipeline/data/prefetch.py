@@ -144,6 +144,10 @@ class DevicePrefetcher:
         """The loader's ``set_epoch``: its sampler passes over the first ``skip`` batches without loading them."""
         self.batches.set_epoch(epoch, skip=skip)
 
+    def close(self) -> None:
+        """The loader's ``close``: its persistent workers end now."""
+        self.batches.close()
+
     def __iter__(self) -> Iterator[Batch]:
         return self._run(_Untimed())
 

@@ -181,6 +181,14 @@ class WatchedLoader(DataLoader):
     start and import torch, seconds each: loader.timeout must cover that too.
     """
 
+    def close(self) -> None:
+        """End the workers kept between epochs (``persistent_workers``) now. Left to the garbage collector, the
+        iterator's queues are closed before it asks its workers to stop, and each worker waits out PyTorch's 5 s
+        shutdown timeout: 20 s at the next collection after a run with two workers per loader."""
+        batches, self._iterator = self._iterator, None
+        if batches is not None:
+            batches._shutdown_workers()
+
     def __iter__(self) -> Iterator[Any]:
         batches = super().__iter__()
         if self.num_workers == 0:

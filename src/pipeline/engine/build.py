@@ -92,6 +92,12 @@ class Setup:
     def device(self) -> torch.device:
         return self.choice.device
 
+    def end_loaders(self) -> None:
+        """End the training and validation loaders' worker processes kept between epochs: with the run, not at some
+        later garbage collection (``WatchedLoader.close``)."""
+        for batches in (self.train_batches, self.val_batches):
+            batches.close()
+
     @property
     def inputs(self) -> Inputs:
         """How a training batch reaches the model (``pipeline.engine.step``)."""
