@@ -239,12 +239,14 @@ COMMON = [
 ]
 
 
-def torchrun(tmp_path: Path, *overrides: str, fault: str = "", timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    tmp_path: Path, *overrides: str, fault: str = "", timeout: int = 300, module: str = "pipeline"
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "CUDA_VISIBLE_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), env.get("PYTHONPATH", "")]))
     env["PIPELINE_FAULT"] = fault
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pipeline"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module]
     store = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
     return subprocess.run(
         [*command, *COMMON, f"loader.batch_size={PER_RANK}", store, *overrides],
@@ -280,6 +282,22 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow  # about 30 s: both ranks build and time every candidate
+def test_tune_under_torchrun_times_each_candidate_on_both_ranks_and_records_one_parent(tmp_path: Path) -> None:
+    """Every trial is a collective step on both ranks: a rank timing another candidate, or deciding alone when to
+    stop, would leave the other waiting in an all-reduce (or the job failing on mismatched shapes). Each rank decided
+    by its own clock when a trial had timed enough steps, and the job hung in its probe."""
+    tune = ["--budget-s", "20", "--steps", "4", "--warmup", "1"]  # short calls: several a trial, as many on each rank
+    proc = torchrun(tmp_path, *tune, module="pipeline.tune", timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("\ncandidate ") == 1 and proc.stdout.count("\n  python -m pipeline ") == 1  # rank 0's
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("pipeline-tune").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("sweep.role") == "parent"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == len(runs) - 1 and len({r.data.tags["tune.candidate"] for r in children}) >= 2
 
 
 @pytest.mark.slow

@@ -94,11 +94,17 @@ class Trials:
                 done = self._train(live, steps + 1).breakdown
                 self.split[candidate] = done
                 samples, seconds = samples + done.steady_samples, seconds + done.step_s
-                if seconds >= MIN_TIMED_S or not done.steady_steps:
+                enough = seconds >= MIN_TIMED_S or not done.steady_steps
+                if self._agreed(enough):  # every rank trains the same steps: each is a collective
                     return samples / seconds if seconds > 0 else 0.0
         finally:
             if not live.keep_batches:
                 live.close_batches()
+
+    def _agreed(self, mine: bool) -> bool:
+        """Rank 0's answer on every rank of a DDP job (``group.share``): a rank that decided on its own clock to
+        train one more call than the others would wait for them in its first all-reduce forever."""
+        return mine if self.group is None else self.group.share(lambda: mine)
 
     def release(self, candidate: Candidate) -> None:
         """Free the candidate's model, data and loader workers (gc, then the device's cached memory)."""
