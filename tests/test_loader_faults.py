@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,29 +138,37 @@ def test_a_stopped_worker_fails_the_run_within_loader_timeout(
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
+        # Only this run's loader workers, started after the build: an earlier test's processes that live on in this
+        # test process (inductor's compile workers, say) are not this test's to stop, and killing them broke the
+        # later tests that use them.
+        earlier = {child.pid for child in psutil.Process().children()}
 
         def hook(module, inputs) -> None:
             calls["n"] += 1
             if calls["n"] == 3:
-                for worker in psutil.Process().children(recursive=True):
-                    worker.suspend()  # SIGSTOP
-                    stopped.append(worker)
+                for worker in psutil.Process().children():
+                    if worker.pid not in earlier:
+                        worker.suspend()  # SIGSTOP
+                        stopped.append(worker)
 
         model.register_forward_pre_hook(hook)
         return model
 
     monkeypatch.setattr(build_module, "build_model", build)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # an earlier test's process
     started = time.monotonic()
     try:
         with pytest.raises(LoaderError, match=r"(timed out after 3|no batch arrived within loader.timeout)"):
             train(make_cfg("trainer.max_steps=-1", "loader.num_workers=2", "loader.timeout=3"), echo=False)
         # the stopped workers were killed: the process can exit (Python joins its children on the way out)
         assert [w.pid for w in stopped if w.is_running() and w.status() != psutil.STATUS_ZOMBIE] == []
+        assert psutil.Process(bystander.pid).status() != psutil.STATUS_STOPPED and bystander.poll() is None
     finally:
+        bystander.kill()
         for worker in stopped:
             with contextlib.suppress(psutil.Error):
                 worker.kill()
-    assert stopped and time.monotonic() - started < 60
+    assert len(stopped) == 2 and time.monotonic() - started < 60
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED"
 
