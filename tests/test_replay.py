@@ -4,6 +4,7 @@ device, against the run's steady step time; training left exactly as it would ha
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+import pipeline.engine.build as build_module
 import pipeline.engine.replay as replay_module
 from helpers import LEAN
 from pipeline.engine.loop import TrainState, train_epoch
@@ -66,6 +68,26 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.body(x)
+
+
+class Carrying(nn.Module):
+    """State carried across batches in plain attributes, as research code keeps a recurrent model's memory: a tensor
+    rebound every step, one changed in place, and a count."""
+
+    def __init__(self, num_classes, width=32):
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, width), nn.Linear(width, num_classes)
+        self.memory, self.total, self.seen = None, torch.zeros(width), 0
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.training:
+            if self.memory is not None and self.memory.shape == h.shape:
+                h = h + 0.5 * self.memory + 0.01 * self.total
+            self.memory = h.detach()
+            self.total += h.detach().mean(0)
+            self.seen += 1
+        return self.out(h)
 
 
 def counting(model, batch, ctx):
@@ -136,6 +158,7 @@ VARIANTS = {
     "micro_batches_amp": [*ADAMW, "oom.micro_batch_size=4", "amp=true"],  # accumulation, bf16 autocast
     "lbfgs": LBFGS,  # a closure optimizer: its step re-evaluates the batch
     "compile": [*ADAMW, "trainer.compile=true"],
+    "carrying": [*ADAMW, "model._target_=sets.Carrying"],  # a model's own state in plain attributes
 }
 
 
@@ -149,7 +172,9 @@ def test_the_replay_leaves_training_bit_identical(
     """Weights, BatchNorm's statistics, the optimizer's state, the schedule's rate, dropout's random stream, a step
     hook's state and the logged losses of two epochs: the same bits with the replay (after epoch 1) as without it."""
     monkeypatch.setattr(replay_module, "BUDGET", 1.0)  # room for every step in a short run: the subject is the state
-    base = [*DATA, "loader.batch_size=8", *VARIANTS[variant], "trainer.epochs=2"]
+    chosen = VARIANTS[variant]
+    data = [o for o in DATA if not any(o.split("=")[0] == c.split("=")[0] for c in chosen)]
+    base = [*data, "loader.batch_size=8", *chosen, "trainer.epochs=2"]
     base += ["trainer.log_every_n_steps=3", "trainer.clip_grad_norm=1.0", *UNLIMITED]
     with_replay = train(make_cfg(*base, "tracking.experiment=on"), echo=False)
     calls = len(sets.HOOK_CALLS)
@@ -174,23 +199,56 @@ def test_the_replay_leaves_training_bit_identical(
     assert client.get_run(without.run_id).data.tags["perf.replay"] == "not measured: trainer.replay_check=false"
 
 
-def test_a_run_too_short_for_the_budget_says_why_it_replayed_nothing(make_cfg: Any, store_uri: str) -> None:
-    result = train(make_cfg(*LEAN), echo=False)  # 3 steps: 1% of them is no step
+def test_a_short_run_is_measured_too_its_start_up_counts_in_the_budget(
+    make_cfg: Any, store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 3-step run after a 5 s start-up: 1% of its training is no step, 1% of the run has room for a few."""
+    built = build_module.build_model
+
+    def slow_build(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(5.0)  # a user's model that takes its time to build (weights read from disk, say)
+        return built(*args, **kwargs)
+
+    planned: list[tuple[dict[str, Any], replay_module.Plan]] = []
+
+    def spied(**kwargs: Any) -> replay_module.Plan:
+        planned.append((kwargs, plan(**kwargs)))
+        return planned[-1][1]
+
+    monkeypatch.setattr(build_module, "build_model", slow_build)
+    monkeypatch.setattr(replay_module, "plan", spied)
+    result = train(make_cfg(*LEAN), echo=False)
+    ((asked, room),) = planned
+    assert asked["run_s"] >= 5.0  # the start-up is in the run's time
+    if room.why_not:  # only where a loaded machine made one step's compute longer than the room (never seen idle)
+        assert asked["compute_s"] > BUDGET * asked["run_s"] - 2 * asked["state_bytes"] / replay_module.COPY_BYTES_PER_S
+        return
+    assert result.replay is not None and result.replay.steps >= 1 and result.replay.speedup is not None
+    metrics = _metrics(store_uri, result.run_id)
+    assert metrics["perf/replay_speedup"] == pytest.approx(result.replay.speedup)
+    assert "perf.replay" not in MlflowClient(store_uri).get_run(result.run_id).data.tags
+
+
+def test_a_run_too_short_for_the_budget_says_why_it_replayed_nothing(
+    make_cfg: Any, store_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replay_module, "COPY_BYTES_PER_S", 1e3)  # as a model whose state takes minutes to set aside
+    result = train(make_cfg(*LEAN), echo=False)
     assert result.replay is not None and result.replay.steps == 0 and result.replay.speedup is None
     tags, metrics = MlflowClient(store_uri).get_run(result.run_id).data.tags, _metrics(store_uri, result.run_id)
     assert tags["perf.replay"].startswith("not measured: one replayed step (")
-    assert "would take more than 1% of the training's expected" in tags["perf.replay"]
+    assert "would take more than 1% of the run's expected" in tags["perf.replay"]
     assert "perf/replay_speedup" not in metrics
     assert f"  free data   {tags['perf.replay']}" in format_summary(result)
 
 
 def test_the_budget_leaves_room_for_a_first_step_at_a_real_steps_compute_or_says_why_not() -> None:
-    assert plan(step_s=0.1, compute_s=0.01, state_bytes=0, run_steps=1000).room_s == pytest.approx(1.0)
-    assert plan(step_s=0.1, compute_s=0.09, state_bytes=int(1e8), run_steps=300).room_s == pytest.approx(0.1)
-    refused = plan(step_s=0.1, compute_s=0.11, state_bytes=int(1e8), run_steps=300)  # 0.2 s of 0.3 s to set aside
+    assert plan(compute_s=0.01, state_bytes=0, run_s=100.0).room_s == pytest.approx(1.0)
+    assert plan(compute_s=0.09, state_bytes=int(1e8), run_s=30.0).room_s == pytest.approx(0.1)
+    refused = plan(compute_s=0.11, state_bytes=int(1e8), run_s=30.0)  # 0.2 s of 0.3 s to set aside
     assert refused.room_s == 0 and refused.why_not == (
         "one replayed step (up to 110 ms) and setting the training state aside and back (about 200 ms) would take "
-        "more than 1% of the training's expected 30.0 s"
+        "more than 1% of the run's expected 30.0 s"
     )
 
 
@@ -317,7 +375,9 @@ def test_the_check_keeps_the_last_full_batch_replays_it_once_and_the_next_epochs
         stats = train_epoch(checked, batches, inputs=INPUTS, timer=WallTimer(), keep=check.keep)
         if epoch == 1:
             assert check._batch is not None and check._batch[0] is batches[3][0]  # the last full one, itself
-        check.after_epoch(checked, stats.breakdown, inputs=INPUTS, group=SOLO, run_steps=10**6)
+        check.after_epoch(
+            checked, stats.breakdown, inputs=INPUTS, group=SOLO, steps_left=10**6, started=time.perf_counter()
+        )
         assert check._batch is None  # let go once replayed
     outcome = check.outcome(stats.breakdown)
     assert outcome.steps == MOST and outcome.speedup is not None and outcome.cost_s > 0
@@ -363,3 +423,43 @@ def _everything_of(state: TrainState) -> dict[str, Any]:
 
     model = unwrap(state.model)
     return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "rng": torch.get_rng_state()}
+
+
+def test_out_of_memory_at_the_smallest_micro_batch_in_a_replayed_step_ends_the_check_not_the_run(
+    make_cfg: Any, store_uri: str, sets: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replay_module, "BUDGET", 1.0)
+    replaying = {"now": False}
+    timed = replay_module._timed
+
+    def flagged(*args: Any, **kwargs: Any) -> float:
+        replaying["now"] = True
+        try:
+            return timed(*args, **kwargs)
+        finally:
+            replaying["now"] = False
+
+    def out_of_memory_in_the_replay(module: torch.nn.Module, inputs: Any) -> None:
+        if replaying["now"]:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    built = build_module.build_model
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        model = built(*args, **kwargs)
+        model.register_forward_pre_hook(out_of_memory_in_the_replay)
+        return model
+
+    base = [*DATA, "loader.batch_size=8", "trainer.epochs=2", "oom.min_micro_batch=4", *UNLIMITED]
+    without = train(make_cfg(*base, "trainer.replay_check=false", "tracking.experiment=off"), echo=False)
+    monkeypatch.setattr(replay_module, "_timed", flagged)
+    monkeypatch.setattr(build_module, "build_model", build)
+    result = train(make_cfg(*base), echo=False)
+    assert result.replay is not None and result.replay.steps == 0 and result.micro_batch == 8 and not result.oom_events
+    run = MlflowClient(store_uri).get_run(result.run_id)
+    assert run.info.status == "FINISHED" and result.steps == without.steps == 24
+    assert run.data.tags["perf.replay"].startswith(
+        "not measured: a replayed step ran out of memory at the smallest micro-batch ("
+    )
+    for a, b in zip(result.model.state_dict().values(), without.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ import torch
 from mlflow import MlflowClient
 from tests.project import KEYED, REGRESSION, use_project, write_project
 
-import pipeline.engine.build as build_module
+from helpers import sigterm_at_step
 from pipeline.config import RunConfig
 from pipeline.engine import checkpoint
 from pipeline.engine import hooks as step_module
@@ -138,25 +137,6 @@ def test_sigterm_and_resume_end_with_the_weights_of_an_uninterrupted_run(
     resumed = train(make_cfg(*base, "resume=latest"), echo=False)
     assert resumed.steps == whole.steps
     torch.testing.assert_close(weights(resumed.model), weights(whole.model), rtol=0, atol=0)
-
-
-def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    original = build_module.build_model
-    calls = {"n": 0}
-
-    def build(*args, **kwargs):
-        model = original(*args, **kwargs)
-
-        def hook(module, inputs):
-            if module.training:
-                calls["n"] += 1
-                if calls["n"] == step:
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-        model.register_forward_pre_hook(hook)
-        return model
-
-    monkeypatch.setattr(build_module, "build_model", build)
 
 
 def test_a_checkpoint_holds_plain_values_only(project: Path, make_cfg: MakeCfg, tmp_path: Path) -> None:

@@ -309,6 +309,7 @@ def run_epochs(
             timer=timer,
             saver=saver,
             stop=stop,
+            started=started,
             skip=skip,
             progress=run_progress,
             show_bar=show_progress == "bar",
@@ -350,9 +351,11 @@ def run_epoch(
     show_bar: bool,
     saver: checkpoint.Checkpointer,
     stop: StopRequests,
+    started: float,
     skip: int = 0,
 ) -> tuple[EpochResult | None, int]:
     """Train one epoch (its batches after ``skip``), evaluate, log the epoch's metrics and write them.
+    ``started``: when the run started (``time.perf_counter``), the origin of the replay check's budget.
 
     Returns the epoch's record (None when a stop request ended it early) and the batches trained.
     """
@@ -385,7 +388,12 @@ def run_epoch(
             return None, steps.done
         # perf/replay_speedup: once, a few steps on one batch, the state put back (pipeline.engine.replay)
         setup.replay.after_epoch(
-            state, stats.breakdown, inputs=setup.inputs, group=setup.group, run_steps=progress.total
+            state,
+            stats.breakdown,
+            inputs=setup.inputs,
+            group=setup.group,
+            steps_left=progress.total - progress.done,
+            started=started,
         )
         setup.group.broadcast_buffers(state.model)  # BatchNorm's running statistics: rank 0's, on every rank
         setup.scoring.context.epoch = epoch

@@ -20,9 +20,8 @@ one line as well, see ``pipeline.engine.memory``).
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,7 @@ from pipeline.common.messages import brief
 from pipeline.config import RunConfig
 from pipeline.data import structures
 from pipeline.data.structures import call_model
-from pipeline.engine.models import build_model
+from pipeline.engine.models import attributes_now, build_model
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ def _activations(model: torch.nn.Module, inputs: Any) -> list[int]:
             kept.append(output.numel())
 
     weighted = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
-    saved = [_attributes(m) for m in model.modules()]  # a forward may cache tensors in plain attributes
+    saved = [attributes_now(m) for m in model.modules()]  # a forward may cache tensors in plain attributes
     training = model.training
     handles = [m.register_forward_hook(keep) for m in weighted]
     try:
@@ -126,26 +125,6 @@ def _activations(model: torch.nn.Module, inputs: Any) -> list[int]:
             restore()
         model.train(training)
     return kept
-
-
-REGISTRIES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")  # a module's own, changed in place
-
-
-def _attributes(module: torch.nn.Module) -> Callable[[], None]:
-    """What puts ``module``'s attributes back as they are now: its ``__dict__`` and, since a forward may register
-    into them (a buffer made on first use), its parameter, buffer and sub-module registries."""
-    attributes = dict(module.__dict__)
-    registries = {name: copy.copy(attributes[name]) for name in REGISTRIES if name in attributes}
-
-    def restore() -> None:
-        module.__dict__.clear()
-        module.__dict__.update(attributes)
-        for name, entries in registries.items():
-            registry = attributes[name]
-            registry.clear()
-            registry.update(entries)
-
-    return restore
 
 
 def _meta_forward(model: torch.nn.Module, inputs: Any) -> None:

@@ -11,9 +11,11 @@ any torchvision or timm architecture), called the same way as the user's: the gr
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +244,24 @@ def count_parameters(model: nn.Module) -> int:
 def has_convolutions(model: nn.Module) -> bool:
     """Whether ``model`` has 2-D convolutions, the layers ``channels_last`` lays their inputs out for."""
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+REGISTRIES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")  # a module's own, changed in place
+
+
+def attributes_now(module: nn.Module) -> Callable[[], None]:
+    """What puts ``module``'s attributes back as they are now: its ``__dict__`` (the objects its names are bound to)
+    and, since a forward may register into them (a buffer made on first use), its parameter, buffer and sub-module
+    registries. Tensors changed in place are not copied here (``pipeline.engine.replay`` copies those it needs)."""
+    attributes = dict(module.__dict__)
+    registries = {name: copy.copy(attributes[name]) for name in REGISTRIES if name in attributes}
+
+    def restore() -> None:
+        module.__dict__.clear()
+        module.__dict__.update(attributes)
+        for name, entries in registries.items():
+            registry = attributes[name]
+            registry.clear()
+            registry.update(entries)
+
+    return restore

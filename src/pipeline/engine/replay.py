@@ -12,19 +12,24 @@ setting could win: 1 means the loader costs nothing measurable.
 
 Replaying never changes training. Before the first replayed step the training state is set aside on the host (the
 weights and every buffer, BatchNorm's statistics too; the optimizer's state and hyper-parameters, the schedule, the
-scaler, the micro-batch, the step hook's ``ctx.state``, clipping's last norm, and the random streams: torch's, the
-device's, Python's and NumPy's) and after the last one put back as it was, bit for bit; the gradients are dropped,
-as each step's start drops them. Replayed steps are not counted, timed as training steps or logged, and
-``time/allreduce_ms`` never sees them. Under DDP every rank replays the same steps together (the all-reduce is part of
-a step), as many as the rank with the least room allows. A step hook is called for them as for any training step.
+scaler, the micro-batch, the step hook's ``ctx.state``, clipping's last norm, the random streams: torch's, the
+device's, Python's and NumPy's; and what a model keeps in plain attributes, as research code carries a recurrent
+memory across batches: every module's attributes as they were bound, and the values of the tensors among them) and
+after the last one put back as it was, bit for bit; the gradients are dropped, as each step's start drops them.
+Replayed steps are not counted, timed as training steps or logged, and ``time/allreduce_ms`` never sees them. Under
+DDP every rank replays the same steps together (the all-reduce is part of a step), as many as the rank with the least
+room allows. A step hook is called for them as for any training step; what it does outside ``ctx.state`` and the
+model (a file it writes, a list it appends to) is not undone. Out of memory at the smallest micro-batch in a replayed
+step ends the check, not the run: the tag ``perf.replay`` says so.
 
-Cost: at most ``BUDGET`` (1%) of the training's expected time (the run's steps at the steady step time; start-up and
-evaluation come on top, so less of the run's), setting the state aside and back included (estimated at
-``COPY_BYTES_PER_S``). The first replayed step runs only when a real step's compute fits what is left, and its measured
-time then says how many more fit, at most ``MOST`` in all; their mean is the replayed step time (the first, warming up,
-only when it ran alone). When not even one fits, none runs and the tag ``perf.replay`` says why, as it does for a run
-that timed no steady step. Until it has run, the check holds one batch more on the device than training alone (the
-latest full one, by reference). ``trainer.replay_check=false`` turns it off (``NoReplay``).
+Cost: at most ``BUDGET`` (1%) of the run's expected time (its time so far, from start-up on, and its steps still to
+train at the steady step time; evaluation after this epoch comes on top), setting the state aside and back included
+(estimated at ``COPY_BYTES_PER_S``): a short run whose start-up dwarfs its training is measured too. The first
+replayed step runs only when a real step's compute fits what is left, and its measured time then says how many more
+fit, at most ``MOST`` in all; their mean is the replayed step time (the first, warming up, only when it ran alone).
+When not even one fits, none runs and the tag ``perf.replay`` says why, as it does for a run that timed no steady
+step. Until it has run, the check holds one batch more on the device than training alone (the latest full one, by
+reference). ``trainer.replay_check=false`` turns it off (``NoReplay``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import torch
 
 from pipeline.common.heap import collector_paused
 from pipeline.engine.checkpoint import CheckpointError, plain_state
+from pipeline.engine.memory import OutOfMemoryAtMinimum
+from pipeline.engine.models import attributes_now
 from pipeline.engine.step import Inputs, run_step
 from pipeline.engine.timing import Breakdown
 from pipeline.parallel.distributed import Group, Solo
@@ -53,7 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BUDGET = 0.01  # of the training's expected time, for the whole check
+BUDGET = 0.01  # of the run's expected time, for the whole check
 MOST = 5  # replayed steps: enough for a mean, few enough for a long step to fit the budget
 COPY_BYTES_PER_S = 1e9  # setting the state aside on the host and back, estimated low (memcpy and PCIe do several GB/s)
 NOTHING_MEASURABLE = 1.1  # a speedup below this: the loader costs nothing the replay can tell from noise
@@ -118,18 +125,17 @@ class Plan:
     ready: bool = True  # this rank timed a steady step and kept a batch: the check can run after this epoch
 
 
-def plan(*, step_s: float, compute_s: float, state_bytes: int, run_steps: int) -> Plan:
-    """The room ``BUDGET`` of the training's expected time (``run_steps`` steps of ``step_s``) leaves for replayed
-    steps once setting ``state_bytes`` aside and back is paid for; none unless a first step fits, at the cost of a
-    real step's compute (``compute_s``: replayed, it is no slower)."""
-    run_s = run_steps * step_s
+def plan(*, compute_s: float, state_bytes: int, run_s: float) -> Plan:
+    """The room ``BUDGET`` of the run's expected time (``run_s``) leaves for replayed steps once setting
+    ``state_bytes`` aside and back is paid for; none unless a first step fits, at the cost of a real step's compute
+    (``compute_s``: replayed, it is no slower)."""
     aside_s = 2 * state_bytes / COPY_BYTES_PER_S
     room_s = BUDGET * run_s - aside_s
     if room_s >= compute_s > 0:
         return Plan(room_s)
     return Plan(
         why_not=f"one replayed step (up to {_ms(compute_s)}) and setting the training state aside and back (about "
-        f"{_ms(aside_s)}) would take more than {BUDGET:.0%} of the training's expected {run_s:.1f} s"
+        f"{_ms(aside_s)}) would take more than {BUDGET:.0%} of the run's expected {run_s:.1f} s"
     )
 
 
@@ -148,13 +154,21 @@ class ReplayCheck:
             self._batch, self._samples = (images, labels), samples
 
     def after_epoch(
-        self, state: TrainState, breakdown: Breakdown, *, inputs: Inputs, group: Solo | Group, run_steps: int
+        self,
+        state: TrainState,
+        breakdown: Breakdown,
+        *,
+        inputs: Inputs,
+        group: Solo | Group,
+        steps_left: int,
+        started: float,
     ) -> None:
         """After an epoch's training (``breakdown``: its steps' times), before its evaluation: replay the kept batch
-        when every rank is ready and has room (a collective: every rank calls it after every epoch), once."""
+        when every rank is ready and has room (a collective: every rank calls it after every epoch), once.
+        ``steps_left``: the steps the run has still to train; ``started``: its start (``time.perf_counter``)."""
         if self._found is not None:
             return
-        plans = group.gather(self._plan(state, breakdown, run_steps=run_steps))
+        plans = group.gather(self._plan(state, breakdown, steps_left=steps_left, started=started))
         if not all(p.ready for p in plans):
             return  # no steady step timed yet somewhere: the next epoch's end
         why_not = next((p.why_not for p in plans if p.why_not), "")
@@ -165,9 +179,10 @@ class ReplayCheck:
         began = time.perf_counter()
         step_s, steps, why_not = replay(state, batch, room_s=min(p.room_s for p in plans), inputs=inputs, group=group)
         self._found = ReplayOutcome(0.0, step_s, steps, time.perf_counter() - began, why_not)
-        log.info("replayed %d step(s) on one batch: %.2f ms a step", steps, 1000.0 * step_s)
+        if steps:
+            log.info("replayed %d step(s) on one batch: %.2f ms a step", steps, 1000.0 * step_s)
 
-    def _plan(self, state: TrainState, breakdown: Breakdown, *, run_steps: int) -> Plan:
+    def _plan(self, state: TrainState, breakdown: Breakdown, *, steps_left: int, started: float) -> Plan:
         if not breakdown.steady_steps or self._batch is None:
             return Plan(ready=False)
         try:
@@ -176,11 +191,11 @@ class ReplayCheck:
             held = str(err).split(": a checkpoint keeps")[0]  # "ctx.state['x'] holds a module.Class"
             return Plan(why_not=f"{held}, which the replay does not set aside (tensors, numbers, strings, containers)")
         steady = breakdown.steady_steps
+        step_s = breakdown.step_s / steady
         return plan(
-            step_s=breakdown.step_s / steady,
             compute_s=breakdown.compute_s / steady,
             state_bytes=state_bytes(state),
-            run_steps=run_steps,
+            run_s=time.perf_counter() - started + max(steps_left, 0) * step_s,
         )
 
     def outcome(self, breakdown: Breakdown) -> ReplayOutcome:
@@ -198,7 +213,14 @@ class NoReplay:
         pass
 
     def after_epoch(
-        self, state: TrainState, breakdown: Breakdown, *, inputs: Inputs, group: Solo | Group, run_steps: int
+        self,
+        state: TrainState,
+        breakdown: Breakdown,
+        *,
+        inputs: Inputs,
+        group: Solo | Group,
+        steps_left: int,
+        started: float,
     ) -> None:
         pass
 
@@ -231,13 +253,17 @@ def replay(
             more = min(group.gather(min(MOST - 1, int((room_s - first_s) / first_s)) if first_s > 0 else 0))
             step_s = _timed(state, batch, more, inputs=inputs, group=group) / more if more > 0 else first_s
         why_not = ""
+    except OutOfMemoryAtMinimum as err:  # a measurement ends, the run goes on (its own steps meet their own memory)
+        log.warning("the replay check stopped: %s", err)
+        return 0.0, 0, f"a replayed step ran out of memory at the smallest micro-batch ({err})"
+    else:
         if len(state.micro.events) != events:
             why_not = "the replayed steps ran out of memory (their time is the fallback's)"
         elif state.compiles.count != compiles:
             why_not = "the replayed steps compiled (their time is torch.compile's)"
+        return step_s, 1 + max(more, 0), why_not
     finally:
         aside.put_back(state)
-    return step_s, 1 + max(more, 0), why_not
 
 
 def _timed(state: TrainState, batch: tuple[Any, Any], steps: int, *, inputs: Inputs, group: Solo | Group) -> float:
@@ -288,9 +314,21 @@ def _back(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def plain_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors ``model``'s modules keep in plain attributes (neither parameters nor buffers), once each."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta:
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
 def state_bytes(state: TrainState) -> int:
-    """The bytes ``SetAside`` copies: the weights and buffers, the optimizer's state and the step hook's."""
-    tensors = [*unwrap(state.model).parameters(), *unwrap(state.model).buffers()]
+    """The bytes ``SetAside`` copies: the weights and buffers, the optimizer's state, the step hook's and the
+    tensors in the model's plain attributes."""
+    model = unwrap(state.model)
+    tensors = [*model.parameters(), *model.buffers(), *plain_tensors(model)]
     tensors += [v for s in state.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     tensors += [v for v in state.context.state.values() if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -310,6 +348,8 @@ class SetAside:
     context: Any  # ctx.state
     norm: Any  # clipping's last norm (read at logging points)
     rng: dict[str, Any]
+    attributes: list[Callable[[], None]]  # every module's attributes as bound now (``attributes_now``)
+    plain: list[tuple[torch.Tensor, torch.Tensor]]  # tensors in plain attributes, and their values on the host
 
     @classmethod
     def of(cls, state: TrainState, device: torch.device) -> SetAside:
@@ -327,12 +367,19 @@ class SetAside:
             _aside(state.context.state),
             state.clip.norm,
             random_state(device),
+            [attributes_now(module) for module in model.modules()],
+            [(t, t.detach().to("cpu", copy=True)) for t in plain_tensors(model)],
         )
 
     def put_back(self, state: TrainState) -> None:
+        for restore in self.attributes:
+            restore()
         with torch.no_grad():
             for tensor, value in zip(self.tensors, self.values, strict=True):
                 tensor.copy_(value)
+            for tensor, value in self.plain:
+                if tensor.shape == value.shape:  # else resized in place: the binding is all that can be put back
+                    tensor.copy_(value)
         state.optimizer.zero_grad(set_to_none=True)  # as each step's start does: nothing reads them in between
         state.optimizer.state.clear()
         state.optimizer.state.update({p: _back(s) for p, s in self.optimizer.items()})
