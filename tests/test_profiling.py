@@ -6,6 +6,9 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -352,3 +355,19 @@ def test_a_trace_that_cannot_be_written_costs_the_trace_not_the_run(
     assert report.trace == "" and tracker.files == {} and tracker.metrics[0][0]["profile/steps"] == 2.0
     assert "no trace (it could not be written: No space left on device)" in report.describe()[0]
     assert "the profile's trace was not kept: OSError" in caplog.text
+
+
+def test_a_cpu_profile_writes_nothing_to_the_terminal() -> None:
+    """kineto prints "USDT: ... profiler_start" and "profiler_stop" (and, with a CUDA build of torch, an ERROR line
+    about the missing GPU) straight to the process's stderr at every profile, the automatic one included: a user's
+    terminal, or a test that reads the first line a run writes there."""
+    probe = (
+        "import torch\n"
+        "from pipeline.engine.profiling import _torch_profiler\n"
+        "with _torch_profiler(torch.device('cpu')):\n"
+        "    torch.nn.Linear(8, 8)(torch.randn(4, 8)).sum().backward()\n"
+        "print('profiled')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "profiled\n", "")

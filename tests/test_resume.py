@@ -822,10 +822,16 @@ def test_ctrl_c_in_any_phase_is_one_line_and_exit_130(tmp_path: Path, phase: str
         preexec_fn=ctrl_c_as_in_a_terminal,
     )
     assert proc.stderr is not None
-    first = proc.stderr.readline()  # blocks until the process is held in the phase (or has ended)
-    assert first == f"holding at {phase}\n", first + proc.stderr.read()
-    proc.send_signal(signal.SIGINT)
     try:
+        # Blocks until the process is held in the phase, has written something else, or has ended (the hold's
+        # faulthandler ends a process stuck on its way after PIPELINE_HOLD_LIMIT_S, printing its stacks).
+        first = proc.stderr.readline()
+        if first != f"holding at {phase}\n":  # the process goes on to its hold: stopped first, then read
+            proc.kill()
+            pytest.fail(
+                f"expected 'holding at {phase}' first on stderr, got:\n{first}{proc.communicate(timeout=60)[1]}"
+            )
+        proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)  # a lost signal fails the test, never hangs the suite
     finally:
         proc.kill()

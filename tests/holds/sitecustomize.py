@@ -13,6 +13,10 @@ import os
 import sys
 
 PHASE = os.environ.get("PIPELINE_HOLD", "")
+if PHASE:  # a process stuck on its way to the hold (or in it) prints every thread's stack and ends: the test says where
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ.get("PIPELINE_HOLD_LIMIT_S", "100")), exit=True)
 
 
 def hold(until: object = None) -> None:

@@ -411,6 +411,8 @@ def _torch_profiler(device: torch.device) -> Any:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    else:  # a CUDA build of torch on a machine without a GPU: kineto's "ERROR ... gpuGetDeviceCount failed" is noise
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # read when the first profiler starts; GPU runs keep its errors
+    else:  # kineto writes to the terminal itself: on the CPU, "USDT: ... profiler_start" and "profiler_stop" at every
+        # profile (the automatic one included) and, with a CUDA build of torch, "ERROR ... gpuGetDeviceCount failed":
+        # all noise here. Level 6 hides its every level; it is read when the first profiler starts. GPU runs keep it.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     return torch.profiler.profile(activities=activities)  # no shapes or stacks: they cost more than the ops
