@@ -36,9 +36,9 @@ def confirmed_gain(outcome: Outcome, candidate: Candidate, against: Candidate) -
     return compare([x for x, _ in pairs], [y for _, y in pairs], pairs=pairs, level=level)
 
 
-def shown(gain: Comparison | None) -> bool:
-    """A gain the tuner claims: paired, significant (p < ``ALPHA``) and at least ``MIN_EFFECT``."""
-    return gain is not None and gain.test == "paired" and gain.p < ALPHA and gain.ratio >= 1 + MIN_EFFECT
+def shown(gain: Comparison | None, *, alpha: float = ALPHA) -> bool:
+    """A gain the tuner claims: paired, significant (p < ``alpha``) and at least ``MIN_EFFECT``."""
+    return gain is not None and gain.test == "paired" and gain.p < alpha and gain.ratio >= 1 + MIN_EFFECT
 
 
 def rounds_needed() -> int:

@@ -34,6 +34,7 @@ DROP_BELOW = 0.80  # a candidate whose best round is under this share of the lea
 DROP_BELOW_FIRST = 0.50  # ... or this share after round 1, where "best" is a single, possibly unlucky, round
 BATCH_SEARCH_SHARE = 0.5  # the batch-size search may use at most this share of the budget
 CONFIRM_SHARE = 0.25  # kept for the confirmation rounds: the search stops at the rest
+CLEAR_LEAD = "the leader's slowest round beat the runner-up's fastest"  # the search's one stop that ranks the top two
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class Settings:
     search_batch_size: bool = False  # first double loader.batch_size until out of memory or no faster
     confirm: int = 6  # fresh rounds of the winner, the current setting and the runner-up, after the search
     order_seed: int | None = None  # None: confirmation rounds alternate their order; else a seeded random order
-    runner_up: bool = True  # the runner-up is confirmed too (its margin is printed); false: winner vs current only
+    runner_up: bool = True  # the runner-up is confirmed too (its margin is printed); false: only when the search
+    # left the lead unclear (no ``CLEAR_LEAD``), else winner vs current only
 
 
 class Unusable(Exception):
@@ -229,7 +231,7 @@ def _searched(plan: list[Candidate], now: Candidate, session: _Session, *, ladde
     for tally in tallies.values():
         if not tally.measured and not tally.stopped:
             tally.stopped = "not measured: time budget"
-    finalists = _finalists(list(tallies.values()), now, runner_up=settings.runner_up)
+    finalists = _finalists(list(tallies.values()), now, runner_up=settings.runner_up or reason != CLEAR_LEAD)
     for tally in tallies.values():
         if tally.candidate not in finalists:
             session.release(tally.candidate)
@@ -318,7 +320,7 @@ def _settled(tallies: Any, round_: int) -> str:
     if len(running) < 2:
         return "one candidate left"
     if round_ >= 2 and running[0].low > running[1].high:
-        return "the leader's slowest round beat the runner-up's fastest"
+        return CLEAR_LEAD
     return ""
 
 

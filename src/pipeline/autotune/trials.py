@@ -30,7 +30,7 @@ class _Live:
             self.batches = None
 
 
-MIN_TIMED_S = 0.5  # a trial times at least this long (whole calls of --steps steps)
+MIN_TIMED_S = 0.2  # a trial times at least this long (whole calls of --steps steps); more rounds beat longer trials
 
 
 def queue_depth(loader: LoaderConfig, *, prefetched: bool = False) -> int:
@@ -74,7 +74,8 @@ class Trials:
         """Samples/s of ``steps`` training steps after ``warmup`` untimed ones (the step timer leaves out a call's
         first step, so the untimed call runs ``warmup - 1``), repeated until the timed steps add up to
         ``MIN_TIMED_S``: 20 steps of a small model take 40 ms, which one hiccup of the machine can make ten times
-        longer.
+        longer. Longer trials would buy little more: a busy machine's slow minutes pass over several trials alike,
+        and the paired rounds, not the trials' length, tell a change from that drift.
 
         A live candidate's workers kept working while the others were timed: its queue holds up to
         ``queue_depth`` batches made before this trial began. Those are drawn and dropped first, so every batch

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.autotune.candidates import Candidate, describe
-from pipeline.autotune.report import confirmed_gain, shown, suggestion, table, why_not_shown
+from pipeline.autotune.report import confirmed_gain, shown, table, why_not_shown
 from pipeline.autotune.search import Outcome, Settings
 from pipeline.common.secrets import env_values, mask_tree
-from pipeline.common.stats import Comparison
+from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison
 from pipeline.config import flatten
 from pipeline.record.lifecycle import open_tracker
 from pipeline.record.runs import create_run
@@ -52,8 +52,17 @@ def probe_line(result: Tuning) -> str:
     )
 
 
+ALPHA_FIRST = 0.04  # the search's winner is tested at this level when a runner-up was confirmed beside it ...
+ALPHA_FALLBACK = ALPHA - ALPHA_FIRST  # ... and the runner-up, only if the winner was not shown, at the rest
+
+
 def claim(outcome: Outcome) -> tuple[Candidate | None, str]:
-    """The change to use (None: keep yours) and the line that says so, from the confirmation rounds alone."""
+    """The change to use (None: keep yours) and the line that says so, from the confirmation rounds alone.
+
+    The search's winner is claimed when its rounds show it faster than the current setting. When the search left
+    its lead unclear and the runner-up was confirmed too, a fallback procedure keeps the chance of claiming noise at
+    ``ALPHA`` in all: the winner is tested at ``ALPHA_FIRST`` and, only if it is not shown, the runner-up at
+    ``ALPHA_FALLBACK`` (the two levels add up to ``ALPHA``)."""
     ranking = outcome.ranking()
     if not ranking:
         return None, "nothing was measured: the budget ran out before the first trial; raise --budget-s"
@@ -67,11 +76,34 @@ def claim(outcome: Outcome) -> tuple[Candidate | None, str]:
             f"no change shown: keep your configuration ({describe(best, current)} not confirmed: "
             f"{outcome.unconfirmed})",
         )
-    rounds = f"paired over {gain.pairs} confirmation rounds in random order, p={gain.p:.2g}"
-    if suggestion(outcome) == best and shown(gain):
-        return best, f"faster: {describe(best, current)}: {ratio(gain)} your configuration's speed ({rounds})"
-    why = "slower in the confirmation rounds" if gain.ratio < 1 else why_not_shown(gain)
-    return None, f"no change shown: keep your configuration ({describe(best, current)}: {ratio(gain)}, {rounds}; {why})"
+    runner = _fallback(outcome, best)
+    first = ALPHA if runner is None else ALPHA_FIRST
+    if shown(gain, alpha=first):
+        return best, f"faster: {describe(best, current)}: {ratio(gain)} your configuration's speed ({_rounds(gain)})"
+    why = "slower in the confirmation rounds" if gain.ratio < 1 else _why_not(gain, first)
+    kept = f"{describe(best, current)}: {ratio(gain)}, {_rounds(gain)}; {why}"
+    if runner is not None and shown(second := confirmed_gain(outcome, runner, current), alpha=ALPHA_FALLBACK):
+        assert second is not None
+        return runner, (
+            f"faster: {describe(runner, current)}: {ratio(second)} your configuration's speed ({_rounds(second)}, "
+            f"below {ALPHA_FALLBACK:g} as the runner-up; the search's fastest, {kept})"
+        )
+    return None, f"no change shown: keep your configuration ({kept})"
+
+
+def _fallback(outcome: Outcome, best: Candidate) -> Candidate | None:
+    """The runner-up confirmed beside the winner and the current setting, if any."""
+    return next((t.candidate for t in outcome.confirmed if t.candidate not in (best, outcome.current)), None)
+
+
+def _rounds(gain: Comparison) -> str:
+    return f"paired over {gain.pairs} confirmation rounds in random order, p={gain.p:.2g}"
+
+
+def _why_not(gain: Comparison, alpha: float) -> str:
+    if alpha == ALPHA or gain.p >= ALPHA or gain.ratio < 1 + MIN_EFFECT:
+        return why_not_shown(gain)
+    return f"p={gain.p:.2g} is not below {alpha:g}, the winner's share of {ALPHA:g} beside a confirmed runner-up"
 
 
 def command_line(overrides: Sequence[str], changes: Sequence[str], *, config_dir: str | None = None) -> str:

@@ -9,8 +9,11 @@ them inside the real training step, confirm the best against the user's configur
 The probe is one trial of the user's configuration (samples/s, the step split, MFU), classified by the verdict's rules
 (``pipeline.report.verdict.classify``); ``changes.plan`` turns the class into candidates. The search and the
 confirmation are autotune's (``search.search``): short interleaved rounds that drop the clearly slow, then
-``--confirm`` paired rounds of the best against the user's configuration, in a seeded random order
-(``trainer.seed``). A gain is claimed only when those rounds show it (``report.shown``), with its interval.
+``--confirm`` paired rounds of the best against the user's configuration (and the runner-up, when the search left
+its lead unclear), in a seeded random order (``trainer.seed``). A gain is claimed only when those rounds show it
+(``tuned.claim``), with its interval. ``CONFIRM`` (8) rounds, not the 6 the paired test needs at least: one round
+against a real gain on a busy machine then still leaves it shown, and a runner-up can be claimed at its share of the
+test's level.
 
 Under torchrun every rank builds and trains the same candidate at the same time (the trials' steps all-reduce):
 rank 0's clock and rank 0's measurements drive the search on every rank (``group.share``), so every rank takes the
@@ -43,6 +46,8 @@ from pipeline.engine.models import has_convolutions
 from pipeline.engine.provenance import run_name
 from pipeline.report.verdict import classify
 
+CONFIRM = 8  # the confirmation rounds (--confirm)
+
 
 @dataclass(frozen=True)
 class Tuning:
@@ -67,7 +72,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per trial (20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them, at least 1 (3)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the search at most (3)")
-    parser.add_argument("--confirm", type=int, default=6, help="paired rounds, best vs yours, after the search (6)")
+    parser.add_argument(
+        "--confirm", type=int, default=CONFIRM, help=f"paired rounds, best vs yours, after the search ({CONFIRM})"
+    )
     parser.add_argument("--config-dir", default=None, help="your config folder, as for python -m pipeline")
     parser.add_argument("--no-track", action="store_true", help="record nothing in MLflow")
     args = parser.parse_intermixed_args(argv)

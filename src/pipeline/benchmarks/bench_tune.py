@@ -26,7 +26,7 @@ from pipeline.autotune import tuned
 from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.report import confirmed_gain
 from pipeline.autotune.search import Settings
-from pipeline.autotune.tuning import tune_run
+from pipeline.autotune.tuning import CONFIRM, tune_run
 from pipeline.benchmarks.harness import Row, Sizes
 from pipeline.config import RunConfig, load
 from pipeline.parallel.distributed import Solo
@@ -47,7 +47,8 @@ def bench_tune(sizes: Sizes, work: Path) -> list[Row]:
         overrides += ["data.num_samples=1000", "data.val_samples=200", "trainer.epochs=1"]
     cfg = load(overrides)
     started = time.monotonic()
-    result = tune_run(cfg, Settings(budget_s=5.0 if quick else TUNE_BUDGET_S), group=Solo(), started=started)
+    settings = Settings(budget_s=5.0 if quick else TUNE_BUDGET_S, confirm=CONFIRM)  # the command's defaults
+    result = tune_run(cfg, settings, group=Solo(), started=started)
     tune_s = time.monotonic() - started
     chosen, said = tuned.claim(result.outcome)
     current = result.outcome.current
