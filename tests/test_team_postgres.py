@@ -48,9 +48,10 @@ SMALL = [
     "trainer.log_every_n_steps=1",
     "monitor.plots=false",  # the artifacts left are config.yaml, overrides.txt and environment.json
 ]
-# metrics whose presence or count depends on the machine's speed: the utilisation sampler's readings, and the automatic
-# profile of a run whose MFU is low only when its few steps fit the run's time budget
-SAMPLED = ("system/", "cpu/", "gpu/", "profile/")
+# metrics whose presence or count depends on the machine's speed: the utilisation sampler's readings, the automatic
+# profile of a run whose MFU is low only when its few steps fit the run's time budget, and the replay check's figures
+# only when a replayed step fits its own
+SAMPLED = ("system/", "cpu/", "gpu/", "profile/", "perf/replay_", "time/replay_s")
 ARTIFACTS = ["config.yaml", "environment.json", "overrides.txt"]
 WITHIN_S = 600  # the whole load, on a busy two-core machine; about 20 s alone on a quiet one
 
