@@ -30,7 +30,7 @@ class _Live:
             self.batches = None
 
 
-MIN_TIMED_S = 0.2  # a trial times at least this long (whole calls of --steps steps); more rounds beat longer trials
+MIN_TIMED_S = 0.15  # a trial times at least this long (whole calls of --steps steps); more rounds beat longer trials
 
 
 def queue_depth(loader: LoaderConfig, *, prefetched: bool = False) -> int:
