@@ -84,6 +84,13 @@ def without_first_batch_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: FirstBatch(True, ((), {})))
 
 
+def without_replay_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No replay check in the runs this test makes (as ``trainer.replay_check=false``): its few steps replayed after
+    the first steady epoch (``pipeline.engine.replay``, tested in test_replay.py) are forwards and optimizer steps
+    too, which would shift what a test counts to inject its faults."""
+    monkeypatch.setattr(build_module, "make_replay", lambda trainer: replay_module.NO_REPLAY)
+
+
 def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
     """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds. The hook
     goes once it has fired, so the model the run logs at its end carries none (an action holding a lock could not

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
-from helpers import sigterm_at_step, without_first_batch_check
+from helpers import sigterm_at_step, without_first_batch_check, without_replay_check
 from pipeline.config import ConfigError, DataConfig, RunConfig, load
 from pipeline.data import CropFlip, Normalize, load_data, make_augment
 from pipeline.data.augment import Draws
@@ -148,6 +148,7 @@ def watch_training_inputs(monkeypatch: pytest.MonkeyPatch, train_inputs: list, e
     """Record what the model receives; raise a fake out-of-memory error for training inputs over ``oom_above``."""
     original = build_module.build_model
     without_first_batch_check(monkeypatch)  # faults in the run only
+    without_replay_check(monkeypatch)
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)

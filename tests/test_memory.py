@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.engine.build as build_module
-from helpers import without_first_batch_check
+from helpers import without_first_batch_check, without_replay_check
 from pipeline.common.device_memory import is_oom
 from pipeline.config import ConfigError, RunConfig
 from pipeline.engine.memory import (
@@ -73,9 +73,11 @@ def oom_above(limit: int) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], Non
 
 def with_hook(monkeypatch: pytest.MonkeyPatch, hook, seen: list[int] | None = None) -> None:
     """``hook`` on the model's forwards in training and evaluation; the start-up check of the first batch (one more
-    forward, before the run) is left out, so that the faults land where the tests put them."""
+    forward, before the run) and the replay check (a few more after the first epoch) are left out, so that the
+    faults land where the tests put them."""
     original = build_module.build_model
     without_first_batch_check(monkeypatch)
+    without_replay_check(monkeypatch)
 
     def build(*args, **kwargs):
         model = original(*args, **kwargs)
