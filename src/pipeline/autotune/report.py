@@ -41,10 +41,10 @@ def shown(gain: Comparison | None, *, alpha: float = ALPHA) -> bool:
     return gain is not None and gain.test == "paired" and gain.p < alpha and gain.ratio >= 1 + MIN_EFFECT
 
 
-def rounds_needed() -> int:
-    """The fewest confirmation rounds whose paired test can reach ``ALPHA`` (6 for 0.05)."""
+def rounds_needed(alpha: float = ALPHA) -> int:
+    """The fewest confirmation rounds whose paired test can reach ``alpha`` (6 for 0.05, 8 for 0.01)."""
     rounds = 2
-    while min_p_paired(rounds) >= ALPHA:
+    while min_p_paired(rounds) >= alpha:
         rounds += 1
     return rounds
 
@@ -71,13 +71,13 @@ def _runner(outcome: Outcome) -> str:
     return f"; on {who}: not shown ({pct(versus.ratio - 1)}, p={versus.p:.2g})"
 
 
-def why_not_shown(gain: Comparison) -> str:
-    """Why a paired gain is not claimed, in words."""
-    if gain.min_p >= ALPHA:
-        return f"{gain.pairs} rounds cannot show a difference: use --confirm {rounds_needed()} or more"
-    if gain.p < ALPHA:
+def why_not_shown(gain: Comparison, *, alpha: float = ALPHA) -> str:
+    """Why a paired gain is not claimed at level ``alpha``, in words."""
+    if gain.min_p >= alpha:
+        return f"{gain.pairs} rounds cannot show a difference: use --confirm {rounds_needed(alpha)} or more"
+    if gain.p < alpha:
         return f"a change under {MIN_EFFECT:.0%} is not worth acting on"
-    return f"p={gain.p:.2g} is not below {ALPHA:g}"
+    return f"p={gain.p:.2g} is not below {alpha:g}"
 
 
 def pct(value: float) -> str:

@@ -26,7 +26,7 @@ from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.report import confirmed_gain, shown, table, why_not_shown
 from pipeline.autotune.search import Outcome, Settings
 from pipeline.common.secrets import env_values, mask_tree
-from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison
+from pipeline.common.stats import ALPHA, Comparison
 from pipeline.config import flatten
 from pipeline.record.lifecycle import open_tracker
 from pipeline.record.runs import create_run
@@ -80,10 +80,10 @@ def claim(outcome: Outcome) -> tuple[Candidate | None, str]:
     first = ALPHA if runner is None else ALPHA_FIRST
     if shown(gain, alpha=first):
         return best, f"faster: {describe(best, current)}: {ratio(gain)} your configuration's speed ({_rounds(gain)})"
-    why = "slower in the confirmation rounds" if gain.ratio < 1 else _why_not(gain, first)
+    why = "slower in the confirmation rounds" if gain.ratio < 1 else why_not_shown(gain, alpha=first)
     kept = f"{describe(best, current)}: {ratio(gain)}, {_rounds(gain)}; {why}"
-    if runner is not None and shown(second := confirmed_gain(outcome, runner, current), alpha=ALPHA_FALLBACK):
-        assert second is not None
+    second = None if runner is None else confirmed_gain(outcome, runner, current)
+    if runner is not None and second is not None and shown(second, alpha=ALPHA_FALLBACK):
         return runner, (
             f"faster: {describe(runner, current)}: {ratio(second)} your configuration's speed ({_rounds(second)}, "
             f"below {ALPHA_FALLBACK:g} as the runner-up; the search's fastest, {kept})"
@@ -98,12 +98,6 @@ def _fallback(outcome: Outcome, best: Candidate) -> Candidate | None:
 
 def _rounds(gain: Comparison) -> str:
     return f"paired over {gain.pairs} confirmation rounds in random order, p={gain.p:.2g}"
-
-
-def _why_not(gain: Comparison, alpha: float) -> str:
-    if alpha == ALPHA or gain.p >= ALPHA or gain.ratio < 1 + MIN_EFFECT:
-        return why_not_shown(gain)
-    return f"p={gain.p:.2g} is not below {alpha:g}, the winner's share of {ALPHA:g} beside a confirmed runner-up"
 
 
 def command_line(overrides: Sequence[str], changes: Sequence[str], *, config_dir: str | None = None) -> str:
