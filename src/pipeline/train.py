@@ -109,7 +109,11 @@ def _train(
     masked_config = mask_tree(cfg.to_dict(), cfg.env_keys)  # the record never holds a secret
     secret_values = env_values(cfg)  # masked wherever they land in the record; refuses an experiment named from one
     start = resume.start_point(cfg, masked_config, group)  # a resumed run stays locked to this process until it ends
+    stop = StopRequests(checkpoints=cfg.checkpoint.enabled)  # entered once the run is built (_open_session)
     with start, contextlib.ExitStack() as session:
+        # loader workers killed by the same stop signal are no fault, up to and while their loaders end: on a loaded
+        # machine they can die of it only as the run ends them
+        session.enter_context(deaths_expected_while(stop.requested))
         setup = build(cfg, group, explain_missing_gpu=doctor.main_finding)
         session.callback(setup.end_loaders)  # its loader workers end with it, whichever way it ends
         typed_overrides = mask_overrides(overrides, cfg.env_keys)
@@ -118,7 +122,7 @@ def _train(
         start.restore(setup.state, setup.device, cfg.optimizer)
         tags = start.run_tags(_tags(masked_config, setup, typed_overrides, sweep))
         logbook.check_model_format(setup, cfg)  # tracking.model_format=pt2 for a model it cannot take: refused now
-        stop, tracker = _open_session(session, cfg, setup, start, tags=tags, secret_values=secret_values)
+        tracker = _open_session(session, cfg, setup, start, stop, tags=tags, secret_values=secret_values)
         if is_main:
             logbook.start(tracker, setup, cfg, masked_config, typed_overrides, start)
         models = logbook.epoch_models(cfg, tracker, setup)  # tracking.log_model=checkpoints: one at each epoch's
@@ -142,15 +146,14 @@ def _open_session(
     cfg: RunConfig,
     setup: Setup,
     start: FreshStart | Resumed,
+    stop: StopRequests,
     *,
     tags: dict[str, Any],
     secret_values: frozenset[str],
-) -> tuple[StopRequests, Tracker]:
-    """Open, in this order and on ``session``, what the run's training and record need: stop handling (with the
-    loader workers' deaths it causes expected up to the run's close), the tracker (rank 0's records; the others'
-    record nothing), and the profiler's and the memory snapshot's recording into it."""
-    stop = session.enter_context(StopRequests(checkpoints=cfg.checkpoint.enabled))
-    session.enter_context(deaths_expected_while(stop.requested))  # workers killed by the same stop signal
+) -> Tracker:
+    """Open, in this order and on ``session``, what the run's training and record need: stop handling, the tracker
+    (rank 0's records; the others' record nothing), and the profiler's and the memory snapshot's recording into it."""
+    session.enter_context(stop)
     tracker = session.enter_context(
         open_tracker(
             cfg.tracking if setup.group.is_main else dataclasses.replace(cfg.tracking, enabled=False),
@@ -164,7 +167,7 @@ def _open_session(
     session.enter_context(setup.profiler.recording(tracker))  # trainer.profile: where the profiled steps are kept
     session.enter_context(setup.snapshot.recording(tracker))  # trainer.memory_snapshot=on_oom: kept at an OOM
     start.continue_record(tracker)  # the same run: steps trained again keep their first points
-    return stop, tracker
+    return tracker
 
 
 def _fail_fast(cfg: RunConfig, main: bool) -> None:

@@ -181,19 +181,35 @@ class WatchedLoader(DataLoader):
     start and import torch, seconds each: loader.timeout must cover that too.
     """
 
+    _started: tuple[Any, ...] = ()  # the worker processes it started that may still run (``_remember``)
+
     def close(self) -> None:
-        """End the workers kept between epochs (``persistent_workers``) now. Left to the garbage collector, the
-        iterator's queues are closed before it asks its workers to stop, and each worker waits out PyTorch's 5 s
-        shutdown timeout: 20 s at the next collection after a run with two workers per loader."""
+        """End the workers kept between epochs (``persistent_workers``) now, and any worker of an earlier epoch
+        still there. Left to the garbage collector, the iterator's queues are closed before it asks its workers to
+        stop, and each worker waits out PyTorch's 5 s shutdown timeout: 20 s at the next collection after a run with
+        two workers per loader. A worker stopped (SIGSTOP) after its last batch outlives PyTorch's shutdown of its
+        epoch (its SIGTERM waits for a SIGCONT), and Python's exit would join it for ever: it is killed here."""
         batches, self._iterator = self._iterator, None
         if batches is not None:
             batches._shutdown_workers()
+        started, self._started = self._started, ()
+        for worker in started:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
 
     def __iter__(self) -> Iterator[Any]:
         batches = super().__iter__()
         if self.num_workers == 0:
             return batches  # the main process loads: nothing to watch, nothing added per batch
+        self._remember(batches._workers)  # type: ignore[attr-defined]
         return self._watched(batches)
+
+    def _remember(self, workers: list[Any]) -> None:
+        """Keep the worker processes this loader started for ``close``, less those that have ended (a new set each
+        epoch without ``persistent_workers``; once with them)."""
+        started = tuple(worker for worker in self._started if worker.exitcode is None)
+        self._started = started + tuple(worker for worker in workers if worker not in started)
 
     def _watched(self, batches: Iterator[Any]) -> Iterator[Any]:
         watchdog = Watchdog(self.timeout + WATCHDOG_GRACE_S if self.timeout else 0.0)
