@@ -15,12 +15,12 @@ from mlflow import MlflowClient
 import pipeline.engine.build as build_module
 import pipeline.engine.replay as replay_module
 from helpers import LEAN
-from pipeline.engine.loop import TrainState, train_epoch
+from pipeline.engine.loop import train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.optim import Clipping, Schedule
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.replay import BUDGET, MOST, ReplayCheck, ReplayOutcome, SetAside, plan, replay
-from pipeline.engine.step import SOLO, Inputs
+from pipeline.engine.step import SOLO, Inputs, TrainState
 from pipeline.engine.timing import WallTimer
 from pipeline.report.summary import RunResult, format_summary
 from pipeline.train import train
@@ -252,13 +252,20 @@ def test_the_budget_leaves_room_for_a_first_step_at_a_real_steps_compute_or_says
     )
 
 
-def test_the_first_replayed_steps_time_says_how_many_more_fit() -> None:
+def test_the_first_replayed_steps_time_says_how_many_more_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     state = _state()
     train_epoch(state, _batches(), inputs=INPUTS, timer=WallTimer())
     step_s, steps, why_not = replay(state, _batches(1)[0], room_s=0.0, inputs=INPUTS, group=SOLO)
     assert steps == 1 and step_s > 0 and why_not == ""  # the first alone: no room for more
-    step_s, steps, _ = replay(state, _batches(1)[0], room_s=2.5 * step_s, inputs=INPUTS, group=SOLO)
-    assert 1 <= steps <= 3  # about 2 more after the first, give or take the noise in its time
+    timed: list[int] = []
+
+    def steps_of_a_tenth(state: TrainState, batch: Any, steps: int, **kwargs: Any) -> float:
+        timed.append(steps)  # a step takes 0.1 s, whatever else the machine is doing
+        return 0.1 * steps
+
+    monkeypatch.setattr(replay_module, "_timed", steps_of_a_tenth)
+    step_s, steps, _ = replay(state, _batches(1)[0], room_s=0.35, inputs=INPUTS, group=SOLO)
+    assert steps == 3 and timed == [1, 2] and step_s == pytest.approx(0.1)  # the first, and the 2 more that fit
     assert replay(state, _batches(1)[0], room_s=10.0, inputs=INPUTS, group=SOLO)[1] == MOST
 
 
