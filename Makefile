@@ -23,6 +23,7 @@ test: $(STAMP) ## lint, then the whole test suite (what CI runs)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy  # [tool.mypy] in pyproject.toml says what it checks
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings that --strict counts
 	$(PY) -m pytest -n 2 --dist worksteal  # an idle worker takes tests queued for the other
 

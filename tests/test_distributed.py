@@ -18,10 +18,10 @@ from mlflow import MlflowClient
 from helpers import run_main
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
-from pipeline.engine.loop import SOLO, LossWindow, StepMetrics, TrainState, train_epoch
+from pipeline.engine.loop import SOLO, LossWindow, StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.step import Inputs, run_step
+from pipeline.engine.step import Inputs, TrainState, run_step
 from pipeline.engine.timing import WallTimer
 from pipeline.parallel import distributed
 from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from

@@ -18,11 +18,11 @@ from helpers import sigterm_at_step
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
 from pipeline.data import DevicePrefetcher, ResidentLoader, make_loader, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
-from pipeline.engine.loop import StepMetrics, TrainState, train_epoch
+from pipeline.engine.loop import StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.step import Inputs
+from pipeline.engine.step import Inputs, TrainState
 from pipeline.engine.stopping import Stopped
 from pipeline.engine.timing import WallTimer
 from pipeline.train import train

@@ -473,10 +473,9 @@ def test_a_schedule_that_cannot_be_fed_is_refused_before_the_run(
 
 def test_an_empty_micro_batch_of_ignored_tokens_never_poisons_the_step_with_nan() -> None:
     """Issue 36 (10): a micro-batch whose targets were all ignore_index had a NaN mean, and NaN x 0 stays NaN."""
-    from pipeline.engine.loop import TrainState
     from pipeline.engine.memory import MicroBatcher
     from pipeline.engine.precision import PrecisionPolicy
-    from pipeline.engine.step import forward_backward
+    from pipeline.engine.step import TrainState, forward_backward
     from pipeline.engine.tasks import NextToken
 
     torch.manual_seed(0)

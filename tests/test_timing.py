@@ -12,11 +12,11 @@ from helpers import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
 from pipeline.engine.devices import activate
-from pipeline.engine.loop import StepMetrics, TrainState, train_epoch
+from pipeline.engine.loop import StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.step import Inputs
+from pipeline.engine.step import Inputs, TrainState
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
 from pipeline.report.verdict import judge
 

@@ -77,9 +77,13 @@ class CropFlip:
         generator = self.generator
         generator.manual_seed(step_seed(self.seed, step))
         total, mine = n * self.world, slice(self.rank, None, self.world)  # the global batch's draws, this rank's share
-        options = {"generator": generator, "device": generator.device}
-        shifts = torch.randint(0, 2 * self.padding + 1, (total, 2), **options)[mine][:n] if self.crop else None
-        flips = torch.randint(0, 2, (total, 1), **options)[mine][:n].bool() if self.flip else None
+        device = generator.device
+        shifts = None
+        if self.crop:
+            shifts = torch.randint(0, 2 * self.padding + 1, (total, 2), generator=generator, device=device)[mine][:n]
+        flips = None
+        if self.flip:
+            flips = torch.randint(0, 2, (total, 1), generator=generator, device=device)[mine][:n].bool()
         return Draws(shifts, flips)
 
     def apply(self, images: torch.Tensor, draws: Draws) -> torch.Tensor:

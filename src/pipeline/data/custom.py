@@ -353,7 +353,8 @@ def check_picklable(custom: Any, loader: LoaderConfig) -> None:
 
 def _globals(data: bytes) -> list[str]:
     """The ``module name`` globals a pickle refers to."""
-    found, strings = [], []
+    found: list[str] = []
+    strings: list[str] = []
     for op, arg, _ in pickletools.genops(io.BytesIO(data)):
         if op.name in ("GLOBAL", "INST"):
             found.append(str(arg))

@@ -123,7 +123,7 @@ def steps_per_epoch(dataset: IterableDataset, *, configured: int | None, batch_s
     if configured is not None:
         return configured
     try:
-        items = len(dataset)
+        items = len(dataset)  # type: ignore[arg-type]  # an iterable dataset may define __len__; TypeError if not
     except TypeError:
         raise DatasetError(
             f"the training set is an iterable dataset ({type(dataset).__name__}) without __len__: say how many "

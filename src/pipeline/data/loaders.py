@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
@@ -25,6 +25,15 @@ from pipeline.data.iterable import IterableLoader
 from pipeline.data.workers import WatchedLoader, leave_ctrl_c_to_the_trainer
 
 log = logging.getLogger(__name__)
+
+
+class MapStyle(Protocol):
+    """A map-style dataset as the loaders use it: samples by index, and a length (torch's ``Dataset`` has none)."""
+
+    def __getitem__(self, index: int) -> Any: ...
+
+    def __len__(self) -> int: ...
+
 
 Batch = tuple[Any, Any]  # (inputs, targets): uint8 images and labels for the built-in sources
 
@@ -218,6 +227,7 @@ def make_loader(
         return IterableLoader(
             dataset, cfg, collate=collate, steps=steps, pin=pin, seed=seed, start_method=worker_start_method(cfg)
         )
+    sized = cast(MapStyle, dataset)  # map-style: indexed, with a length
     if cfg.resident:
         images, labels = materialize(dataset, collate, device=device)
         if world > 1:  # a fixed share per rank, so each moves only its own samples to its device
@@ -242,7 +252,7 @@ def make_loader(
         dataset,
         batch_size=cfg.batch_size,
         sampler=EpochOrder(
-            len(dataset),
+            len(sized),
             seed=seed,
             shuffle=train and cfg.shuffle,
             rank=rank,
@@ -262,7 +272,7 @@ def make_loader(
         worker_init_fn=leave_ctrl_c_to_the_trainer,
         collate_fn=collate,
     )
-    return _with_steps(loader, cfg, len(dataset))
+    return _with_steps(loader, cfg, len(sized))
 
 
 def worker_start_method(cfg: LoaderConfig) -> str | None:
@@ -319,13 +329,13 @@ def materialize(
     if isinstance(dataset, TensorDataset):
         images, labels = dataset.tensors
         return images, getattr(collate, "as_targets", lambda targets: targets)(labels)
-    _check_resident_room(dataset, collate, device)
+    _check_resident_room(cast(MapStyle, dataset), collate, device)
     loader = DataLoader(dataset, batch_size=256, shuffle=False, collate_fn=collate)
     parts = list(loader)
     return structures.concat([p[0] for p in parts]), structures.concat([p[1] for p in parts])
 
 
-def _check_resident_room(dataset: Dataset, collate: Callable[[list[Any]], Any] | None, device: Any) -> None:
+def _check_resident_room(dataset: MapStyle, collate: Callable[[list[Any]], Any] | None, device: Any) -> None:
     """Refuse ``loader.resident=true`` for a dataset whose first samples say it would not fit where it would live."""
     sample = (collate or default_collate)([dataset[i] for i in range(min(8, len(dataset)))])
     if not structures.only_tensors(sample):
@@ -352,7 +362,8 @@ def first_batch(dataset: Dataset, size: int, collate: Callable[[list[Any]], Any]
         images, labels = dataset.tensors
         return images[:size], labels[:size]
     items = []
-    for item in dataset if isinstance(dataset, IterableDataset) else (dataset[i] for i in range(len(dataset))):
+    sized = cast(MapStyle, dataset)
+    for item in dataset if isinstance(dataset, IterableDataset) else (sized[i] for i in range(len(sized))):
         items.append(item)
         if len(items) == size:
             break

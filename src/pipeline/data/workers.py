@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
@@ -191,14 +191,14 @@ class WatchedLoader(DataLoader):
         epoch (its SIGTERM waits for a SIGCONT), and Python's exit would join it for ever: it is killed here."""
         batches, self._iterator = self._iterator, None
         if batches is not None:
-            batches._shutdown_workers()
+            cast(Any, batches)._shutdown_workers()  # only workers' iterators are kept: persistent_workers
         started, self._started = self._started, ()
         for worker in started:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator watching DataLoader's iterator
         batches = super().__iter__()
         if self.num_workers == 0:
             return batches  # the main process loads: nothing to watch, nothing added per batch

@@ -12,9 +12,10 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.utils.data import IterableDataset
 
 from pipeline.common.errors import ConfigError, DatasetError
 from pipeline.config import LoaderConfig, RunConfig
@@ -43,7 +44,7 @@ from pipeline.engine.devices import DeviceChoice, activate, resolve_device
 from pipeline.engine.footprint import check_training
 from pipeline.engine.hooks import Step, StepContext, make_step
 from pipeline.engine.inputs import FirstBatch, check_first_batch
-from pipeline.engine.loop import Scoring, TrainState
+from pipeline.engine.loop import Scoring
 from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_tail
 from pipeline.engine.models import BUILTIN, build_model, count_parameters
 from pipeline.engine.optim import Schedule, build_optimizer, build_scheduler, make_clipping, needs_closure
@@ -52,7 +53,7 @@ from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, mak
 from pipeline.engine.provenance import UserCode, run_name
 from pipeline.engine.replay import NO_REPLAY, NoReplay, ReplayCheck, make_replay
 from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
-from pipeline.engine.step import Inputs
+from pipeline.engine.step import Inputs, TrainState
 from pipeline.engine.tasks import Task, make_task
 from pipeline.monitor.peaks import device_peak, run_dtype
 from pipeline.parallel.distributed import Group, Solo
@@ -134,6 +135,7 @@ def build(
         model = model.to(memory_format=torch.channels_last)
     augment = None
     if spec.builtin:  # the user's data arrives augmented by its own transform
+        assert spec.in_shape is not None  # a built-in source knows its shape
         augment = make_augment(
             cfg.data, in_shape=spec.in_shape, seed=trainer.seed, device=device, rank=group.rank, world=group.world_size
         )
@@ -293,6 +295,7 @@ def _prepare(spec: DataSpec, trainer: Any, device: torch.device) -> Normalize | 
     """Per micro-batch, the inputs as the model takes them: a built-in source's uint8 pixels normalised on the
     device; the user's as they are (in ``channels_last`` if asked)."""
     if spec.builtin:
+        assert spec.mean is not None and spec.std is not None  # a built-in source publishes its statistics
         return Normalize(spec.mean, spec.std, device=device, channels_last=trainer.channels_last)
     return AsGiven(channels_last=trainer.channels_last)
 
@@ -337,13 +340,13 @@ def _model(cfg: RunConfig, spec: DataSpec, device: torch.device, *, example: Any
     """The model on ``device``, after its memory needs were checked: the pipeline's own factories on the meta device
     before anything is allocated; a user's model (or pretrained weights) once made, on the host, with its first
     inputs (``example``) on meta copies, the model left as it was."""
-    shapes = {"in_shape": spec.in_shape, "num_classes": spec.num_classes}
+    in_shape, classes = spec.in_shape, spec.num_classes
     own = cfg.model._target_.startswith(BUILTIN) and not cfg.model.keywords.get("weights")
     if own:
-        check_training(cfg, **shapes, device=device)
-    model = build_model(cfg.model, **shapes)
+        check_training(cfg, in_shape=in_shape, num_classes=classes, device=device)
+    model = build_model(cfg.model, in_shape=in_shape, num_classes=classes)
     if not own:
-        check_training(cfg, **shapes, device=device, model=model, example=example)
+        check_training(cfg, in_shape=in_shape, num_classes=classes, device=device, model=model, example=example)
     return model.to(device)
 
 
@@ -355,10 +358,11 @@ def _loaders(
     seed, shard = cfg.trainer.seed, {"rank": group.rank, "world": group.world_size}
     steps = None
     if data.spec.iterable:
+        stream = cast(IterableDataset, data.train)  # spec.iterable: the user's IterableDataset
         steps = steps_per_epoch(
-            data.train, configured=cfg.data.steps_per_epoch, batch_size=cfg.loader.batch_size, world=group.world_size
+            stream, configured=cfg.data.steps_per_epoch, batch_size=cfg.loader.batch_size, world=group.world_size
         )
-        check_shares(data.train, cfg.loader, collate=data.collate, gather=group.gather, world=group.world_size)
+        check_shares(stream, cfg.loader, collate=data.collate, gather=group.gather, world=group.world_size)
     elif cfg.data.steps_per_epoch is not None:
         raise ConfigError(
             "data.steps_per_epoch", cfg.data.steps_per_epoch, "null for a map-style dataset (its length is the epoch)"

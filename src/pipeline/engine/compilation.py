@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ def compile_model(model: nn.Module, *, mode: str) -> nn.Module:
     """
     _listen()
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    return torch.compile(model, mode=mode)
+    return cast(nn.Module, torch.compile(model, mode=mode))  # a module's compiled form is a module
 
 
 def allow_models(models: int) -> None:

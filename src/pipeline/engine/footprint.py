@@ -134,7 +134,7 @@ def _meta_forward(model: torch.nn.Module, inputs: Any) -> None:
         return
     meta = {name: torch.empty_like(t, device="meta") for name, t in tensors.items()}
     if isinstance(inputs, Mapping):
-        torch.func.functional_call(model, meta, (), inputs)
+        torch.func.functional_call(model, meta, (), dict(inputs))
     else:
         torch.func.functional_call(model, meta, (inputs,))
 

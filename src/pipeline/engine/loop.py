@@ -10,62 +10,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from pipeline.data.structures import count, move, split
-from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
-from pipeline.engine.hooks import Computed, Step, StepContext, TaskStep
+from pipeline.engine.compilation import hit_recompile_limit, recompile_limit_error
+from pipeline.engine.hooks import Computed, Step, StepContext
 from pipeline.engine.losses import LossWindow
 from pipeline.engine.memory import MicroBatcher
-from pipeline.engine.optim import Clipping, NoClipping, Schedule, current_lr
+from pipeline.engine.optim import current_lr
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.profiling import ProfiledTimer
-from pipeline.engine.step import NO_STOP, SOLO, Inputs, LogFn, SkippedSteps, StepOutcome, StopSource, run_step
-from pipeline.engine.tasks import Classification, Task
+from pipeline.engine.step import (
+    NO_STOP,
+    SOLO,
+    Inputs,
+    LogFn,
+    SkippedSteps,
+    Splitter,
+    StepOutcome,
+    StopSource,
+    TrainState,
+    run_step,
+)
+from pipeline.engine.tasks import Task
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
 from pipeline.parallel.distributed import Group, Solo
 
 StepTimer = WallTimer | EventTimer | ProfiledTimer  # the last: trainer.profile=true (pipeline.engine.profiling)
-
-Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
-
-
-@dataclass
-class TrainState:
-    """What an epoch advances: the model, its optimizer, schedule and scaler, the micro-batch, the global step, and
-    what torch.compile has compiled (an eager run's watch never changes); with the task that scores a batch, the step
-    that turns a batch into a loss (``pipeline.engine.hooks``) and its context, how a batch is cut into micro-batches
-    (``data.split_batch``, or ``pipeline.data.structures.split``) and along which dimension its samples count,
-    gradient clipping, and whether the optimizer's step takes a closure (L-BFGS)."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    micro: MicroBatcher
-    step: int = 0
-    compiles: CompileWatch | NoCompile = NO_COMPILE
-    scheduler: Schedule = field(default_factory=Schedule)
-    task: Task = field(default_factory=Classification)
-    split: Splitter = split
-    compute: Step | None = None  # None: the task's own step
-    context: StepContext | None = None  # None: made for the model and task
-    batch_dim: int = 0
-    clip: Clipping | NoClipping = field(default_factory=NoClipping)
-    closure: bool = False
-
-    def __post_init__(self) -> None:
-        if self.compute is None:
-            self.compute = TaskStep(self.task)
-        if self.context is None:
-            self.context = StepContext(self.task.loss, _device(self.model), self.model)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 @dataclass(frozen=True)
@@ -111,7 +86,8 @@ class StepMetrics:
     epoch: a constant rate is logged once an epoch, a schedule every interval)."""
 
     def __init__(self, write: LogFn = lambda metrics, step: None, every: int = 50) -> None:
-        self.write, self.every, self.lr = write, every, None
+        self.write, self.every = write, every
+        self.lr: float | None = None  # the rate last logged
 
     def should_log(self, step: int) -> bool:
         return step % self.every == 0
@@ -176,8 +152,7 @@ def train_epoch(
     moved and augmented once (``inputs``), then ``run_step`` trains on it. ``timer`` is marked four times a step and
     told when a step compiled; ``on_step`` (a progress bar) gets each step's samples, never touching the device;
     ``keep`` each trained batch as the step had it (``pipeline.engine.replay``). ``metrics`` and ``checkpoints`` say
-    which steps are theirs; a checkpoint never holds weights from unchecked steps. The epoch ends after a step at
-    which a stop was requested, or before one it abandoned."""
+    which steps are theirs (a checkpoint holds no unchecked weights). A stop ends it after a step, an abandon before."""
     metrics, checkpoints = metrics or StepMetrics(), checkpoints or NoCheckpoints()
     state.model.train()
     state.context.training = True
@@ -191,10 +166,11 @@ def train_epoch(
         images, n = inputs.augmented(images, state.step + 1), count(labels, state.batch_dim)
         carry = window.pending if metrics.should_log(state.step + 1) else None
         outcome = run_step(state, images, labels, inputs=inputs, group=group, stop=stop, log=metrics.log, carry=carry)
-        if outcome.abandoned:  # not counted, nothing applied: the epoch ends at the last step
+        if outcome.loss is None:  # abandoned: not counted, nothing applied, the epoch ends at the last step
             break
         state.step += 1
-        tally.add(n), keep(images, labels, n)  # keep: a reference, no copy
+        tally.add(n)
+        keep(images, labels, n)  # a reference, no copy
         window.add(outcome.loss, n, state.step)  # one small device copy per step, no sync
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
         on_step(n)
@@ -316,8 +292,8 @@ def evaluate(
                 batch_sums = _evaluate_batch(model, parts, scoring=scoring, policy=policy, prepare=prepare)
                 break
             except Exception as err:
-                failure = micro.diagnose(err, device) if micro else None  # while the failed pass's memory is held
-                if failure is None:
+                # diagnosed while the failed pass's memory is held
+                if micro is None or (failure := micro.diagnose(err, device)) is None:
                     if hit_recompile_limit(err):  # evaluation's own shapes and mode count towards the limit too
                         raise recompile_limit_error(None) from err
                     raise

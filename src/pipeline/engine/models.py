@@ -200,19 +200,12 @@ def fit_input_channels(model: nn.Module, channels: int) -> None:
     if first is None or first[1].in_channels == channels:
         return
     name, conv = first
-    new = nn.Conv2d(
-        channels,
-        conv.out_channels,
-        conv.kernel_size,
-        stride=conv.stride,
-        padding=conv.padding,
-        dilation=conv.dilation,
-        groups=conv.groups,
-        bias=conv.bias is not None,
-    )
+    shape: dict[str, Any] = {"kernel_size": conv.kernel_size, "stride": conv.stride, "padding": conv.padding,
+                             "dilation": conv.dilation}  # fmt: skip
+    new = nn.Conv2d(channels, conv.out_channels, groups=conv.groups, bias=conv.bias is not None, **shape)
     with torch.no_grad():
         new.weight.copy_(conv.weight.mean(dim=1, keepdim=True).expand_as(new.weight))
-        if conv.bias is not None:
+        if conv.bias is not None and new.bias is not None:
             new.bias.copy_(conv.bias)
     _set(model, name, new)
 

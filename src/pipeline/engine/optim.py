@@ -189,6 +189,7 @@ class Clipping:
             return
         grads = [p.grad for p in self.parameters if p.grad is not None]
         self.norm = torch.nn.utils.get_total_norm(grads)
+        assert self.value is not None  # one of the two: without either the run has NoClipping
         torch.nn.utils.clip_grad_value_(self.parameters, self.value)
 
 

@@ -223,7 +223,9 @@ def with_overrides(name: str, overrides: Sequence[str], swept: Sequence[str] = (
         overrides: the run's overrides as typed, secrets masked.
         swept: the keys a sweep varies (``SweepJob.values``), without ``+``/``~``.
     """
-    keywords, others, tokens = [], [], []
+    keywords: list[tuple[str, str]] = []  # (override, its token)
+    others: list[tuple[str, str]] = []
+    tokens: list[str] = []
     for override in overrides:
         key, sep, value = override.partition("=")
         key = key.lstrip("+~")

@@ -56,7 +56,7 @@ from pipeline.parallel.distributed import Group, Solo
 from pipeline.parallel.overlap import unwrap
 
 if TYPE_CHECKING:
-    from pipeline.engine.loop import TrainState
+    from pipeline.engine.step import TrainState
 
 log = logging.getLogger(__name__)
 

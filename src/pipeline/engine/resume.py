@@ -1,5 +1,5 @@
-"""Resuming: which checkpoint ``resume=`` names and whether this config may continue it (``pipeline.engine.restore``
-puts it back).
+"""Resuming: which checkpoint ``resume=`` names and whether this config may continue it
+(``pipeline.engine.start.restore`` puts it back).
 
 Continuing the same MLflow run (the default) may change only how the run runs (``RUNTIME``:
 its length, logging, monitoring, loader workers, the device), never what it computes, so the

@@ -12,23 +12,62 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from pipeline.data.structures import count, leaves, move
-from pipeline.engine.compilation import hit_recompile_limit, recompile_limit_error
-from pipeline.engine.memory import OomFailure, discard_attempt, memory_at_failure_mb
+from pipeline.data.structures import count, leaves, move, split
+from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
+from pipeline.engine.hooks import Step, StepContext, TaskStep
+from pipeline.engine.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
+from pipeline.engine.optim import Clipping, NoClipping, Schedule
 from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.tasks import Classification, Task
 from pipeline.parallel.distributed import Group, Solo
-
-if TYPE_CHECKING:
-    from pipeline.engine.loop import TrainState
 
 Closure = Callable[[], torch.Tensor]
 
 logger = logging.getLogger(__name__)
+
+Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
+
+
+@dataclass
+class TrainState:
+    """What an epoch advances: the model, its optimizer, schedule and scaler, the micro-batch, the global step, and
+    what torch.compile has compiled (an eager run's watch never changes); with the task that scores a batch, the step
+    that turns a batch into a loss (``pipeline.engine.hooks``) and its context, how a batch is cut into micro-batches
+    (``data.split_batch``, or ``pipeline.data.structures.split``) and along which dimension its samples count,
+    gradient clipping, and whether the optimizer's step takes a closure (L-BFGS)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    micro: MicroBatcher
+    step: int = 0
+    compiles: CompileWatch | NoCompile = NO_COMPILE
+    scheduler: Schedule = field(default_factory=Schedule)
+    task: Task = field(default_factory=Classification)
+    split: Splitter = split
+    # None when made: the task's own step, and a context made for the model and task (__post_init__); never None after
+    compute: Step = None  # type: ignore[assignment]
+    context: StepContext = None  # type: ignore[assignment]
+    batch_dim: int = 0
+    clip: Clipping | NoClipping = field(default_factory=NoClipping)
+    closure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compute is None:
+            self.compute = TaskStep(self.task)
+        if self.context is None:
+            self.context = StepContext(self.task.loss, _device(self.model), self.model)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
 
 SOLO = Solo()  # a plain run: every collective is free
 
@@ -188,7 +227,9 @@ def _apply(state: TrainState, group: Solo | Group, *, averaged: bool, closure: C
     if closure is None:
         state.scaler.step(state.optimizer)
     else:
-        state.optimizer.step(closure)  # float16's scaler is refused with a closure optimizer at build
+        # float16's scaler is refused with a closure optimizer at build; torch's stub wants a float, its optimizers take
+        # the loss tensor a closure returns
+        state.optimizer.step(closure)  # type: ignore[arg-type]
     state.scaler.update()
     state.scheduler.after_step()  # once per optimizer step, whatever the micro-batches (scheduler=none: nothing)
     state.compute.after_step(state.context)  # a hook's state detached: the next step's graph starts here

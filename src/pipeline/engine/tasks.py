@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from pipeline.common.errors import DatasetError, PipelineError
 from pipeline.common.targets import hook
 from pipeline.config import TargetConfig, TaskConfig
 from pipeline.data.structures import count, describe
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class Builtin:
 
     from_model = False  # task.loss=model
 
-    def to(self, device: torch.device) -> Builtin:
+    def to(self, device: torch.device) -> Self:
         return self
 
     def reset(self) -> None:
@@ -392,7 +395,9 @@ class Custom:
     def __init__(self, cfg: TaskConfig) -> None:
         assert cfg.loss is not None  # TaskConfig.check requires it
         self.from_model = cfg.model_loss
-        self._loss = model_loss if cfg.model_loss else _callable(cfg.loss, "task.loss")
+        self._loss: Callable[..., torch.Tensor] = model_loss
+        if not isinstance(cfg.loss, str):  # the one string task.loss takes is "model" (cfg.model_loss)
+            self._loss = _callable(cfg.loss, "task.loss")
         self.metrics = [(f"val/{m.label}", _callable(m, f"task.metrics[{i}]")) for i, m in enumerate(cfg.metrics)]
         self.averaged = [(name, fn) for name, fn in self.metrics if not _stateful(fn)]
         self.stateful = [(name, fn) for name, fn in self.metrics if _stateful(fn)]

@@ -28,7 +28,7 @@ fully overlapped). The copy's own duration, timed by events on its stream, is re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -148,7 +148,7 @@ class _Marks:
         prefetcher; ``finish`` reads the value after its sync, so reading an event never waits mid-epoch."""
         self._copies.append((len(self._marks), seconds))
 
-    def batches(self, iterable: Iterable[T]) -> Iterator[T]:
+    def batches(self, iterable: Iterable[T]) -> Generator[T, None, None]:
         """``iterable``'s items with ``fetch`` marked as each is asked for and ``ready`` as it arrives.
 
         An iterable with ``timed_by(marks)`` (a device prefetcher) marks ``ready`` itself and reports its copies.
@@ -235,7 +235,7 @@ def make_timer(device: torch.device) -> WallTimer | EventTimer:
 
 def _breakdown(
     start: float,
-    marks: list[tuple[float, ...]],
+    marks: Sequence[tuple[float, ...]],
     sizes: list[int],
     compiled: list[bool],
     *,
