@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 from torch.utils.data import DataLoader
@@ -97,9 +97,15 @@ def kill_workers(batches: Iterator[Any]) -> None:
 
         signal_handling._remove_worker_pids(id(batches))
         batches._worker_pids_set = False  # type: ignore[attr-defined]
+    _kill(workers)
+
+
+def _kill(workers: Iterable[Any]) -> None:
+    """SIGKILL the worker processes still alive (it ends a stopped one too), each waited for up to 5 s."""
     for worker in workers:
-        worker.kill()  # SIGKILL ends a stopped process too
-        worker.join(timeout=5)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
 
 
 def describe_fault(message: str, timeout: float | None) -> str:
@@ -193,10 +199,7 @@ class WatchedLoader(DataLoader):
         if batches is not None:
             cast(Any, batches)._shutdown_workers()  # only workers' iterators are kept: persistent_workers
         started, self._started = self._started, ()
-        for worker in started:
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=5)
+        _kill(started)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator watching DataLoader's iterator
         batches = super().__iter__()
