@@ -18,14 +18,14 @@ from mlflow import MlflowClient
 from helpers import run_main
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, resident_share
-from pipeline.engine.loop import SOLO, LossWindow, StepMetrics, train_epoch
+from pipeline.engine.loop import SOLO, EpochHooks, LossWindow, StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.step import Inputs, TrainState, run_step
+from pipeline.engine.run import rank_metrics
+from pipeline.engine.step import Inputs, Peers, TrainState, run_step
 from pipeline.engine.timing import WallTimer
 from pipeline.parallel import distributed
 from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from
-from pipeline.report.logbook import rank_metrics
 from pipeline.train import train
 
 FAULTS = Path(__file__).parent / "faults"  # sitecustomize.py: faults injected into one rank of a real job
@@ -150,10 +150,9 @@ def _epoch(
         batches,
         inputs=Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=WallTimer(),
-        metrics=StepMetrics(log, every=2),
+        hooks=EpochHooks(metrics=StepMetrics(log, every=2), on_step=on_step),
         max_steps=steps,
-        group=group,
-        on_step=on_step,
+        peers=Peers(group),
     )
 
 
@@ -192,12 +191,12 @@ def test_one_step_says_whether_it_fit_was_asked_to_stop_or_was_abandoned() -> No
     images, labels = torch.randint(0, 255, (8, 1, 4, 4), dtype=torch.uint8), torch.randint(0, 4, (8,))
     inputs = Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255)
     state = _state(8)
-    fit = run_step(state, images, labels, inputs=inputs, group=OtherRanks())
+    fit = run_step(state, images, labels, inputs=inputs, peers=Peers(OtherRanks()))
     assert fit.fit and not fit.stopped and fit.loss is not None and fit.loss.requires_grad is False
-    stopping = run_step(state, images, labels, inputs=inputs, group=OtherRanks(stop_on={1: 15}))
+    stopping = run_step(state, images, labels, inputs=inputs, peers=Peers(OtherRanks(stop_on={1: 15})))
     assert stopping.fit and stopping.stopped and stopping.stop_signal == 15  # applied; the epoch ends after it
     before = [p.detach().clone() for p in state.model.parameters()]
-    abandoned = run_step(state, images, labels, inputs=inputs, group=OtherRanks(fail_on={1}, stop_on={1: 2}))
+    abandoned = run_step(state, images, labels, inputs=inputs, peers=Peers(OtherRanks(fail_on={1}, stop_on={1: 2})))
     assert abandoned.abandoned and abandoned.loss is None and abandoned.stop_signal == 2
     for a, b in zip(before, state.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # nothing of the abandoned step was applied

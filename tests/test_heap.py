@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-import pipeline.train as train_module
+import pipeline.engine.run as run_module
+import pipeline.engine.session as session_module
 from helpers import freeze_the_heap
 from pipeline.common.heap import collector_paused, collector_running
 from pipeline.config import RunConfig
@@ -133,8 +134,8 @@ def test_a_run_starts_and_closes_without_the_collector_and_trains_with_it(
 
         return call
 
-    for name in ("build", "run_epoch"):
-        monkeypatch.setattr(train_module, name, spy(name, getattr(train_module, name)))
+    monkeypatch.setattr(session_module, "build", spy("build", session_module.build))
+    monkeypatch.setattr(run_module, "train_epoch", spy("train_epoch", run_module.train_epoch))
     monkeypatch.setattr(logbook, "conclude", spy("conclude", logbook.conclude))
     frozen = gc.get_freeze_count()
     gc.callbacks.append(started)
@@ -142,8 +143,10 @@ def test_a_run_starts_and_closes_without_the_collector_and_trains_with_it(
         train(make_cfg(), echo=False)
     finally:
         gc.callbacks.remove(started)
-    assert collector_on == {"build": False, "run_epoch": True, "conclude": False}
-    assert full_passes_before["build"] == 0 and full_passes_before["run_epoch"] == 1  # start-up's one, then training's
+    assert collector_on == {"build": False, "train_epoch": True, "conclude": False}
+    assert (
+        full_passes_before["build"] == 0 and full_passes_before["train_epoch"] == 1
+    )  # start-up's one, then training's
     # as it was: nothing of this run frozen (frozen objects the run let go of leave the count: the tests freeze theirs)
     assert gc.isenabled() and gc.get_freeze_count() <= frozen
 

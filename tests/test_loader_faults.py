@@ -254,7 +254,7 @@ def test_a_loader_fault_while_a_stop_is_pending_is_the_stop_and_writes_no_checkp
 ) -> None:
     """A SIGTERM sent to the whole process group kills the workers too; their deaths (which PyTorch may raise in
     the middle of a step) must not turn the stop into a FAILED run, nor checkpoint a half-done step."""
-    from pipeline import train as train_module
+    from pipeline.engine import run as train_module
     from pipeline.engine.stopping import Stopped
 
     real = train_module.train_epoch
@@ -285,10 +285,11 @@ def test_workers_dying_of_the_stop_signal_after_the_last_step_leave_the_stop_cle
     deaths there (outside the loop) and the stop became an internal error, exit 1 (seen in CI)."""
     import multiprocessing
 
-    from pipeline import train as train_module
+    from pipeline.engine import run as train_module
+    from pipeline.engine import session as session_module
     from pipeline.engine.stopping import Stopped
 
-    real_train_epoch, real_open_sampler = train_module.train_epoch, train_module.open_sampler
+    real_train_epoch, real_open_sampler = train_module.train_epoch, session_module.open_sampler
 
     def epoch(*args: object, **kwargs: object) -> object:
         os.kill(os.getpid(), signal.SIGTERM)  # the stop request: the loop ends at the next step boundary
@@ -311,7 +312,7 @@ def test_workers_dying_of_the_stop_signal_after_the_last_step_leave_the_stop_cle
         return sampler
 
     monkeypatch.setattr(train_module, "train_epoch", epoch)
-    monkeypatch.setattr(train_module, "open_sampler", open_sampler)
+    monkeypatch.setattr(session_module, "open_sampler", open_sampler)
     cfg = make_cfg("trainer.epochs=3", "trainer.max_steps=-1", "loader.num_workers=1", "loader.persistent_workers=true")
     with pytest.raises(Stopped) as stopped:
         train(cfg, echo=False)
@@ -375,7 +376,7 @@ def test_workers_dying_of_the_stop_signal_as_the_run_ends_its_loaders_leave_the_
     """On a loaded machine the workers of a group's SIGTERM can die only as the stopped run ends its loaders: PyTorch's
     SIGCHLD handler raised their deaths there, a traceback after the stop (seen in a fresh clone's make test).
     Provoked here: the workers get an outside SIGTERM just before the run ends its loaders."""
-    from pipeline import train as train_module
+    from pipeline.engine import run as train_module
     from pipeline.engine.build import Setup
     from pipeline.engine.stopping import Stopped
 

@@ -18,7 +18,7 @@ from helpers import sigterm_at_step
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
 from pipeline.data import DevicePrefetcher, ResidentLoader, make_loader, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
-from pipeline.engine.loop import StepMetrics, train_epoch
+from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
@@ -167,7 +167,7 @@ def epoch(batches: Any, timer: WallTimer, state: TrainState | None = None) -> An
         batches,
         inputs=Inputs(CPU, PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=timer,
-        metrics=StepMetrics(every=100),
+        hooks=EpochHooks(metrics=StepMetrics(every=100)),
     )
 
 

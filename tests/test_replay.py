@@ -15,14 +15,15 @@ from mlflow import MlflowClient
 import pipeline.engine.build as build_module
 import pipeline.engine.replay as replay_module
 from helpers import LEAN
-from pipeline.engine.loop import train_epoch
+from pipeline.engine.loop import EpochHooks, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.optim import Clipping, Schedule
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.replay import BUDGET, MOST, ReplayCheck, ReplayOutcome, SetAside, plan, replay
-from pipeline.engine.step import SOLO, Inputs, TrainState
+from pipeline.engine.results import RunResult
+from pipeline.engine.step import SOLO, Inputs, Peers, TrainState
 from pipeline.engine.timing import WallTimer
-from pipeline.report.summary import RunResult, format_summary
+from pipeline.report.summary import format_summary
 from pipeline.train import train
 
 SETS = '''
@@ -287,8 +288,8 @@ def test_the_summary_says_how_much_faster_free_data_would_go_or_that_the_loader_
 
 
 def _result(outcome: ReplayOutcome) -> RunResult:
+    from pipeline.engine.results import EpochResult
     from pipeline.engine.timing import combine
-    from pipeline.report.summary import EpochResult
 
     epoch = EpochResult(1, 0.5, {"val/loss": 0.4, "val/acc": 0.9}, 1.0, 100.0, combine([]))
     return RunResult("r", None, "cpu", "cpu", "fp32", "default", 10, 5, 1.0, epochs=[epoch], replay=outcome)
@@ -379,7 +380,7 @@ def test_the_check_keeps_the_last_full_batch_replays_it_once_and_the_next_epochs
         torch.manual_seed(epoch)  # the same dropout for both
         train_epoch(plain, batches, inputs=INPUTS, timer=WallTimer())
         torch.manual_seed(epoch)
-        stats = train_epoch(checked, batches, inputs=INPUTS, timer=WallTimer(), keep=check.keep)
+        stats = train_epoch(checked, batches, inputs=INPUTS, timer=WallTimer(), hooks=EpochHooks(keep=check.keep))
         if epoch == 1:
             assert check._batch is not None and check._batch[0] is batches[3][0]  # the last full one, itself
         check.after_epoch(
@@ -414,7 +415,7 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_a_replay_under_ddp_runs_the_all_reduce_and_leaves_the_all_reduce_clock_alone(one_rank: Any) -> None:
     state = _state()
     state.model = one_rank.wrap(state.model)
-    train_epoch(state, _batches(), inputs=INPUTS, timer=WallTimer(), group=one_rank)
+    train_epoch(state, _batches(), inputs=INPUTS, timer=WallTimer(), peers=Peers(one_rank))
     clock = one_rank._clock
     one_rank.step_metrics()  # read: armed for the next training step
     spans, armed = list(clock.spans), clock.armed

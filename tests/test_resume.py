@@ -650,13 +650,7 @@ def test_two_untracked_runs_of_one_name_started_together_get_their_own_checkpoin
     monkeypatch.setattr(checkpoint.time, "strftime", lambda *a: "20250101-120000")  # the same second
     runs = [
         checkpoint.Checkpointer.for_run(
-            cfg.checkpoint,
-            cfg.tracking,
-            run_id=None,
-            run_name="same",
-            state=None,
-            device=torch.device("cpu"),
-            config={},
+            cfg.checkpoint, cfg.tracking, checkpoint.Kept(None, "same", {}), state=None, device=torch.device("cpu")
         )
         for _ in range(2)
     ]

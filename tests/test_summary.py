@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.engine.results import EpochResult, RunResult, run_breakdown, steady_epochs
 from pipeline.engine.timing import Breakdown, combine
 from pipeline.experiments import sweep
 from pipeline.monitor.sampler import UtilSummary
-from pipeline.report.summary import EpochResult, RunResult, format_summary, run_breakdown, steady_epochs
+from pipeline.report.summary import format_summary
 
 
 def epoch(number: int, samples_per_s: float, *, wait_s: float = 0.0, ranks: dict[str, float] | None = None):

@@ -301,16 +301,16 @@ def test_a_job_that_fails_before_its_run_exists_gets_a_failed_run_and_the_sweep_
     caplog: pytest.LogCaptureFixture,
     tmp_path: Path,
 ) -> None:
-    import pipeline.train
+    import pipeline.engine.session
 
-    real_build = pipeline.train.build
+    real_build = pipeline.engine.session.build
 
     def build(cfg: Any, *args: Any, **kwargs: Any) -> Any:  # a runtime failure, not the user's to fix: exit status 1
         if cfg.loader.batch_size == 64:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return real_build(cfg, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline.train, "build", build)
+    monkeypatch.setattr(pipeline.engine.session, "build", build)
     logged: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(sweep.log, "error", lambda msg, *args, **kw: logged.append((msg % args, kw)))
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 1
@@ -404,17 +404,17 @@ def test_an_optuna_search_runs_its_trials_as_nested_runs_returning_val_acc(
 def test_a_stop_request_ends_the_sweep_and_its_parent_killed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import signal
 
-    import pipeline.train
+    import pipeline.engine.session
     from pipeline.engine.stopping import Stopped
 
-    real_build = pipeline.train.build
+    real_build = pipeline.engine.session.build
 
     def build(cfg: Any, *args: Any, **kwargs: Any) -> Any:  # SIGTERM arriving during job 1
         if cfg.loader.batch_size == 64:
             raise Stopped(signal.SIGTERM)
         return real_build(cfg, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline.train, "build", build)
+    monkeypatch.setattr(pipeline.engine.session, "build", build)
     logged: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(sweep.log, "error", lambda msg, *args, **kw: logged.append((msg % args, kw)))
     assert run_main(monkeypatch, "-m", "loader.batch_size=32,64,16", *TINY) == 143
@@ -480,9 +480,10 @@ def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatc
 
 
 def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() -> None:
+    from pipeline.engine.results import EpochResult, RunResult
     from pipeline.engine.timing import Breakdown
     from pipeline.experiments import sweep
-    from pipeline.report.summary import EpochResult, RunResult, format_summary
+    from pipeline.report.summary import format_summary
 
     steps = Breakdown(0.0, 0.0, 1.0, 9, 900, 0.1, 10, 1000)
     val = {"val/loss": 0.4, "val/acc": 0.9}

@@ -24,7 +24,7 @@ import pytest
 import requests
 from mlflow.exceptions import MlflowException
 
-import pipeline.train as train_module
+import pipeline.engine.session as session_module
 from pipeline.config import RunConfig
 from pipeline.record import outbox
 from pipeline.record.reachability import check_reachable
@@ -121,7 +121,7 @@ def test_credentials_from_mlflows_variables_appear_nowhere_in_the_store_or_the_o
 def test_an_address_the_servers_allowed_hosts_does_not_list_is_refused_before_any_data_is_loaded(
     server: MlflowServer, make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(train_module, "build", lambda cfg, *a, **k: pytest.fail("data and model were built"))
+    monkeypatch.setattr(session_module, "build", lambda cfg, *a, **k: pytest.fail("data and model were built"))
     uri = f"http://localhost:{server.port}"  # the same server, by a name its --allowed-hosts leaves out
     with pytest.raises(TrackingUnavailable) as err:
         train(make_cfg(f"tracking.uri={uri}"), echo=False)
@@ -136,7 +136,7 @@ def test_a_server_nobody_listens_on_refuses_the_run_before_any_data_is_loaded(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = free_port()
-    monkeypatch.setattr(train_module, "build", lambda cfg, *a, **k: pytest.fail("data and model were built"))
+    monkeypatch.setattr(session_module, "build", lambda cfg, *a, **k: pytest.fail("data and model were built"))
     with pytest.raises(TrackingUnavailable) as err:
         train(make_cfg(f"tracking.uri=http://127.0.0.1:{port}"), echo=False)
     message = str(err.value)
@@ -335,7 +335,7 @@ def test_a_basic_auth_server_takes_the_runs_credentials_from_the_environment_and
     with monkeypatch.context() as wrong:
         wrong.setenv("MLFLOW_TRACKING_USERNAME", "admin")
         wrong.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
-        wrong.setattr(train_module, "build", lambda cfg, *a, **k: pytest.fail("data and model were built"))
+        wrong.setattr(session_module, "build", lambda cfg, *a, **k: pytest.fail("data and model were built"))
         with pytest.raises(TrackingUnavailable, match=r"refused the credentials \(HTTP 401: You are not authentic"):
             train(make_cfg(f"tracking.uri={auth_server.uri}"), echo=False)
 

@@ -12,7 +12,7 @@ from helpers import StepClock
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
 from pipeline.engine.devices import activate
-from pipeline.engine.loop import StepMetrics, train_epoch
+from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
@@ -155,9 +155,11 @@ def test_slow_bookkeeping_between_steps_is_overhead_not_waiting_for_data(
         resident_batches(),
         inputs=Inputs(torch.device("cpu"), PrecisionPolicy("cpu", None), lambda x: x.float() / 255),
         timer=WallTimer(),
-        metrics=StepMetrics(lambda metrics, step: clock.spend(0.005), every=1),
-        checkpoints=EveryOther(lambda step: (saved.append(step), clock.spend(0.01))),
-        on_step=lambda samples: clock.spend(0.005),
+        hooks=EpochHooks(
+            metrics=StepMetrics(lambda metrics, step: clock.spend(0.005), every=1),
+            checkpoints=EveryOther(lambda step: (saved.append(step), clock.spend(0.01))),
+            on_step=lambda samples: clock.spend(0.005),
+        ),
     )
     b = stats.breakdown
     assert saved == [2, 4, 6, 8]

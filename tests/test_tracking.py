@@ -16,9 +16,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+import pipeline.engine.run as run_module
 import pipeline.record.lifecycle as lifecycle
 import pipeline.record.tracking as tracking
-import pipeline.train as train_module
 from pipeline.config import RunConfig, flatten
 from pipeline.engine.provenance import git_tags
 from pipeline.record.store import connect
@@ -142,7 +142,7 @@ def test_a_failing_run_is_marked_failed_with_the_error(
     def broken(*args, **kwargs):
         raise RuntimeError("evaluation exploded")
 
-    monkeypatch.setattr(train_module, "evaluate", broken)
+    monkeypatch.setattr(run_module, "evaluate", broken)
     with pytest.raises(RuntimeError, match="evaluation exploded"):
         train(make_cfg("trainer.log_every_n_steps=1"), echo=False)
     client = MlflowClient(store_uri)
@@ -157,7 +157,7 @@ def test_ctrl_c_marks_the_run_killed(make_cfg: MakeCfg, monkeypatch: pytest.Monk
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_module, "evaluate", interrupted)
+    monkeypatch.setattr(run_module, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(make_cfg(), echo=False)
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])

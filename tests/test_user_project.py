@@ -90,12 +90,12 @@ def test_dict_batches_reach_the_model_as_keyword_inputs_and_an_out_of_memory_err
 
 
 def record_losses(monkeypatch: pytest.MonkeyPatch, into: list[float]) -> None:
-    import pipeline.train as train_module
+    import pipeline.engine.run as train_module
 
     original = train_module.train_epoch
 
     def recording(*args, **kwargs):
-        metrics = kwargs["metrics"]
+        metrics = kwargs["hooks"].metrics
         write = metrics.write
 
         def log_step(logged: dict[str, float], step: int) -> None:

@@ -49,8 +49,8 @@ except KeyboardInterrupt:
     raise SystemExit(130) from None
 
 if TYPE_CHECKING:
+    from pipeline.engine.results import RunResult
     from pipeline.experiments.sweep import SweepJob
-    from pipeline.report.summary import RunResult
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")

@@ -13,6 +13,7 @@ from pipeline.engine import compilation, loop
 from pipeline.engine.build import build
 from pipeline.engine.loop import StepMetrics
 from pipeline.engine.memory import release_memory
+from pipeline.engine.step import Peers
 from pipeline.engine.timing import make_timer
 from pipeline.machine import doctor
 
@@ -141,8 +142,8 @@ class Trials:
             live.batches,
             inputs=setup.inputs,  # the run's own input path, GPU augmentation included
             timer=live.timer,
-            metrics=StepMetrics(every=self.cfg.trainer.log_every_n_steps),
-            group=setup.group,  # the run's own host syncs, nothing written
+            hooks=loop.EpochHooks(metrics=StepMetrics(every=self.cfg.trainer.log_every_n_steps)),
+            peers=Peers(setup.group),  # the run's own host syncs, nothing written
             max_steps=setup.state.step + steps,
         )
 

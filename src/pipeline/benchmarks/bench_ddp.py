@@ -33,8 +33,8 @@ from pipeline.common.stats import paired_ratio
 from pipeline.config import DataConfig, load
 from pipeline.data.sources import load_data
 from pipeline.engine.build import build
-from pipeline.engine.loop import StepMetrics, train_epoch
-from pipeline.engine.step import Inputs
+from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
+from pipeline.engine.step import Inputs, Peers
 from pipeline.engine.timing import make_timer
 from pipeline.parallel.distributed import from_env
 from pipeline.train import train
@@ -145,8 +145,8 @@ def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], flo
             itertools.islice(batches, CHUNK),
             inputs=Inputs(setup.device, setup.policy, setup.prepare),
             timer=make_timer(setup.device),
-            metrics=StepMetrics(every=cfg.trainer.log_every_n_steps),
-            group=setup.group,
+            hooks=EpochHooks(metrics=StepMetrics(every=cfg.trainer.log_every_n_steps)),
+            peers=Peers(setup.group),
         )
         return time.perf_counter() - start
 

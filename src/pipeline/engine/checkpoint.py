@@ -28,7 +28,7 @@ import uuid
 import warnings
 import zipfile
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,33 @@ def untracked_id(run_name: str) -> str:
     return f"{run_name[:200]}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
+@dataclass(frozen=True)
+class Kept:
+    """What a run's checkpoints keep besides its training state: the run's id and name, its ``config`` (masked; a
+    resume compares it), the job's ``world_size`` (a position inside an epoch counts this job's per-rank batches),
+    the data's ``classes``, the run's own ``overrides`` (masked; a resume restores them,
+    ``pipeline.engine.continuation``) and the user's ``code`` files with their hashes (a resume compares them)."""
+
+    run_id: str | None
+    run_name: str
+    config: Mapping[str, Any]
+    world_size: int = 1
+    classes: list[str] | None = None
+    overrides: list[str] = field(default_factory=list)
+    code: dict[str, str] = field(default_factory=dict)
+
+    def contents(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "run_name": self.run_name,
+            "config": self.config,
+            "world_size": self.world_size,
+            "classes": self.classes,
+            "overrides": list(self.overrides),
+            "code": dict(self.code),
+        }
+
+
 class Checkpointer:
     """Writes a run's checkpoint to ``folder/last.pt`` and its ``state.json`` beside it, holding its ``RunLock``.
 
@@ -334,6 +361,7 @@ class Checkpointer:
         self.enabled, self.contents, self.device = enabled, contents, device
         self.scope, self.every = dict(scope), every
         self.last: Position | None = None
+        self.finished = False  # mark("finished"): the run's training is over
         # the caller's lock (resuming) is the caller's to release; one taken here (fails at start, not later) is ours
         self._own_lock = RunLock(folder).acquire() if lock is None and enabled else None
 
@@ -342,42 +370,24 @@ class Checkpointer:
         cls,
         settings: CheckpointConfig,
         tracking: TrackingConfig,
+        kept: Kept,
         *,
-        run_id: str | None,
-        run_name: str,
         state: Any,
         device: torch.device,
-        config: Mapping[str, Any],
         lock: RunLock | None = None,
         write: bool = True,
-        world_size: int = 1,
-        classes: list[str] | None = None,
-        overrides: list[str] | None = None,
-        code: dict[str, str] | None = None,
     ) -> Checkpointer:
         """The checkpointer of one run: ``checkpoint.dir/<run id>/`` (or ``<name>-<time>`` untracked), holding
-        ``state`` (a ``loop.TrainState``) and ``config`` (masked; a resume compares it), in ``tracking``'s store.
-
-        ``write=False`` (DDP ranks other than 0) writes nothing; ``world_size`` is saved, since a position inside
-        an epoch counts this job's per-rank batches. ``overrides``: the run's own (masked), which a resume restores
-        (``pipeline.engine.continuation``). ``code``: the user's files and their hashes, which a resume compares."""
+        ``state`` (a ``loop.TrainState``) and what ``kept`` names, in ``tracking``'s store. ``write=False`` (DDP ranks
+        other than 0) writes nothing."""
         return cls(
-            folder=Path(settings.dir) / (run_id or untracked_id(run_name)),
+            folder=Path(settings.dir) / (kept.run_id or untracked_id(kept.run_name)),
             enabled=settings.enabled and write,
-            contents=lambda: payload(
-                state,
-                run_id=run_id,
-                run_name=run_name,
-                config=config,
-                world_size=world_size,
-                classes=classes,
-                overrides=list(overrides or []),
-                code=dict(code or {}),
-            ),
+            contents=lambda: payload(state, **kept.contents()),
             device=device,
             scope={
-                "run_id": run_id,
-                "run_name": run_name,
+                "run_id": kept.run_id,
+                "run_name": kept.run_name,
                 "experiment": tracking.experiment,
                 "store": store_id(tracking),
             },
@@ -406,16 +416,18 @@ class Checkpointer:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
-        """An error that ends the run leaves its last checkpoint resumable, marked ``failed``; the lock is freed."""
+        """An error that ends the run leaves its last checkpoint resumable, marked ``failed`` (one after its training
+        finished, in the record's end, leaves it ``finished``); the lock is freed."""
         try:
-            if err is not None and not isinstance(err, Stopped):
+            if err is not None and not isinstance(err, Stopped) and not self.finished:
                 self.mark("failed")
         finally:
             if self._own_lock is not None:
                 self._own_lock.release()
 
     def mark(self, status: str) -> None:
-        """Change the status of the last checkpoint written (``finished`` at the end of a run)."""
+        """Change the status of the last checkpoint written (``finished`` at the end of a run's training)."""
+        self.finished = status == "finished"
         if self.enabled and self.last is not None:
             self._write_state(self.last, status)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -25,14 +25,14 @@ from pipeline.engine.optim import current_lr
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.profiling import ProfiledTimer
 from pipeline.engine.step import (
-    NO_STOP,
+    ALONE,
     SOLO,
     Inputs,
     LogFn,
+    Peers,
     SkippedSteps,
     Splitter,
     StepOutcome,
-    StopSource,
     TrainState,
     run_step,
 )
@@ -134,26 +134,34 @@ class NoCheckpoints:
         raise AssertionError("NoCheckpoints is never due")
 
 
+@dataclass(frozen=True)
+class EpochHooks:
+    """What an epoch tells as it goes: its step ``metrics`` and mid-epoch ``checkpoints`` (each knows its own steps),
+    each step's samples (``on_step``: a progress bar, never touching the device), and each trained batch as the step
+    had it (``keep``: ``pipeline.engine.replay``; a reference, no copy)."""
+
+    metrics: StepMetrics = field(default_factory=lambda: StepMetrics())
+    checkpoints: Checkpoints = field(default_factory=lambda: NoCheckpoints())
+    on_step: Callable[[int], None] = lambda samples: None
+    keep: Callable[[Any, Any, int], None] = lambda images, labels, samples: None
+
+
 def train_epoch(
     state: TrainState,
     batches: Iterable[Any],
     *,
     inputs: Inputs,
     timer: StepTimer,
-    metrics: StepMetrics | None = None,
+    peers: Peers = ALONE,
+    hooks: EpochHooks | None = None,
     max_steps: int = -1,
-    group: Solo | Group = SOLO,
-    stop: StopSource = NO_STOP,
-    checkpoints: Checkpoints | None = None,
-    on_step: Callable[[int], None] = lambda samples: None,
-    keep: Callable[[Any, Any, int], None] = lambda images, labels, samples: None,
 ) -> EpochStats:
     """Train over ``batches`` once (or until ``max_steps`` optimizer steps in total; -1 = no limit). Each batch is
-    moved and augmented once (``inputs``), then ``run_step`` trains on it. ``timer`` is marked four times a step and
-    told when a step compiled; ``on_step`` (a progress bar) gets each step's samples, never touching the device;
-    ``keep`` each trained batch as the step had it (``pipeline.engine.replay``). ``metrics`` and ``checkpoints`` say
-    which steps are theirs (a checkpoint holds no unchecked weights). A stop ends it after a step, an abandon before."""
-    metrics, checkpoints = metrics or StepMetrics(), checkpoints or NoCheckpoints()
+    moved and augmented once (``inputs``), then ``run_step`` trains on it, answering to ``peers`` (DDP's group, stop
+    requests). ``timer`` is marked four times a step and told when a step compiled; ``hooks`` hear of each step (a
+    checkpoint holds no unchecked weights). A stop ends it after a step, an abandon before."""
+    hooks = hooks or EpochHooks()
+    metrics, checkpoints, group = hooks.metrics, hooks.checkpoints, peers.group
     state.model.train()
     state.context.training = True
     window = metrics.window(inputs.device, state.scaler, group)
@@ -165,15 +173,15 @@ def train_epoch(
         timer.copied()
         images, n = inputs.augmented(images, state.step + 1), count(labels, state.batch_dim)
         carry = window.pending if metrics.should_log(state.step + 1) else None
-        outcome = run_step(state, images, labels, inputs=inputs, group=group, stop=stop, log=metrics.log, carry=carry)
+        outcome = run_step(state, images, labels, inputs=inputs, peers=peers, log=metrics.log, carry=carry)
         if outcome.loss is None:  # abandoned: not counted, nothing applied, the epoch ends at the last step
             break
         state.step += 1
         tally.add(n)
-        keep(images, labels, n)  # a reference, no copy
+        hooks.keep(images, labels, n)  # a reference, no copy
         window.add(outcome.loss, n, state.step)  # one small device copy per step, no sync
         timer.done(n, compiled=state.compiles.count != compiled_before)  # a compiling step is no steady step
-        on_step(n)
+        hooks.on_step(n)
         if metrics.should_log(state.step):  # window.close: a host sync; NaN/inf raise
             loss = window.close(outcome.carried)
             metrics.log_training(loss, state.step, optimizer=state.optimizer, group=group, grad_norm=state.clip.norm)
@@ -259,19 +267,19 @@ def evaluate(
     model: nn.Module,
     batches: Iterable[Any],
     *,
-    device: torch.device,
-    policy: PrecisionPolicy,
-    prepare: Callable[[Any], Any],
+    inputs: Inputs,
     scoring: Scoring,
     micro: MicroBatcher | None = None,
     group: Solo | Group = SOLO,
 ) -> EvalStats:
-    """``val/loss`` and the task's metrics over ``batches``; one host sync at the end.
+    """``val/loss`` and the task's metrics over ``batches``, moved to ``inputs.device`` and prepared as training's
+    (``inputs.prepare``, under ``inputs.policy``'s autocast; never augmented); one host sync at the end.
 
     With ``micro`` (evaluation's own, never training's), batches run in its micro-batches and an
     out-of-memory error shrinks them and replays the batch (no accumulation needed: evaluation only sums).
     Under DDP each rank evaluates its share and the sums are reduced before they become numbers.
     """
+    device, policy, prepare = inputs.device, inputs.policy, inputs.prepare
     task, context = scoring.task, scoring.context
     model.eval()
     task.reset()

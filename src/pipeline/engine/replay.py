@@ -50,7 +50,7 @@ from pipeline.common.heap import collector_paused
 from pipeline.engine.checkpoint import CheckpointError, plain_state
 from pipeline.engine.memory import OutOfMemoryAtMinimum
 from pipeline.engine.models import attributes_now
-from pipeline.engine.step import Inputs, run_step
+from pipeline.engine.step import Inputs, Peers, run_step
 from pipeline.engine.timing import Breakdown
 from pipeline.parallel.distributed import Group, Solo
 from pipeline.parallel.overlap import unwrap
@@ -272,7 +272,7 @@ def _timed(state: TrainState, batch: tuple[Any, Any], steps: int, *, inputs: Inp
     _wait_for(inputs.device)
     began = time.perf_counter()
     for _ in range(steps):
-        run_step(state, images, labels, inputs=inputs, group=group)  # never logs: no log, no carry
+        run_step(state, images, labels, inputs=inputs, peers=Peers(group))  # never logs: no log, no carry
     _wait_for(inputs.device)
     return time.perf_counter() - began
 

@@ -134,25 +134,37 @@ class StepOutcome:
         return self.stop_signal != 0
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Whom a step answers to besides itself: the DDP ``group`` whose ranks take its out-of-memory and stop decisions
+    together (one process: ``SOLO``), and the ``stop`` requests it checks."""
+
+    group: Solo | Group = SOLO
+    stop: StopSource = NO_STOP
+
+
+ALONE = Peers()
+
+
 def run_step(
     state: TrainState,
     images: Any,
     labels: Any,
     *,
     inputs: Inputs,
-    group: Solo | Group = SOLO,
-    stop: StopSource = NO_STOP,
+    peers: Peers = ALONE,
     log: LogFn = lambda metrics, step: None,
     carry: Callable[[torch.Tensor], Any] | None = None,
 ) -> StepOutcome:
     """Train one optimizer step on a batch already on the device, replaying it smaller after an out-of-memory error.
 
-    Under DDP (``group``), the step's out-of-memory and stop decisions are taken by all ranks together
+    Under DDP (``peers.group``), the step's out-of-memory and stop decisions are taken by all ranks together
     (``group.agree``, one small collective): while the micro-batch size is being found, before any gradient is
     all-reduced, then by hand; later, during the last micro-batch's backward, which all-reduces the gradients
     (``pipeline.parallel.overlap``; on the CPU the agreement travels with the gradients, and so do the logging
     interval's losses, ``carry(loss)``, when this step is a logging point). Each shrink logs ``oom/*`` (``log``).
     """
+    group, stop = peers.group, peers.stop
     step = state.step + 1
     state.context.step = state.step  # what a step hook reads as ctx.step: the optimizer steps done
     while True:  # replays the same batch in smaller micro-batches after an out-of-memory error

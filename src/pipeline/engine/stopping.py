@@ -19,7 +19,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType, TracebackType
-from typing import Any
 
 from pipeline.common.errors import Interruption
 from pipeline.common.signals import signal_name
@@ -119,25 +118,23 @@ class StopRequests:
             log.warning("%s received: already stopping, the run is being closed (kill -9 abandons it)", name)
 
 
-def workers_stopped_too(stop: StopRequests, fn: Any) -> Any:
-    """``fn``, with a loader fault while a stop request is pending taken for the stop: a SIGTERM sent to the whole
+@contextlib.contextmanager
+def workers_stopped_too(stop: StopRequests) -> Iterator[None]:
+    """Within it, a loader fault while a stop request is pending is taken for the stop: a SIGTERM sent to the whole
     process group (SLURM's time limit, ``kill -- -PGID``) kills the workers too, and their deaths can surface
     anywhere in a step. The run ends KILLED, as stopped, but writes no checkpoint from a step that may be half done:
     the last checkpoint stands, and a resume replays from it."""
     # lazy: pipeline.data imports torch (~1.4 s); __main__ imports Stopped before it checks the config
     from pipeline.data.workers import LoaderError
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except LoaderError as err:
-            if not stop.requested():
-                raise
-            log.warning(
-                "the loader's workers ended with the %s sent to the whole process group; stopping without a new "
-                "checkpoint (the last one stands)",
-                signal_name(stop.signum or 0),
-            )
-            raise Stopped(stop.signum or 0, checkpoints=stop.checkpoints) from err
-
-    return run
+    try:
+        yield
+    except LoaderError as err:
+        if not stop.requested():
+            raise
+        log.warning(
+            "the loader's workers ended with the %s sent to the whole process group; stopping without a new "
+            "checkpoint (the last one stands)",
+            signal_name(stop.signum or 0),
+        )
+        raise Stopped(stop.signum or 0, checkpoints=stop.checkpoints) from err

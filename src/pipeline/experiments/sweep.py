@@ -69,7 +69,7 @@ from pipeline.record.filesystems import check_slurm_store
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
-    from pipeline.report.summary import RunResult
+    from pipeline.engine.results import RunResult
 
 log = logging.getLogger(__name__)
 

@@ -16,19 +16,20 @@ import yaml
 from pipeline.config import RunConfig, flatten
 from pipeline.data.structures import move
 from pipeline.engine.build import Setup
-from pipeline.engine.loop import EpochStats
 from pipeline.engine.memory import batchnorm_note
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
+from pipeline.engine.results import EpochResult, RunResult, run_breakdown, steady_epochs
+from pipeline.engine.run import Fitted, NoEpochModels, Run
 from pipeline.engine.start import FreshStart, Resumed
 from pipeline.engine.timing import Breakdown
 from pipeline.machine import doctor
-from pipeline.monitor import allocator_metrics, job_summary, rank_cpu
+from pipeline.monitor import job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import Logged, ModelCard, check_format
 from pipeline.report.operators import operator_groups
 from pipeline.report.plots import step_breakdown, utilisation_timeline
-from pipeline.report.summary import EpochResult, RunResult, busy_words, device_speed, run_breakdown, steady_epochs
+from pipeline.report.summary import busy_words, device_speed
 from pipeline.report.verdict import Mfu, Verdict, judge
 
 
@@ -76,18 +77,9 @@ def start(
     tracker.set_tags(code)
 
 
-def conclude(
-    setup: Setup,
-    cfg: RunConfig,
-    epochs: list[EpochResult],
-    *,
-    tracker: Tracker,
-    sampler: Any,
-    epoch_starts: list[float],
-    total_s: float,
-    models: EpochModels | NoEpochModels,
-) -> RunResult:
-    """The run's verdict, pictures and record, once the sampler has stopped."""
+def conclude(run: Run, cfg: RunConfig, fitted: Fitted, *, total_s: float) -> RunResult:
+    """The run's verdict, pictures and record, once its training is over and the sampler has stopped."""
+    setup, tracker, sampler, models, epochs = run.setup, run.tracker, run.sampler, run.models, fitted.epochs
     breakdown = run_breakdown(epochs)
     utilisation = sampler.summary()
     # Every rank concludes, so every rank takes part in this gather; it makes the job's other ranks on this machine
@@ -99,10 +91,10 @@ def conclude(
     tags = {**verdict.tags(), **utilisation.tags()}
     tracker.set_tags({**tags, "oom.batchnorm": note} if note else tags)
     if cfg.monitor.plots:
-        _plots(tracker, setup.run_name, sampler, epochs, epoch_starts)
+        _plots(tracker, setup.run_name, sampler, epochs, fitted.starts)
     model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
     once = {"time/total_s": total_s}
-    logged = models.last
+    logged = models.last  # tracking.log_model=checkpoints: the last epoch's
     if cfg.tracking.models == "final" and tracker.run_id is not None and epochs:
         logged = _log_model(tracker, setup, model, once, form=cfg.tracking.model_format)
     if logged is not None:
@@ -204,15 +196,6 @@ class EpochModels:
         self.last = (
             self.tracker.log_model(copied, model_card(self.setup, copied), form=self.form, step=epoch) or self.last
         )
-
-
-class NoEpochModels:
-    """No model logged at the checkpoints (``tracking.log_model`` final or false)."""
-
-    last = None
-
-    def checkpointed(self, epoch: int) -> None:
-        pass
 
 
 def epoch_models(cfg: RunConfig, tracker: Tracker, setup: Setup) -> EpochModels | NoEpochModels:
@@ -338,43 +321,3 @@ def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
     mean = sum(b.step_s for b in steady) / steps
     compiling = breakdowns[0].first_step_s + sum(b.compile_steps_s for b in breakdowns)
     return max(compiling - (1 + sum(b.compile_steps for b in breakdowns)) * mean, 0.0)
-
-
-def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
-    """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
-    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
-    if utilisation.gpu_util_mean_pct is not None:
-        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
-    return view
-
-
-def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Rank 0's record of every rank's epoch: ``ranks/<r>/<name>`` for each, the slowest rank's data wait, and
-    the job's throughput (the sum of the ranks')."""
-    if len(per_rank) <= 1:
-        return {}
-    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
-    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
-    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
-    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
-    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
-    return metrics
-
-
-def epoch_metrics(
-    setup: Setup, record: EpochResult, stats: EpochStats, utilisation: Any, launch: dict[str, float]
-) -> dict[str, float]:
-    """What an epoch logs at its end, each part from the record that holds it (``launch``: the run's first epoch's
-    start-up figures, else empty)."""
-    eval_micro = setup.eval_micro
-    return {
-        **record.metrics(),  # train/epoch_loss, val/*, time/epoch_s
-        **stats.breakdown.metrics(),
-        **setup.model_flops.metrics(stats.samples_per_s),  # perf/tflops, perf/mfu_pct: this rank's device
-        **utilisation.metrics(),
-        **record.ranks,
-        **allocator_metrics(setup.device),
-        **stats.metrics(),  # amp/skipped_steps (float16)
-        **({"oom/eval_micro_batch_size": eval_micro.micro_batch} if eval_micro.events else {}),
-        **launch,
-    }
