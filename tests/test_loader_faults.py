@@ -431,6 +431,37 @@ def test_a_worker_stopped_after_its_last_batch_is_ended_by_close(monkeypatch: py
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_close_after_an_epoch_ended_by_an_error_shuts_its_workers_down_rather_than_killing_them() -> None:
+    """An epoch ended by an error (the user's dataset raised in a worker) leaves its iterator alive in the error's
+    traceback, its workers running and registered with PyTorch's SIGCHLD handler. ``close`` killed them (SIGKILL),
+    and the handler could then raise their deaths ("killed by signal: Killed") in place of the user's error; it now
+    shuts the epoch down as PyTorch does, which unregisters them first, and kills none."""
+    from pipeline.data.workers import WatchedLoader
+
+    loader = WatchedLoader(_FailsAt(40), batch_size=4, num_workers=2)
+    batches = iter(loader)
+    workers = list(batches.gi_frame.f_locals["batches"]._workers)
+    with pytest.raises(KeyError, match="item 40") as raised:
+        list(batches)
+    assert raised.value.__traceback__ is not None  # the epoch's iterator lives on in it, as in a failed run
+    assert any(worker.is_alive() for worker in workers)
+    loader.close()
+    assert [worker.exitcode for worker in workers] == [0, 0]  # shut down (a SIGKILL is -9)
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.bad:
+            raise KeyError(f"item {index} is missing")
+        return torch.tensor(float(index))
+
+
 @pytest.mark.slow
 def test_workers_stopped_from_outside_fail_the_run_in_one_line_and_the_process_ends(tmp_path: Path) -> None:
     """Every loader worker the run has for 4 s (those of several epochs: starting, working, ending) is stopped

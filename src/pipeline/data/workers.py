@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -188,16 +189,24 @@ class WatchedLoader(DataLoader):
     """
 
     _started: tuple[Any, ...] = ()  # the worker processes it started that may still run (``_remember``)
+    _epoch: weakref.ref[Any] | None = None  # the last epoch's iterator of workers, while something holds it
 
     def close(self) -> None:
         """End the workers kept between epochs (``persistent_workers``) now, and any worker of an earlier epoch
         still there. Left to the garbage collector, the iterator's queues are closed before it asks its workers to
         stop, and each worker waits out PyTorch's 5 s shutdown timeout: 20 s at the next collection after a run with
         two workers per loader. A worker stopped (SIGSTOP) after its last batch outlives PyTorch's shutdown of its
-        epoch (its SIGTERM waits for a SIGCONT), and Python's exit would join it for ever: it is killed here."""
+        epoch (its SIGTERM waits for a SIGCONT), and Python's exit would join it for ever: it is killed here.
+
+        An epoch ended by an error keeps its iterator alive in the error's traceback, its workers running and
+        registered with PyTorch's SIGCHLD handler, which would raise their deaths (in place of that error) were they
+        killed: that epoch is shut down as PyTorch does, which unregisters them first."""
         batches, self._iterator = self._iterator, None
         if batches is not None:
             cast(Any, batches)._shutdown_workers()  # only workers' iterators are kept: persistent_workers
+        epoch, self._epoch = (self._epoch() if self._epoch is not None else None), None
+        if epoch is not None:
+            epoch._shutdown_workers()  # once: a no-op for an epoch that ended, or the persistent one just shut down
         started, self._started = self._started, ()
         _kill(started)
 
@@ -206,6 +215,7 @@ class WatchedLoader(DataLoader):
         if self.num_workers == 0:
             return batches  # the main process loads: nothing to watch, nothing added per batch
         self._remember(batches._workers)  # type: ignore[attr-defined]
+        self._epoch = weakref.ref(batches)
         return self._watched(batches)
 
     def _remember(self, workers: list[Any]) -> None:
