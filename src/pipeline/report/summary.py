@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.common import stats
+from pipeline.data.backends import on_device
 from pipeline.engine.flops import ModelFlops
 from pipeline.engine.replay import ReplayOutcome
 from pipeline.engine.timing import Breakdown, combine
@@ -90,6 +91,7 @@ class RunResult:
     logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
     profile: Any = None  # pipeline.engine.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
     replay: ReplayOutcome | None = None  # the step time with free data (pipeline.engine.replay): the free data line
+    loader_kind: str = ""  # the backend that made the batches (Batches.kind: dataloader, resident, a registered one)
 
     @property
     def val_acc(self) -> float:
@@ -142,7 +144,7 @@ def format_summary(result: RunResult) -> str:
             f"train/epoch_loss {last.train_loss:.4f}",
             speed_line(result),
             *compute_line(result),
-            f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(result.loader.startswith('resident'))} · "
+            f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(on_device(result.loader_kind))} · "
             f"{b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]
