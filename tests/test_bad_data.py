@@ -30,7 +30,7 @@ from files import (
 from helpers import run_main
 from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, LoaderConfig
-from pipeline.data import load_data, make_loader
+from pipeline.data import Place, Split, load_data, make_batches
 
 
 def one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -127,7 +127,7 @@ def test_an_image_that_fails_to_decode_in_a_loader_worker_is_one_line_naming_it(
         resident=False,
     )
     everything = bundle.train.dataset  # the whole folder, whichever split the bad file fell into
-    loader = make_loader(everything, cfg, device=torch.device("cpu"), train=False, seed=0)
+    loader = make_batches(Split(everything, train=False), cfg, Place(torch.device("cpu"), seed=0))
     loader.set_epoch(1)
     with pytest.raises(DatasetError) as info:
         list(loader)

@@ -11,9 +11,9 @@ import torch
 
 from pipeline.common.errors import DatasetError
 from pipeline.config import load
+from pipeline.data import Place, ResidentLoader, Split, make_batches
 from pipeline.data.custom import check_picklable
 from pipeline.data.iterable import IterableLoader, check_shares, steps_per_epoch
-from pipeline.data.loaders import ResidentLoader, make_loader
 from pipeline.data.sources import load_data
 from pipeline.train import train
 
@@ -162,8 +162,8 @@ def test_ranks_or_workers_that_all_read_the_same_items_are_refused() -> None:
 def test_a_map_style_dataset_of_tensors_can_live_on_the_device(make_cfg) -> None:
     bundle = load_data(custom("data._target_=userdata.folder"))
     resident = load(["loader=resident", "loader.batch_size=5"]).loader
-    batches = make_loader(
-        bundle.train, resident, device=torch.device("cpu"), train=True, seed=0, collate=bundle.collate
+    batches = make_batches(
+        Split(bundle.train, train=True, collate=bundle.collate), resident, Place(torch.device("cpu"), seed=0)
     )
     assert isinstance(batches, ResidentLoader)
     batches.set_epoch(1)

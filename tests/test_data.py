@@ -18,7 +18,17 @@ import torchvision.datasets as tvd
 from files import MNIST_FILES, mnist_arrays, write_cifar10, write_image_folder, write_mnist
 from pipeline.common.errors import DatasetError
 from pipeline.config import DataConfig, LoaderConfig
-from pipeline.data import DataBundle, EpochOrder, Normalize, ResidentLoader, load_data, make_loader, sources
+from pipeline.data import (
+    DataBundle,
+    EpochOrder,
+    Normalize,
+    Place,
+    ResidentLoader,
+    Split,
+    load_data,
+    make_batches,
+    sources,
+)
 
 LOADER = LoaderConfig(
     batch_size=16,
@@ -197,7 +207,7 @@ def test_a_dataloader_skips_batches_in_its_sampler_without_loading_them() -> Non
             loaded.append(i)
             return torch.zeros(1, 2, 2, dtype=torch.uint8), i
 
-    loader = make_loader(Counting(), LOADER, device=torch.device("cpu"), train=True, seed=0)
+    loader = make_batches(Split(Counting(), train=True), LOADER, Place(torch.device("cpu"), seed=0))
     loader.set_epoch(1)
     whole = torch.cat([labels for _, labels in loader]).tolist()
     loaded.clear()
@@ -216,18 +226,18 @@ def test_resident_loader_drop_last_and_no_shuffle() -> None:
 def test_make_loader_resident_keeps_the_data_as_tensors_on_the_device() -> None:
     bundle = load_data(DataConfig("synthetic", shape=[1, 4, 4], num_classes=3, num_samples=20, val_samples=5))
     cfg = LoaderConfig(**{**LOADER.__dict__, "resident": True})
-    loader = make_loader(bundle.train, cfg, device=torch.device("cpu"), train=True, seed=1)
+    loader = make_batches(Split(bundle.train, train=True), cfg, Place(torch.device("cpu"), seed=1))
     assert isinstance(loader, ResidentLoader) and loader.images.data_ptr() == bundle.train.tensors[0].data_ptr()
 
 
 def test_make_loader_dataloader_path_honours_the_loader_keys() -> None:
     bundle = load_data(DataConfig("synthetic", shape=[1, 4, 4], num_classes=3, num_samples=20, val_samples=5))
     cfg = LoaderConfig(**{**LOADER.__dict__, "batch_size": 8, "drop_last": True})
-    loader = make_loader(bundle.train, cfg, device=torch.device("cpu"), train=True, seed=1)
+    loader = make_batches(Split(bundle.train, train=True), cfg, Place(torch.device("cpu"), seed=1))
     assert isinstance(loader, torch.utils.data.DataLoader)
     assert (loader.batch_size, loader.drop_last, loader.pin_memory, loader.num_workers) == (8, True, False, 0)
     assert len(list(loader)) == 2
-    val = make_loader(bundle.val, cfg, device=torch.device("cpu"), train=False, seed=1)
+    val = make_batches(Split(bundle.val, train=False), cfg, Place(torch.device("cpu"), seed=1))
     assert val.drop_last is False and len(list(val)) == 1
 
 
@@ -242,10 +252,10 @@ def test_make_loader_passes_the_start_method_to_the_dataloader_and_auto_leaves_t
     bundle = load_data(DataConfig("synthetic", shape=[1, 4, 4], num_classes=3, num_samples=20, val_samples=5))
     cpu = torch.device("cpu")
     spawn = LoaderConfig(**{**LOADER.__dict__, "num_workers": 1, "multiprocessing_context": "spawn"})
-    loader = make_loader(bundle.train, spawn, device=cpu, train=True, seed=1)  # no iteration: no worker starts
+    loader = make_batches(Split(bundle.train, train=True), spawn, Place(cpu, seed=1))  # no iteration: no worker starts
     assert loader.multiprocessing_context.get_start_method() == "spawn"
     auto = LoaderConfig(**{**LOADER.__dict__, "num_workers": 1})
-    assert make_loader(bundle.train, auto, device=cpu, train=True, seed=1).multiprocessing_context is None
+    assert make_batches(Split(bundle.train, train=True), auto, Place(cpu, seed=1)).multiprocessing_context is None
 
 
 def _bundle(name: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> DataBundle:
@@ -335,12 +345,17 @@ def test_the_digits_are_read_from_scikit_learns_file_as_load_digits_gives_them_w
 
 def test_the_datasets_own_order_gives_each_rank_a_contiguous_share_of_whole_batches() -> None:
     """loader.shuffle=false: a corpus laid out in batch order stays a stream of the same batches on each rank."""
-    from pipeline.data.loaders import EpochOrder
+    from pipeline.data.loaders import EpochOrder, Shard
 
-    one = EpochOrder(23, seed=1, shuffle=False, contiguous=True, unit=4)
+    one = EpochOrder(23, seed=1, shuffle=False, shard=Shard(contiguous=True, unit=4))
     assert one.indices().tolist() == list(range(23))
-    ranks = [EpochOrder(23, seed=1, shuffle=False, rank=r, world=2, contiguous=True, unit=4) for r in (0, 1)]
+    ranks = [
+        EpochOrder(23, seed=1, shuffle=False, shard=Shard(rank=r, world=2, contiguous=True, unit=4)) for r in (0, 1)
+    ]
     assert [r.indices().tolist() for r in ranks] == [list(range(12)), [*range(12, 23), 0]]  # 3 batches each, padded
     assert [len(r) for r in ranks] == [12, 12]
-    val = [EpochOrder(23, seed=1, shuffle=False, rank=r, world=2, pad=False, contiguous=True, unit=4) for r in (0, 1)]
+    val = [
+        EpochOrder(23, seed=1, shuffle=False, shard=Shard(rank=r, world=2, pad=False, contiguous=True, unit=4))
+        for r in (0, 1)
+    ]
     assert [v.indices().tolist() for v in val] == [list(range(12)), list(range(12, 23))] and len(val[1]) == 11

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from helpers import run_main
 from pipeline.config import load
-from pipeline.data.loaders import EpochOrder, resident_share
+from pipeline.data.loaders import EpochOrder, Shard, resident_share
 from pipeline.engine.loop import SOLO, EpochHooks, LossWindow, StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
 from pipeline.engine.precision import PrecisionPolicy
@@ -38,7 +38,7 @@ FAULTS = Path(__file__).parent / "faults"  # sitecustomize.py: faults injected i
 def test_the_ranks_batches_together_are_the_single_process_batches_of_the_global_size(shuffle: bool) -> None:
     size, per_rank, world = 96, 4, 3
     single = EpochOrder(size, seed=7, shuffle=shuffle)
-    ranks = [EpochOrder(size, seed=7, shuffle=shuffle, rank=r, world=world) for r in range(world)]
+    ranks = [EpochOrder(size, seed=7, shuffle=shuffle, shard=Shard(rank=r, world=world)) for r in range(world)]
     for order in [single, *ranks]:
         order.set_epoch(3)
     whole = single.indices()
@@ -50,16 +50,16 @@ def test_the_ranks_batches_together_are_the_single_process_batches_of_the_global
 
 
 def test_training_shares_are_padded_to_equal_length_and_evaluation_shares_are_disjoint_and_complete() -> None:
-    train = [EpochOrder(10, seed=1, shuffle=True, rank=r, world=4, pad=True) for r in range(4)]
+    train = [EpochOrder(10, seed=1, shuffle=True, shard=Shard(rank=r, world=4, pad=True)) for r in range(4)]
     assert [len(o) for o in train] == [3, 3, 3, 3]  # 12 slots: every rank takes as many steps
     seen = torch.cat([o.indices() for o in train]).tolist()
     assert set(seen) == set(range(10)) and len(seen) == 12
-    val = [EpochOrder(10, seed=1, shuffle=False, rank=r, world=4, pad=False) for r in range(4)]
+    val = [EpochOrder(10, seed=1, shuffle=False, shard=Shard(rank=r, world=4, pad=False)) for r in range(4)]
     assert [o.indices().tolist() for o in val] == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
 
 
 def test_a_resumed_rank_skips_its_own_batches_in_the_sampler() -> None:
-    order = EpochOrder(40, seed=3, shuffle=True, rank=1, world=2)
+    order = EpochOrder(40, seed=3, shuffle=True, shard=Shard(rank=1, world=2))
     order.set_epoch(2)
     whole = order.indices()
     order.set_epoch(2, start=8)
@@ -67,9 +67,9 @@ def test_a_resumed_rank_skips_its_own_batches_in_the_sampler() -> None:
 
 
 def test_a_resident_rank_keeps_only_its_own_share() -> None:
-    assert resident_share(10, rank=1, world=4, pad=True).tolist() == [1, 5, 9]
-    assert resident_share(10, rank=3, world=4, pad=True).tolist() == [3, 7, 1]  # padded from the start
-    assert resident_share(10, rank=3, world=4, pad=False).tolist() == [3, 7]
+    assert resident_share(10, Shard(rank=1, world=4, pad=True)).tolist() == [1, 5, 9]
+    assert resident_share(10, Shard(rank=3, world=4, pad=True)).tolist() == [3, 7, 1]  # padded from the start
+    assert resident_share(10, Shard(rank=3, world=4, pad=False)).tolist() == [3, 7]
 
 
 # --- the launch ---------------------------------------------------------------------------------------------
@@ -387,14 +387,14 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_finishes_the
 def test_a_resident_loader_under_ddp_holds_only_this_ranks_share() -> None:
     from torch.utils.data import TensorDataset
 
-    from pipeline.data.loaders import make_loader
+    from pipeline.data import Place, Split, make_batches
 
     images = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1)
     dataset = TensorDataset(images, torch.arange(10))
     cfg = load(["device=cpu", "loader=resident", "loader.batch_size=2"]).loader
-    loader = make_loader(dataset, cfg, device=torch.device("cpu"), train=True, seed=0, rank=1, world=2)
+    loader = make_batches(Split(dataset, train=True), cfg, Place(torch.device("cpu"), seed=0, rank=1, world=2))
     assert loader.labels.tolist() == [1, 3, 5, 7, 9] and len(loader) == 3
-    val = make_loader(dataset, cfg, device=torch.device("cpu"), train=False, seed=0, rank=1, world=3)
+    val = make_batches(Split(dataset, train=False), cfg, Place(torch.device("cpu"), seed=0, rank=1, world=3))
     assert val.labels.tolist() == [1, 4, 7]
 
 

@@ -240,10 +240,10 @@ def test_loader_workers_leave_ctrl_c_to_the_training_process(make_cfg: Callable[
     """Ctrl-C in a terminal reaches every process of the group: workers that died of it failed the run (a
     LoaderError) where the training process would have stopped it cleanly, KILLED with a checkpoint. SIGTERM keeps
     its default: PyTorch's last resort against a stuck worker is terminate()."""
-    from pipeline.data.loaders import make_loader
+    from pipeline.data import Place, Split, make_batches
 
     cfg = make_cfg("loader.num_workers=1", "loader.batch_size=4")
-    loader = make_loader(SignalDispositions(), cfg.loader, device=torch.device("cpu"), train=False, seed=0)
+    loader = make_batches(Split(SignalDispositions(), train=False), cfg.loader, Place(torch.device("cpu"), seed=0))
     loader.set_epoch(1)
     ((images, _),) = list(loader)
     assert images.flatten().tolist() == [1, 0] * 4  # SIGINT ignored, SIGTERM as it was

@@ -16,7 +16,7 @@ from torch import nn
 import pipeline.engine.build as build_module
 from helpers import sigterm_at_step
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
-from pipeline.data import DevicePrefetcher, ResidentLoader, make_loader, with_prefetch
+from pipeline.data import DevicePrefetcher, Place, ResidentLoader, Split, make_batches, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
 from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
 from pipeline.engine.memory import MicroBatcher
@@ -80,7 +80,7 @@ def labels_of(batches: Any) -> list[int]:
 
 
 def test_every_batch_comes_out_once_and_in_the_loaders_order() -> None:
-    loader = make_loader(Counting(), LOADER, device=CPU, train=True, seed=0)
+    loader = make_batches(Split(Counting(), train=True), LOADER, Place(CPU, seed=0))
     prefetcher = DevicePrefetcher(loader, InlineCopies(CPU))
     for epoch in (1, 2):
         prefetcher.set_epoch(epoch)
@@ -108,7 +108,7 @@ def test_batch_k_plus_1_is_copied_before_batch_k_is_handed_over() -> None:
 
 def test_resumes_skip_reaches_the_sampler_so_skipped_batches_are_neither_loaded_nor_copied() -> None:
     dataset, log = Counting(), []
-    loader = make_loader(dataset, LOADER, device=CPU, train=True, seed=0)
+    loader = make_batches(Split(dataset, train=True), LOADER, Place(CPU, seed=0))
     loader.set_epoch(1)
     whole = labels_of(loader)
     prefetcher = DevicePrefetcher(loader, LoggedCopies(log))

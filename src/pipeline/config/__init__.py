@@ -17,6 +17,8 @@ from pipeline.common.errors import ConfigError
 from pipeline.config.compose import as_typed, compose, config_dir, flatten, from_dictconfig, load, with_open_keys
 from pipeline.config.data import DataConfig
 from pipeline.config.schema import (
+    DATALOADER,
+    RESIDENT,
     CheckpointConfig,
     DeviceConfig,
     LoaderConfig,
@@ -41,6 +43,8 @@ from pipeline.config.targets import (
 )
 
 __all__ = [
+    "DATALOADER",
+    "RESIDENT",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",

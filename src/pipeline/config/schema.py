@@ -46,6 +46,10 @@ TAGS_PREFIX = "tracking.tags."
 PROFILE_STEPS = 3  # trainer.profile_steps' default (conf/trainer/default.yaml says the same)
 
 
+# The built-in loader backends' names (loader.backend; pipeline.data.backends registers them and any other)
+DATALOADER, RESIDENT = "dataloader", "resident"
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     name: Literal["auto", "cpu", "cuda", "mps"]
@@ -79,8 +83,26 @@ class LoaderConfig:
     # how workers start; auto = this process's default: spawn on Windows and macOS, fork on Linux (3.14: forkserver)
     multiprocessing_context: Literal["auto", "fork", "spawn", "forkserver"] = "auto"
     shuffle: bool = True  # false: the dataset's order every epoch (each DDP rank its contiguous share)
+    # the registered backend that makes the batches (pipeline.data.backends); auto = the built-in one loader.resident
+    # chooses; the registry, not this schema, knows the names (an unknown one is refused as the run is built)
+    backend: str = "auto"
+
+    @property
+    def backend_name(self) -> str:
+        """The backend that makes the batches: ``loader.backend``, or for ``auto`` the built-in one that
+        ``loader.resident`` chooses."""
+        if self.backend != "auto":
+            return self.backend
+        return RESIDENT if self.resident else DATALOADER
 
     def check(self) -> None:
+        if self.resident != (self.backend_name == RESIDENT):
+            raise ConfigError(
+                "loader.resident",
+                self.resident,
+                f"{str(not self.resident).lower()} with loader.backend={self.backend} "
+                f"(loader.resident=true is the {RESIDENT} backend's switch)",
+            )
         if self.batch_size < 1:
             raise ConfigError("loader.batch_size", self.batch_size, "an integer >= 1")
         if self.num_workers < 0:

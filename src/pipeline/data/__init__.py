@@ -1,6 +1,9 @@
-"""Datasets and the batches the loop consumes (see ``sources``, ``loaders``, ``prefetch`` and ``augment``)."""
+"""Datasets and the batches the loop consumes (see ``sources``, ``batches``, ``backends``, ``loaders``, ``prefetch`` and
+``augment``)."""
 
 from pipeline.data.augment import CropFlip, make_augment
+from pipeline.data.backends import make_batches, register
+from pipeline.data.batches import Batches, Place, Split
 from pipeline.data.loaders import (
     AsGiven,
     EpochLoader,
@@ -8,7 +11,6 @@ from pipeline.data.loaders import (
     Normalize,
     ResidentLoader,
     first_batch,
-    make_loader,
 )
 from pipeline.data.prefetch import DevicePrefetcher, with_prefetch
 from pipeline.data.sources import DataBundle, DataSpec, load_data
@@ -16,6 +18,7 @@ from pipeline.data.workers import LoaderError
 
 __all__ = [
     "AsGiven",
+    "Batches",
     "CropFlip",
     "DataBundle",
     "DataSpec",
@@ -24,10 +27,13 @@ __all__ = [
     "EpochOrder",
     "LoaderError",
     "Normalize",
+    "Place",
     "ResidentLoader",
+    "Split",
     "first_batch",
     "load_data",
     "make_augment",
-    "make_loader",
+    "make_batches",
+    "register",
     "with_prefetch",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.common.errors import DatasetError
-from pipeline.config import LoaderConfig
+from pipeline.config import DATALOADER, LoaderConfig
 from pipeline.data import structures
 from pipeline.data.workers import WatchedLoader, leave_ctrl_c_to_the_trainer
 
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 class IterableLoader:
     """An iterable dataset's batches: ``steps`` of them an epoch (training), or one whole pass (``steps=None``)."""
+
+    kind = DATALOADER  # the DataLoader backend's, over a stream
 
     def __init__(
         self,

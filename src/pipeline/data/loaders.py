@@ -1,4 +1,5 @@
-"""Batches for the loop: the torch DataLoader path and the resident path.
+"""Batches for the loop, the two built-in backends (``pipeline.data.backends``): torch's DataLoader
+(``dataloader``) and the resident tensors (``resident``).
 
 Both yield ``(images, labels)``; the loop copies them to the device (a no-op for resident
 batches, which are there already, and for batches a ``prefetch.DevicePrefetcher`` copied ahead)
@@ -12,15 +13,17 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, cast
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
 
 from pipeline.common.device_memory import DoesNotFit, check_data, free_memory, size
 from pipeline.common.errors import ConfigError
-from pipeline.config import LoaderConfig
+from pipeline.config import DATALOADER, RESIDENT, LoaderConfig
 from pipeline.data import structures
+from pipeline.data.batches import Place, Split
 from pipeline.data.iterable import IterableLoader
 from pipeline.data.workers import WatchedLoader, leave_ctrl_c_to_the_trainer
 
@@ -36,6 +39,17 @@ class MapStyle(Protocol):
 
 
 Batch = tuple[Any, Any]  # (inputs, targets): uint8 images and labels for the built-in sources
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which samples of an epoch's order one rank visits (``EpochOrder``, ``resident_share``)."""
+
+    rank: int = 0
+    world: int = 1
+    pad: bool = True  # training: repeat the order's first samples so every rank has as many, and so as many steps
+    contiguous: bool = False  # loader.shuffle=false: each rank a contiguous share of whole batches, not every world-th
+    unit: int = 1  # the samples of one batch (contiguous shares are whole batches)
 
 
 class EpochOrder(Sampler[int]):
@@ -57,20 +71,15 @@ class EpochOrder(Sampler[int]):
     stream of the same batches on each rank.
     """
 
-    def __init__(
-        self,
-        size: int,
-        *,
-        seed: int,
-        shuffle: bool,
-        rank: int = 0,
-        world: int = 1,
-        pad: bool = True,
-        contiguous: bool = False,
-        unit: int = 1,
-    ) -> None:
+    def __init__(self, size: int, *, seed: int, shuffle: bool, shard: Shard = Shard()) -> None:
         self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.rank, self.world, self.pad, self.contiguous, self.unit = rank, world, pad, contiguous, unit
+        self.rank, self.world, self.pad, self.contiguous, self.unit = (
+            shard.rank,
+            shard.world,
+            shard.pad,
+            shard.contiguous,
+            shard.unit,
+        )
         self.epoch, self.start = 1, 0
 
     def set_epoch(self, epoch: int, *, start: int = 0) -> None:
@@ -121,6 +130,7 @@ class EpochLoader(WatchedLoader):
     """A watched DataLoader whose order is an ``EpochOrder``: ``set_epoch(epoch, skip=batches)`` before each epoch."""
 
     sampler: EpochOrder
+    kind = DATALOADER
 
     def set_epoch(self, epoch: int, *, skip: int = 0) -> None:
         """Use ``epoch``'s order and pass over its first ``skip`` batches (resume) without loading them."""
@@ -135,6 +145,8 @@ class ResidentLoader:
     depend on the device), then each batch is an index gather on the device: no per-sample
     Python, no collation, no host-to-device copy. Call ``set_epoch`` before each epoch.
     """
+
+    kind = RESIDENT
 
     def __init__(self, images: Any, labels: Any, *, batch_size: int, shuffle: bool, drop_last: bool, seed: int) -> None:
         if structures.count(images) != structures.count(labels):
@@ -198,81 +210,72 @@ class AsGiven:
         return inputs
 
 
-def make_loader(
-    dataset: Dataset,
-    cfg: LoaderConfig,
-    *,
-    device: torch.device,
-    train: bool,
-    seed: int,
-    rank: int = 0,
-    world: int = 1,
-    collate: Callable[[list[Any]], Any] | None = None,
-    steps: int | None = None,
-) -> EpochLoader | ResidentLoader | IterableLoader:
-    """The batches of one split, as ``loader.*`` configures them (this rank's share, under DDP).
-
-    Args:
-        dataset: yields ``(uint8 image [C, H, W], label)``, or the user's items (``collate`` batches them).
-        cfg: the loader group.
-        device: where training runs (resident data is moved there; pinning only for CUDA).
-        train: shuffle and honour ``drop_last`` (validation does neither).
-        seed: seeds the shuffling, so the same seed gives the same order.
-        rank, world: this process's rank and the number of ranks (DDP); ``loader.batch_size`` is per rank.
-        collate: the user's items into ``(inputs, targets)`` (``pipeline.data.custom.Batches``); None = torch's.
-        steps: an iterable dataset's batches per epoch (None: one pass, for validation).
-    """
+def dataloader(split: Split, cfg: LoaderConfig, place: Place) -> EpochLoader | IterableLoader:
+    """The ``dataloader`` backend: one split's batches through torch's DataLoader, as ``loader.*`` configures them
+    (this rank's share, under DDP); an iterable dataset's as a stream of ``split.steps`` batches an epoch."""
+    dataset, device, seed = split.dataset, place.device, place.seed
     pin = device.type == "cuda" and cfg.pin_memory in ("auto", True)
     if isinstance(dataset, IterableDataset):
         return IterableLoader(
-            dataset, cfg, collate=collate, steps=steps, pin=pin, seed=seed, start_method=worker_start_method(cfg)
-        )
-    sized = cast(MapStyle, dataset)  # map-style: indexed, with a length
-    if cfg.resident:
-        images, labels = materialize(dataset, collate, device=device)
-        if world > 1:  # a fixed share per rank, so each moves only its own samples to its device
-            share = resident_share(
-                structures.count(labels), rank=rank, world=world, pad=train, contiguous=not cfg.shuffle
-            )
-            images, labels = structures.take(images, share), structures.take(labels, share)
-        resident = ResidentLoader(
-            structures.move(images, device, non_blocking=False),
-            structures.move(labels, device, non_blocking=False),
-            batch_size=cfg.batch_size,
-            shuffle=train and cfg.shuffle,
-            drop_last=train and cfg.drop_last,
+            dataset,
+            cfg,
+            collate=split.collate,
+            steps=split.steps,
+            pin=pin,
             seed=seed,
+            start_method=worker_start_method(cfg),
         )
-        return _with_steps(resident, cfg, structures.count(labels))
     if cfg.pin_memory is True and device.type != "cuda":
         log.warning(
             "loader.pin_memory=true has no effect on %s: pinned memory speeds up copies to CUDA only", device.type
         )
+    sized = cast(MapStyle, dataset)  # map-style: indexed, with a length
     loader = EpochLoader(
         dataset,
         batch_size=cfg.batch_size,
-        sampler=EpochOrder(
-            len(sized),
-            seed=seed,
-            shuffle=train and cfg.shuffle,
-            rank=rank,
-            world=world,
-            pad=train,
-            contiguous=not cfg.shuffle,  # the dataset's order: each rank a contiguous share of it, whole batches
-            unit=cfg.batch_size,
-        ),
+        # the dataset's order without shuffling: each rank a contiguous share of it, whole batches
+        sampler=EpochOrder(len(sized), seed=seed, shuffle=split.train and cfg.shuffle, shard=_shard(split, cfg, place)),
         num_workers=cfg.num_workers,
         pin_memory=pin,
         persistent_workers=cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor,
-        drop_last=train and cfg.drop_last,
+        drop_last=split.train and cfg.drop_last,
         timeout=cfg.timeout,
         generator=torch.Generator().manual_seed(seed),  # seeds the workers' base seed only: the order is EpochOrder's
         multiprocessing_context=worker_start_method(cfg),
         worker_init_fn=leave_ctrl_c_to_the_trainer,
-        collate_fn=collate,
+        collate_fn=split.collate,
     )
     return _with_steps(loader, cfg, len(sized))
+
+
+def resident(split: Split, cfg: LoaderConfig, place: Place) -> ResidentLoader | IterableLoader:
+    """The ``resident`` backend: one split held whole on ``place.device`` (this rank's share under DDP), batches cut by
+    index; an iterable dataset, which cannot be held whole, as a stream (the ``dataloader`` backend's)."""
+    if isinstance(split.dataset, IterableDataset):
+        return cast(IterableLoader, dataloader(split, cfg, place))
+    images, labels = materialize(split.dataset, split.collate, device=place.device)
+    if place.world > 1:  # a fixed share per rank, so each moves only its own samples to its device
+        share = resident_share(structures.count(labels), _shard(split, cfg, place))
+        images, labels = structures.take(images, share), structures.take(labels, share)
+    batches = ResidentLoader(
+        structures.move(images, place.device, non_blocking=False),
+        structures.move(labels, place.device, non_blocking=False),
+        batch_size=cfg.batch_size,
+        shuffle=split.train and cfg.shuffle,
+        drop_last=split.train and cfg.drop_last,
+        seed=place.seed,
+    )
+    return _with_steps(batches, cfg, structures.count(labels))
+
+
+def _shard(split: Split, cfg: LoaderConfig, place: Place) -> Shard:
+    """This rank's share of the split: training padded (every rank as many steps), the dataset's order in contiguous
+    whole batches with ``loader.shuffle=false``."""
+    return Shard(place.rank, place.world, pad=split.train, contiguous=not cfg.shuffle, unit=cfg.batch_size)
+
+
+_Sized = TypeVar("_Sized", EpochLoader, ResidentLoader)
 
 
 def worker_start_method(cfg: LoaderConfig) -> str | None:
@@ -288,19 +291,19 @@ def worker_start_method(cfg: LoaderConfig) -> str | None:
     return cfg.multiprocessing_context
 
 
-def resident_share(size: int, *, rank: int, world: int, pad: bool, contiguous: bool = False) -> torch.Tensor:
-    """The samples rank ``rank`` of ``world`` keeps resident: every ``world``-th one (``contiguous``: its contiguous
-    share, for ``loader.shuffle=false``), padded (training) from the start so every rank has as many, and so as many
-    steps."""
-    total = math.ceil(size / world) * world if pad else size
+def resident_share(size: int, shard: Shard) -> torch.Tensor:
+    """The samples rank ``shard.rank`` of ``shard.world`` keeps resident: every ``world``-th one (``contiguous``: its
+    contiguous share, for ``loader.shuffle=false``), padded (training) from the start so every rank has as many, and so
+    as many steps."""
+    total = math.ceil(size / shard.world) * shard.world if shard.pad else size
     order = torch.arange(total) % size
-    if contiguous:
-        share = math.ceil(total / world)
-        return order[rank * share : (rank + 1) * share]
-    return order[rank::world]
+    if shard.contiguous:
+        share = math.ceil(total / shard.world)
+        return order[shard.rank * share : (shard.rank + 1) * share]
+    return order[shard.rank :: shard.world]
 
 
-def _with_steps(batches: EpochLoader | ResidentLoader, cfg: LoaderConfig, samples: int) -> EpochLoader | ResidentLoader:
+def _with_steps(batches: _Sized, cfg: LoaderConfig, samples: int) -> _Sized:
     """``batches``, unless they hold none: drop_last with a batch larger than the data would train no step.
 
     Raises:

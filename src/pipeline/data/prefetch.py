@@ -38,6 +38,8 @@ import torch
 from pipeline.common.errors import ConfigError
 from pipeline.config import LoaderConfig
 from pipeline.data import structures
+from pipeline.data.backends import backend_of
+from pipeline.data.batches import Batches
 
 Batch = tuple[Any, ...]  # (inputs, targets), each a tensor or a structure of them (pipeline.data.structures)
 
@@ -134,8 +136,13 @@ class DevicePrefetcher:
         copies: how to copy (``CudaCopies`` on a GPU).
     """
 
-    def __init__(self, batches: Any, copies: Copies) -> None:
+    def __init__(self, batches: Batches, copies: Copies) -> None:
         self.batches, self.copies = batches, copies
+
+    @property
+    def kind(self) -> str:
+        """The wrapped batches' backend: a prefetcher is no backend of its own."""
+        return self.batches.kind
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -185,13 +192,13 @@ def prefetch_wanted(cfg: LoaderConfig, device: torch.device) -> bool:
             f"auto or false on device {device.type}: copying on a side stream needs CUDA "
             f"({'the batches are on the CPU already' if device.type == 'cpu' else 'MPS has no side streams to use'})",
         )
-    if cfg.resident or device.type != "cuda":
+    if backend_of(cfg).on_device or device.type != "cuda":  # resident batches: nothing to copy
         return False
     return cfg.prefetch_to_device is True or (cfg.prefetch_to_device == "auto" and cfg.pin_memory in ("auto", True))
 
 
 def with_prefetch(
-    batches: Any, cfg: LoaderConfig, *, device: torch.device, copies: Callable[[torch.device], Copies] = CudaCopies
-) -> Any:
+    batches: Batches, cfg: LoaderConfig, *, device: torch.device, copies: Callable[[torch.device], Copies] = CudaCopies
+) -> Batches:
     """``batches`` in a ``DevicePrefetcher`` when ``prefetch_wanted``, else ``batches`` themselves (nothing added)."""
     return DevicePrefetcher(batches, copies(device)) if prefetch_wanted(cfg, device) else batches

@@ -21,21 +21,22 @@ from pipeline.common.errors import ConfigError, DatasetError
 from pipeline.config import LoaderConfig, RunConfig
 from pipeline.data import (
     AsGiven,
+    Batches,
     CropFlip,
     DataBundle,
     DataSpec,
-    DevicePrefetcher,
-    EpochLoader,
     Normalize,
-    ResidentLoader,
+    Place,
+    Split,
     custom,
     first_batch,
     load_data,
     make_augment,
-    make_loader,
+    make_batches,
     with_prefetch,
 )
-from pipeline.data.iterable import IterableLoader, check_shares, steps_per_epoch
+from pipeline.data.backends import backend_of
+from pipeline.data.iterable import check_shares, steps_per_epoch
 from pipeline.data.structures import count, move, split
 from pipeline.engine import flops
 from pipeline.engine.amp_check import AmpProbe, check_cpu_amp, model_loss
@@ -76,8 +77,8 @@ class Setup:
     scoring: Scoring  # how evaluation scores a batch (its own step context)
     eval_micro: MicroBatcher  # evaluation's own: its out-of-memory errors never shrink training's
     parameters: int
-    train_batches: EpochLoader | ResidentLoader | IterableLoader | DevicePrefetcher
-    val_batches: EpochLoader | ResidentLoader | IterableLoader | DevicePrefetcher
+    train_batches: Batches  # made by the backend loader.backend names (pipeline.data.backends)
+    val_batches: Batches
     prepare: Normalize | AsGiven  # per micro-batch: evaluation's whole path, training's last step
     augment: CropFlip | None  # training only, once per batch before the OOM replay; None = data.augment=none
     run_name: str
@@ -121,6 +122,7 @@ def build(
     policy = resolve_precision(cfg.precision, amp=cfg.amp, device=device)
     backends = configure_backends(cfg.precision, trainer, device, amp=cfg.amp)  # may refuse a CUDA-only switch
     torch.manual_seed(trainer.seed)
+    backend_of(cfg.loader)  # an unknown loader.backend is refused before the data loads
     data = load_data(cfg.data, batch_size=cfg.loader.batch_size, long_targets=cfg.task.name in LABELS)
     spec = data.spec
     task = make_task(cfg.task).to(device)
@@ -352,10 +354,10 @@ def _model(cfg: RunConfig, spec: DataSpec, device: torch.device, *, example: Any
 
 def _loaders(
     cfg: RunConfig, data: DataBundle, train_loader: LoaderConfig, *, device: torch.device, group: Solo | Group
-) -> tuple[Any, Any]:
+) -> tuple[Batches, Batches]:
     """The training and validation batches (this rank's share), each behind a device prefetcher where wanted; the
     user's datasets are checked for what their workers and ranks need first."""
-    seed, shard = cfg.trainer.seed, {"rank": group.rank, "world": group.world_size}
+    place = Place(device, cfg.trainer.seed, rank=group.rank, world=group.world_size)
     steps = None
     if data.spec.iterable:
         stream = cast(IterableDataset, data.train)  # spec.iterable: the user's IterableDataset
@@ -369,11 +371,9 @@ def _loaders(
         )
     if not data.spec.builtin:
         custom.check_picklable(data, cfg.loader)
-    made = [
-        make_loader(dataset, loader, device=device, train=train, seed=seed, collate=data.collate, steps=n, **shard)
-        for dataset, loader, train, n in ((data.train, train_loader, True, steps), (data.val, cfg.loader, False, None))
-    ]
-    return tuple(with_prefetch(batches, cfg.loader, device=device) for batches in made)
+    train = make_batches(Split(data.train, True, data.collate, steps), train_loader, place)
+    val = make_batches(Split(data.val, False, data.collate), cfg.loader, place)
+    return with_prefetch(train, cfg.loader, device=device), with_prefetch(val, cfg.loader, device=device)
 
 
 def _splitter(data: DataBundle, batch_dim: int) -> Any:

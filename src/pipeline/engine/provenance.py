@@ -28,7 +28,7 @@ import pipeline
 from pipeline import __version__
 from pipeline.common import usercode
 from pipeline.common.targets import resolve, source_file
-from pipeline.config import DataConfig, RunConfig, target_label
+from pipeline.config import DATALOADER, RESIDENT, DataConfig, RunConfig, target_label
 from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
 from pipeline.config.schema import MAX_TAG_KEY
 from pipeline.engine.devices import DeviceChoice, cudnn_version
@@ -327,6 +327,9 @@ def _shown(path: str) -> str:
 
 
 def describe_loader(cfg: RunConfig) -> str:
+    """The record's ``loader``: the built-in backends as they always were, another by its name."""
+    if cfg.loader.backend_name not in (DATALOADER, RESIDENT):
+        return f"{cfg.loader.backend_name}, batch {cfg.loader.batch_size}"
     if cfg.loader.resident:
         return f"resident, batch {cfg.loader.batch_size}"
     return f"DataLoader, {cfg.loader.num_workers} worker(s), batch {cfg.loader.batch_size}"

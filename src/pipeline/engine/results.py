@@ -84,6 +84,7 @@ class RunResult:
     logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
     profile: Any = None  # pipeline.engine.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
     replay: ReplayOutcome | None = None  # the step time with free data (pipeline.engine.replay): the free data line
+    loader_kind: str = ""  # the backend that made the batches (Batches.kind: dataloader, resident, a registered one)
 
     @property
     def val_acc(self) -> float:

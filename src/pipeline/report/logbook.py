@@ -226,6 +226,7 @@ def _setup_facts(setup: Setup, cfg: RunConfig) -> dict[str, Any]:
         "device_name": setup.choice.name,
         "precision": setup.policy.label,
         "loader": describe_loader(cfg),
+        "loader_kind": setup.train_batches.kind,
         "parameters": setup.parameters,
         "steps": setup.state.step,
         "oom_events": list(setup.state.micro.events),

@@ -10,6 +10,7 @@ objective read the last epoch's, as every run they compare does.
 from __future__ import annotations
 
 from pipeline.common import stats
+from pipeline.data.backends import on_device
 from pipeline.engine.results import EpochResult, RunResult, steady_epochs
 from pipeline.monitor import UtilSummary
 from pipeline.report.verdict import data_wait_words
@@ -36,7 +37,7 @@ def format_summary(result: RunResult) -> str:
             f"train/epoch_loss {last.train_loss:.4f}",
             speed_line(result),
             *compute_line(result),
-            f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(result.loader.startswith('resident'))} · "
+            f"  step time   {b.data_wait_pct:.0f}% {data_wait_words(on_device(result.loader_kind))} · "
             f"{b.h2d_pct:.0f}% copying to the device · "
             f"{b.compute_pct:.0f}% compute · {b.overhead_pct:.0f}% the pipeline's own work between steps",
         ]
