@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.common import usercode
 from pipeline.common.heap import collector_paused, collector_running
+from pipeline.common.metric_names import TIME_LAUNCH_TO_FIRST_STEP_S
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.common.usercode import user_errors
 from pipeline.config import RunConfig, TrainerConfig
@@ -415,7 +416,7 @@ def run_epoch(
     ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
     launch = launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}
     record = EpochResult(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown, ranks,
-                         launch_s=launch.get("time/launch_to_first_step_s"))  # fmt: skip
+                         launch_s=launch.get(TIME_LAUNCH_TO_FIRST_STEP_S))  # fmt: skip
     tracker.log_metrics(epoch_metrics(setup, record, stats, utilisation, launch), step=epoch)
     tracker.flush()
     _log_epoch(record, trainer.epochs, setup.task.primary)
