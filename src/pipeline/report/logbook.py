@@ -13,6 +13,24 @@ from typing import Any
 
 import yaml
 
+from pipeline.common.metric_names import (
+    AMP_CPU_SPEED_VS_FP32,
+    OOM_EVAL_MICRO_BATCH_SIZE,
+    PERF_FLOPS_PER_SAMPLE,
+    RANK_DATA_WAIT_PCT,
+    RANK_GPU_UTIL_MEAN_PCT,
+    RANK_SAMPLES_PER_S,
+    THROUGHPUT_GLOBAL_SAMPLES_PER_S,
+    TIME_COMPILE_S,
+    TIME_DATA_WAIT_PCT_SLOWEST_RANK,
+    TIME_LOG_MODEL_S,
+    TIME_SLOWEST_RANK,
+    TIME_TOTAL_S,
+    TIME_TRACKING_BACKGROUND_WRITE_S,
+    TIME_TRACKING_WRITE_S,
+    TRAIN_EPOCH_LOSS,
+    rank_metric,
+)
 from pipeline.config import RunConfig, flatten
 from pipeline.data.structures import move
 from pipeline.engine.build import Setup
@@ -44,12 +62,12 @@ def start(
     model_flops = setup.model_flops  # a resumed run may continue on another device: its peak is said again
     tracker.set_tags(model_flops.tags())
     if model_flops.per_sample is not None:
-        tracker.log_metrics({"perf/flops_per_sample": model_flops.per_sample}, step=0)
+        tracker.log_metrics({PERF_FLOPS_PER_SAMPLE: model_flops.per_sample}, step=0)
     probe = setup.amp_probe
     if probe is not None:
         tracker.set_tags({"amp.cpu_check": probe.describe()})
         if probe.measured:
-            tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
+            tracker.log_metrics({AMP_CPU_SPEED_VS_FP32: probe.speed}, step=0)
     if said := point.record_tags(tracker, typed_overrides):  # resumed: where it continued and what changed
         tracker.set_tags(said)
     if point.same_run:
@@ -101,7 +119,7 @@ def conclude(
     if cfg.monitor.plots:
         _plots(tracker, setup.run_name, sampler, epochs, epoch_starts)
     model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
-    once = {"time/total_s": total_s}
+    once = {TIME_TOTAL_S: total_s}
     logged = models.last
     if cfg.tracking.models == "final" and tracker.run_id is not None and epochs:
         logged = _log_model(tracker, setup, model, once, form=cfg.tracking.model_format)
@@ -114,9 +132,9 @@ def conclude(
     tracker.set_tags(replay.tags())
     notes = [note] if note else []
     if compile_s is not None:
-        once["time/compile_s"] = compile_s
+        once[TIME_COMPILE_S] = compile_s
         notes.append(compile_note(compile_s, breakdown, setup.state.compiles, mode=cfg.trainer.compile_mode))
-    times = {"time/tracking_write_s": tracker.write_s, "time/tracking_background_write_s": tracker.background_write_s}
+    times = {TIME_TRACKING_WRITE_S: tracker.write_s, TIME_TRACKING_BACKGROUND_WRITE_S: tracker.background_write_s}
     tracker.log_metrics({**once, **times}, step=len(epochs))
     return RunResult(
         **_setup_facts(setup, cfg),
@@ -187,7 +205,7 @@ def _log_model(tracker: Tracker, setup: Setup, model: Any, once: dict[str, float
     ``time/log_model_s`` into ``once``."""
     began = time.perf_counter()
     logged = tracker.log_model(model.cpu(), model_card(setup, model), form=form)
-    once["time/log_model_s"] = time.perf_counter() - began
+    once[TIME_LOG_MODEL_S] = time.perf_counter() - began
     return logged
 
 
@@ -284,7 +302,7 @@ def model_card(setup: Setup, model: Any) -> ModelCard:
             "mean": spec.mean,
             "std": spec.std,
         }
-    return ModelCard(_as_input(args, kwargs), outputs, metadata, [*setup.scoring.metric_names, "train/epoch_loss"])
+    return ModelCard(_as_input(args, kwargs), outputs, metadata, [*setup.scoring.metric_names, TRAIN_EPOCH_LOSS])
 
 
 def _example(setup: Setup) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -342,9 +360,9 @@ def compile_seconds(breakdowns: list[Breakdown]) -> float | None:
 
 def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
     """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
-    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
+    view = {RANK_DATA_WAIT_PCT: breakdown.data_wait_pct, RANK_SAMPLES_PER_S: breakdown.samples_per_s}
     if utilisation.gpu_util_mean_pct is not None:
-        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
+        view[RANK_GPU_UTIL_MEAN_PCT] = utilisation.gpu_util_mean_pct
     return view
 
 
@@ -353,11 +371,11 @@ def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     the job's throughput (the sum of the ranks')."""
     if len(per_rank) <= 1:
         return {}
-    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
-    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
-    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
-    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
-    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
+    metrics = {rank_metric(r, name): value for r, values in enumerate(per_rank) for name, value in values.items()}
+    waits = [values.get(RANK_DATA_WAIT_PCT, 0.0) for values in per_rank]
+    metrics[TIME_DATA_WAIT_PCT_SLOWEST_RANK] = max(waits)
+    metrics[TIME_SLOWEST_RANK] = float(waits.index(max(waits)))
+    metrics[THROUGHPUT_GLOBAL_SAMPLES_PER_S] = sum(values.get(RANK_SAMPLES_PER_S, 0.0) for values in per_rank)
     return metrics
 
 
@@ -375,6 +393,6 @@ def epoch_metrics(
         **record.ranks,
         **allocator_metrics(setup.device),
         **stats.metrics(),  # amp/skipped_steps (float16)
-        **({"oom/eval_micro_batch_size": eval_micro.micro_batch} if eval_micro.events else {}),
+        **({OOM_EVAL_MICRO_BATCH_SIZE: eval_micro.micro_batch} if eval_micro.events else {}),
         **launch,
     }
