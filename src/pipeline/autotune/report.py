@@ -11,6 +11,18 @@ from typing import Any
 from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.search import Outcome, Settings, Tally
 from pipeline.common.errors import PipelineError
+from pipeline.common.metric_names import (
+    AUTOTUNE_BEST_SAMPLES_PER_S,
+    AUTOTUNE_CONFIRMED_VS_CURRENT_HIGH_PCT,
+    AUTOTUNE_CONFIRMED_VS_CURRENT_LOW_PCT,
+    AUTOTUNE_CONFIRMED_VS_CURRENT_P,
+    AUTOTUNE_CONFIRMED_VS_CURRENT_PCT,
+    AUTOTUNE_CURRENT_SAMPLES_PER_S,
+    AUTOTUNE_ELAPSED_S,
+    AUTOTUNE_TRIALS,
+    AUTOTUNE_VS_CURRENT_PCT,
+    AUTOTUNE_VS_NEXT_PCT,
+)
 from pipeline.common.secrets import env_values, mask_tree
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, min_p_paired, summarize
 from pipeline.config import LoaderConfig, RunConfig, flatten
@@ -276,25 +288,25 @@ def log_tuning_run(
         "autotune.stopped": outcome.stop_reason,
         "autotune.cut_short": str(outcome.cut_short).lower(),
     }
-    metrics = {"autotune/elapsed_s": outcome.elapsed_s, "autotune/trials": float(len(outcome.trials))}
+    metrics = {AUTOTUNE_ELAPSED_S: outcome.elapsed_s, AUTOTUNE_TRIALS: float(len(outcome.trials))}
     if ranking:
         winner = ranking[0]
         suggested = suggestion(outcome) or winner.candidate
         tags["autotune.winner"] = describe(winner.candidate, outcome.current)  # the search's fastest
         tags["autotune.suggested"] = describe(suggested, outcome.current)  # after the confirmation rounds
         tags["autotune.command"] = override_line(overrides, outcome.current.loader, suggested.loader)  # as printed
-        metrics["autotune/best_samples_per_s"] = winner.median
+        metrics[AUTOTUNE_BEST_SAMPLES_PER_S] = winner.median
         if len(ranking) > 1:
-            metrics["autotune/vs_next_pct"] = 100 * gain(winner, ranking[1])
+            metrics[AUTOTUNE_VS_NEXT_PCT] = 100 * gain(winner, ranking[1])
         if current is not None:
-            metrics["autotune/current_samples_per_s"] = current.median
-            metrics["autotune/vs_current_pct"] = 100 * gain(winner, current)
+            metrics[AUTOTUNE_CURRENT_SAMPLES_PER_S] = current.median
+            metrics[AUTOTUNE_VS_CURRENT_PCT] = 100 * gain(winner, current)
         claimed = confirmed_gain(outcome, winner.candidate, outcome.current)
         if claimed is not None and winner.candidate != outcome.current:  # the verdict's paired estimate
-            metrics["autotune/confirmed_vs_current_pct"] = 100 * (claimed.ratio - 1)
-            metrics["autotune/confirmed_vs_current_low_pct"] = 100 * (claimed.low - 1)
-            metrics["autotune/confirmed_vs_current_high_pct"] = 100 * (claimed.high - 1)
-            metrics["autotune/confirmed_vs_current_p"] = claimed.p
+            metrics[AUTOTUNE_CONFIRMED_VS_CURRENT_PCT] = 100 * (claimed.ratio - 1)
+            metrics[AUTOTUNE_CONFIRMED_VS_CURRENT_LOW_PCT] = 100 * (claimed.low - 1)
+            metrics[AUTOTUNE_CONFIRMED_VS_CURRENT_HIGH_PCT] = 100 * (claimed.high - 1)
+            metrics[AUTOTUNE_CONFIRMED_VS_CURRENT_P] = claimed.p
             tags["autotune.gain"] = "shown" if shown(claimed) else "not shown"
     trials = [
         {

@@ -25,6 +25,13 @@ from typing import TYPE_CHECKING, Any
 from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.report import confirmed_gain, shown, table, why_not_shown
 from pipeline.autotune.search import Outcome, Settings
+from pipeline.common.metric_names import (
+    THROUGHPUT_SAMPLES_PER_S,
+    TUNE_ELAPSED_S,
+    TUNE_PROBE_MFU_PCT,
+    TUNE_PROBE_SAMPLES_PER_S,
+    TUNE_TRIALS,
+)
 from pipeline.common.secrets import env_values, mask_tree
 from pipeline.common.stats import ALPHA, Comparison
 from pipeline.config import flatten
@@ -196,10 +203,10 @@ def record(result: Tuning, text: str, *, overrides: Sequence[str], changes: Sequ
         "verdict.class": probe.bottleneck,
     }
     metrics = {
-        "tune/probe_samples_per_s": probe.samples_per_s,
-        "tune/elapsed_s": outcome.elapsed_s,
-        "tune/trials": float(len(outcome.trials)),
-        **({"tune/probe_mfu_pct": probe.mfu_pct} if probe.mfu_pct is not None else {}),
+        TUNE_PROBE_SAMPLES_PER_S: probe.samples_per_s,
+        TUNE_ELAPSED_S: outcome.elapsed_s,
+        TUNE_TRIALS: float(len(outcome.trials)),
+        **({TUNE_PROBE_MFU_PCT: probe.mfu_pct} if probe.mfu_pct is not None else {}),
     }
     with open_tracker(
         cfg.tracking, run_name=f"tune-{result.name}", tags=tags, secret_values=env_values(cfg)
@@ -236,7 +243,7 @@ def log_trials(client: Any, experiment_id: str, parent: str, result: Tuning, *, 
         for i in range(0, len(items), PARAMS_PER_BATCH):
             client.log_batch(run_id, params=items[i : i + PARAMS_PER_BATCH])
         if trial.samples_per_s is not None:
-            client.log_metric(run_id, "throughput/samples_per_s", trial.samples_per_s, step=0)
+            client.log_metric(run_id, THROUGHPUT_SAMPLES_PER_S, trial.samples_per_s, step=0)
         client.set_terminated(run_id, "FINISHED" if trial.samples_per_s is not None else "FAILED")
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline.common.errors import ConfigError
+from pipeline.common.metric_names import VAL_LOSS, val_metric
 
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 NAME = re.compile(r"[A-Za-z_]\w*")
@@ -215,6 +216,6 @@ class TaskConfig:
         names = [m.label for m in self.metrics]
         if len(set(names)) < len(names):
             raise ConfigError("task.metrics", names, "metrics of distinct names (give each a name: key)")
-        known = {"val/loss", *(f"val/{n}" for n in names)}
+        known = {VAL_LOSS, *(val_metric(n) for n in names)}
         if self.primary is not None and self.primary not in known:
             raise ConfigError("task.primary", self.primary, f"one of {', '.join(sorted(known))}")

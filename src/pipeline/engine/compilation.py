@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.metric_names import COMPILE_GRAPHS, COMPILE_RECOMPILES
 
 _lock = threading.Lock()
 _totals = {"compiles": 0, "recompiles": 0}
@@ -119,7 +120,7 @@ class CompileWatch:
         return _graphs() - self.graphs_at_start
 
     def metrics(self) -> dict[str, float]:
-        return {"compile/graphs": float(self.graphs), "compile/recompiles": float(self.recompiles)}
+        return {COMPILE_GRAPHS: float(self.graphs), COMPILE_RECOMPILES: float(self.recompiles)}
 
 
 class NoCompile:

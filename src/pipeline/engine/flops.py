@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeline.common.metric_names import PERF_MFU_PCT, PERF_TFLOPS
 from pipeline.data.structures import call_model
 from pipeline.monitor.peaks import Peak
 
@@ -89,7 +90,7 @@ class ModelFlops:
 
     def metrics(self, samples_per_s: float) -> dict[str, float]:
         """An epoch's ``perf/tflops`` and ``perf/mfu_pct`` (those it has)."""
-        values = {"perf/tflops": self.tflops(samples_per_s), "perf/mfu_pct": self.mfu_pct(samples_per_s)}
+        values = {PERF_TFLOPS: self.tflops(samples_per_s), PERF_MFU_PCT: self.mfu_pct(samples_per_s)}
         return {k: v for k, v in values.items() if v is not None}
 
     def tags(self) -> dict[str, str]:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from pipeline.common.metric_names import AMP_SKIPPED_STEPS, TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, VAL_ACC, VAL_LOSS
 from pipeline.data.structures import count, move, split
 from pipeline.engine.compilation import hit_recompile_limit, recompile_limit_error
 from pipeline.engine.hooks import Computed, Step, StepContext
@@ -63,7 +64,7 @@ class EpochStats:
 
     def metrics(self) -> dict[str, float]:
         """What the epoch's end logs of these beyond the step times: ``amp/skipped_steps`` (float16 runs)."""
-        return {"amp/skipped_steps": self.skipped_steps} if self.scaled else {}
+        return {AMP_SKIPPED_STEPS: self.skipped_steps} if self.scaled else {}
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,11 @@ class EvalStats:
 
     @property
     def loss(self) -> float:
-        return self.metrics.get("val/loss", float("nan"))
+        return self.metrics.get(VAL_LOSS, float("nan"))
 
     @property
     def accuracy(self) -> float:
-        return self.metrics.get("val/acc", float("nan"))
+        return self.metrics.get(VAL_ACC, float("nan"))
 
 
 class StepMetrics:
@@ -110,11 +111,11 @@ class StepMetrics:
     ) -> None:
         """A logging point: the interval's loss, the rate when it changed, the gradients' norm before clipping (with
         ``trainer.clip_grad_*``) and DDP's ``time/allreduce_ms``."""
-        logged = {"train/loss": loss}
+        logged = {TRAIN_LOSS: loss}
         if (lr := current_lr(optimizer)) != self.lr:
-            logged["train/lr"] = self.lr = lr
+            logged[TRAIN_LR] = self.lr = lr
         if grad_norm is not None:
-            logged["train/grad_norm"] = float(grad_norm)  # this step's; the logging point syncs already
+            logged[TRAIN_GRAD_NORM] = float(grad_norm)  # this step's; the logging point syncs already
         self.write({**logged, **group.step_metrics()}, step)
 
 
@@ -236,7 +237,7 @@ class Scoring:
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return self.task.metric_names if self.outputs else ("val/loss",)
+        return self.task.metric_names if self.outputs else (VAL_LOSS,)
 
     def sums(self, done: Computed, targets: Any) -> torch.Tensor:
         """One micro-batch's running sums: the task's of the step's outputs (``val/loss`` the step's own loss, weighted
@@ -259,7 +260,7 @@ class Scoring:
         if self.outputs:
             return self.task.finish(totals)
         loss, weight = totals
-        return {"val/loss": loss / weight if weight else float("nan")}
+        return {VAL_LOSS: loss / weight if weight else float("nan")}
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, OneCycleLR, StepLR
 
 from pipeline.common.errors import ConfigError
+from pipeline.common.metric_names import VAL_LOSS
 from pipeline.common.targets import TargetError, instantiate
 from pipeline.config import OptimizerConfig, SchedulerConfig, TrainerConfig
 
@@ -106,7 +107,7 @@ def build_scheduler(
     *,
     steps: int,
     epochs: int,
-    metrics: tuple[str, ...] = ("val/loss",),
+    metrics: tuple[str, ...] = (VAL_LOSS,),
 ) -> Schedule:
     """``scheduler._target_(optimizer, **keywords)`` (with ``total_steps`` where it takes one: ``steps`` optimizer
     steps, or ``epochs`` for a schedule stepped per epoch), as a ``Schedule``; ``metrics``: what evaluation reports,
@@ -154,7 +155,7 @@ def takes_metric(scheduler: Any) -> bool:
 def _monitored(cfg: SchedulerConfig, scheduler: Any, metrics: tuple[str, ...]) -> str:
     """The metric a metric-fed schedule is stepped with after each evaluation, checked against what the task reports
     and against the schedule's ``mode``."""
-    monitor = cfg.monitor or "val/loss"
+    monitor = cfg.monitor or VAL_LOSS
     if cfg.interval == "step":
         raise ConfigError(
             "scheduler.interval", "step", f"epoch or null for {cfg._target_}: it is fed {monitor} after each evaluation"

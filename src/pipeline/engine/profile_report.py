@@ -14,6 +14,14 @@ from typing import Any
 from torch.autograd import DeviceType
 
 from pipeline.common.markdown import markdown_table
+from pipeline.common.metric_names import (
+    PERF_GPU_BUSY_PCT,
+    PERF_GPU_IDLE_DATA_PCT,
+    PERF_GPU_IDLE_HOST_PCT,
+    PROFILE_COST_S,
+    PROFILE_STEP_MS,
+    PROFILE_STEPS,
+)
 
 Span = tuple[float, float]  # (start, end) on the profiler's clock, in microseconds
 
@@ -75,9 +83,9 @@ class GpuBusy:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "perf/gpu_busy_pct": self.busy_pct,
-            "perf/gpu_idle_host_pct": self.idle_host_pct,
-            "perf/gpu_idle_data_pct": self.idle_data_pct,
+            PERF_GPU_BUSY_PCT: self.busy_pct,
+            PERF_GPU_IDLE_HOST_PCT: self.idle_host_pct,
+            PERF_GPU_IDLE_DATA_PCT: self.idle_data_pct,
         }
 
 
@@ -152,8 +160,8 @@ class ProfileReport:
 
     def metrics(self) -> dict[str, float]:
         gpu = self.gpu.metrics() if self.gpu is not None else {}
-        cost = {"profile/cost_s": self.cost_s} if self.auto else {}
-        return {"profile/steps": float(self.steps), "profile/step_ms": self.step_ms, **gpu, **cost}
+        cost = {PROFILE_COST_S: self.cost_s} if self.auto else {}
+        return {PROFILE_STEPS: float(self.steps), PROFILE_STEP_MS: self.step_ms, **gpu, **cost}
 
     def table(self, rows: int = TABLE_ROWS) -> str:
         """The top ``rows`` operators as the Markdown artifact."""

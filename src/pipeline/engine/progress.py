@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from tqdm import tqdm
 
+from pipeline.common.metric_names import TRAIN_LOSS
 from pipeline.engine.amp_check import seconds
 
 if TYPE_CHECKING:
@@ -272,7 +273,7 @@ class EpochSteps:
 
         def log_step(metrics: dict[str, float], step: int) -> None:
             tracker.log_metrics(metrics, step)
-            if "train/loss" in metrics:
-                self.bar.set_loss(metrics["train/loss"])
+            if TRAIN_LOSS in metrics:
+                self.bar.set_loss(metrics[TRAIN_LOSS])
 
         return log_step

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.common.heap import collector_paused
+from pipeline.common.metric_names import PERF_REPLAY_SPEEDUP, PERF_REPLAY_STEP_MS, TIME_REPLAY_S
 from pipeline.engine.checkpoint import CheckpointError, plain_state
 from pipeline.engine.memory import OutOfMemoryAtMinimum
 from pipeline.engine.models import attributes_now
@@ -88,9 +89,9 @@ class ReplayOutcome:
         if self.speedup is None:
             return {}
         return {
-            "perf/replay_speedup": self.speedup,
-            "perf/replay_step_ms": 1000.0 * self.replayed_step_s,
-            "time/replay_s": self.cost_s,
+            PERF_REPLAY_SPEEDUP: self.speedup,
+            PERF_REPLAY_STEP_MS: 1000.0 * self.replayed_step_s,
+            TIME_REPLAY_S: self.cost_s,
         }
 
     def tags(self) -> dict[str, str]:

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.common import stats
+from pipeline.common.metric_names import (
+    THROUGHPUT_GLOBAL_SAMPLES_PER_S,
+    TIME_DATA_WAIT_PCT_SLOWEST_RANK,
+    TIME_EPOCH_S,
+    TRAIN_EPOCH_LOSS,
+    VAL_ACC,
+    VAL_LOSS,
+)
 from pipeline.engine.flops import ModelFlops
 from pipeline.engine.replay import ReplayOutcome
 from pipeline.engine.timing import Breakdown, combine
@@ -28,27 +36,27 @@ class EpochResult:
 
     @property
     def val_loss(self) -> float:
-        return self.val_metrics.get("val/loss", math.nan)
+        return self.val_metrics.get(VAL_LOSS, math.nan)
 
     def metrics(self) -> dict[str, float]:
         """The epoch's own figures as logged at its end: ``train/epoch_loss``, ``val/*`` and ``time/epoch_s``."""
-        return {"train/epoch_loss": self.train_loss, **self.val_metrics, "time/epoch_s": self.seconds}
+        return {TRAIN_EPOCH_LOSS: self.train_loss, **self.val_metrics, TIME_EPOCH_S: self.seconds}
 
     @property
     def val_acc(self) -> float:
-        return self.val_metrics.get("val/acc", math.nan)
+        return self.val_metrics.get(VAL_ACC, math.nan)
 
     @property
     def job_samples_per_s(self) -> float:
         """The whole job's steady-state samples/s: every rank's together under DDP, else this run's. What runs are
         compared and searched by (``pipeline.experiments.compare``, the sweep's objective), so a 2-rank job is not
         read as 1×."""
-        return self.ranks.get("throughput/global_samples_per_s", self.samples_per_s)
+        return self.ranks.get(THROUGHPUT_GLOBAL_SAMPLES_PER_S, self.samples_per_s)
 
     @property
     def slowest_rank_wait_pct(self) -> float:
         """Under DDP, the data-wait share of the rank that waited most (a straggler holds every rank back)."""
-        return self.ranks.get("time/data_wait_pct_slowest_rank", 0.0)
+        return self.ranks.get(TIME_DATA_WAIT_PCT_SLOWEST_RANK, 0.0)
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class RunResult:
     flops: ModelFlops | None = None  # model FLOPs per sample and the device's peak: the compute line's MFU
     distributed: str = ""  # DDP: world size, backend, per-rank and global batch ("" for one process)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
-    primary: str = "val/acc"  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
+    primary: str = VAL_ACC  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
     logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
     profile: Any = None  # pipeline.engine.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
     replay: ReplayOutcome | None = None  # the step time with free data (pipeline.engine.replay): the free data line

@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.common.heap import collector_running
+from pipeline.common.metric_names import (
+    OOM_EVAL_MICRO_BATCH_SIZE,
+    RANK_DATA_WAIT_PCT,
+    RANK_GPU_UTIL_MEAN_PCT,
+    RANK_SAMPLES_PER_S,
+    THROUGHPUT_GLOBAL_SAMPLES_PER_S,
+    TIME_DATA_WAIT_PCT_SLOWEST_RANK,
+    TIME_LAUNCH_TO_FIRST_STEP_S,
+    TIME_SLOWEST_RANK,
+    rank_metric,
+)
 from pipeline.config import TrainerConfig
 from pipeline.data.workers import worker_faults
 from pipeline.engine.build import Setup
@@ -159,7 +170,7 @@ class _Epochs:
         ranks = rank_metrics(setup.group.gather(rank_view(stats.breakdown, utilisation)))
         launch = launch_metrics(started_at, stats.breakdown) if epoch == 1 and not skip else {}
         record = EpochResult(epoch, stats.loss, val.metrics, stats.seconds, stats.samples_per_s, stats.breakdown,
-                             ranks, launch_s=launch.get("time/launch_to_first_step_s"))  # fmt: skip
+                             ranks, launch_s=launch.get(TIME_LAUNCH_TO_FIRST_STEP_S))  # fmt: skip
         run.tracker.log_metrics(epoch_metrics(setup, record, stats, utilisation, launch), step=epoch)
         run.tracker.flush()
         _log_epoch(record, run.trainer.epochs, setup.task.primary)
@@ -244,9 +255,9 @@ def _log_epoch(record: EpochResult, epochs: int, primary: str) -> None:
 
 def rank_view(breakdown: Any, utilisation: Any) -> dict[str, float]:
     """What rank 0 records of each rank's epoch: its data-wait share, its throughput and its GPU's utilisation."""
-    view = {"data_wait_pct": breakdown.data_wait_pct, "samples_per_s": breakdown.samples_per_s}
+    view = {RANK_DATA_WAIT_PCT: breakdown.data_wait_pct, RANK_SAMPLES_PER_S: breakdown.samples_per_s}
     if utilisation.gpu_util_mean_pct is not None:
-        view["gpu_util_mean_pct"] = utilisation.gpu_util_mean_pct
+        view[RANK_GPU_UTIL_MEAN_PCT] = utilisation.gpu_util_mean_pct
     return view
 
 
@@ -255,11 +266,11 @@ def rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     the job's throughput (the sum of the ranks')."""
     if len(per_rank) <= 1:
         return {}
-    metrics = {f"ranks/{r}/{name}": value for r, values in enumerate(per_rank) for name, value in values.items()}
-    waits = [values.get("data_wait_pct", 0.0) for values in per_rank]
-    metrics["time/data_wait_pct_slowest_rank"] = max(waits)
-    metrics["time/slowest_rank"] = float(waits.index(max(waits)))
-    metrics["throughput/global_samples_per_s"] = sum(values.get("samples_per_s", 0.0) for values in per_rank)
+    metrics = {rank_metric(r, name): value for r, values in enumerate(per_rank) for name, value in values.items()}
+    waits = [values.get(RANK_DATA_WAIT_PCT, 0.0) for values in per_rank]
+    metrics[TIME_DATA_WAIT_PCT_SLOWEST_RANK] = max(waits)
+    metrics[TIME_SLOWEST_RANK] = float(waits.index(max(waits)))
+    metrics[THROUGHPUT_GLOBAL_SAMPLES_PER_S] = sum(values.get(RANK_SAMPLES_PER_S, 0.0) for values in per_rank)
     return metrics
 
 
@@ -277,6 +288,6 @@ def epoch_metrics(
         **record.ranks,
         **allocator_metrics(setup.device),
         **stats.metrics(),  # amp/skipped_steps (float16)
-        **({"oom/eval_micro_batch_size": eval_micro.micro_batch} if eval_micro.events else {}),
+        **({OOM_EVAL_MICRO_BATCH_SIZE: eval_micro.micro_batch} if eval_micro.events else {}),
         **launch,
     }

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipeline.common.messages import brief
+from pipeline.common.metric_names import TRAIN_LOSS
 from pipeline.config import OptimizerConfig, flatten
 from pipeline.engine.checkpoint import CheckpointError, Position, RunLock, set_rng_state
 from pipeline.monitor import CLOCK_KEY
@@ -90,7 +91,7 @@ class Resumed:
 
     def record_tags(self, tracker: Any, overrides: list[str]) -> dict[str, Any]:
         """``tags``, with the run's highest logged ``train/loss`` step read from ``tracker``."""
-        return self.tags(overrides, logged_step=tracker.last_step("train/loss"))
+        return self.tags(overrides, logged_step=tracker.last_step(TRAIN_LOSS))
 
     def run_tags(self, tags: dict[str, Any]) -> dict[str, Any]:
         """The run's tags: the same run keeps the overrides it started with (``resume.overrides`` holds these)."""

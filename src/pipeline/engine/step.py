@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from pipeline.common.metric_names import OOM_EVENTS, OOM_MEMORY_MB, OOM_MICRO_BATCH_SIZE
 from pipeline.data.structures import count, leaves, move, split
 from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
 from pipeline.engine.hooks import Step, StepContext, TaskStep
@@ -274,8 +275,8 @@ def _shrink(state: TrainState, failure: OomFailure | None, *, device: torch.devi
         logger.warning("step %d: out of memory on another rank; this rank shrinks too", step)
         failure = OomFailure("out of memory on another rank", memory_at_failure_mb(device))
     event = state.micro.recover(failure, step=step, optimizer=state.optimizer, scaler=state.scaler, device=device)
-    oom = {"oom/events": len(state.micro.events), "oom/micro_batch_size": state.micro.micro_batch}
-    log({**oom, "oom/memory_mb": event.memory_mb}, step)
+    oom = {OOM_EVENTS: len(state.micro.events), OOM_MICRO_BATCH_SIZE: state.micro.micro_batch}
+    log({**oom, OOM_MEMORY_MB: event.memory_mb}, step)
 
 
 class SkippedSteps:

@@ -32,6 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.common.errors import DatasetError, PipelineError
+from pipeline.common.metric_names import (
+    VAL_ACC,
+    VAL_EXACT_MATCH,
+    VAL_F1,
+    VAL_LOSS,
+    VAL_MAE,
+    VAL_PERPLEXITY,
+    VAL_RMSE,
+    val_metric,
+)
 from pipeline.common.targets import hook
 from pipeline.config import TargetConfig, TaskConfig
 from pipeline.data.structures import count, describe
@@ -102,8 +112,8 @@ class Classification(Builtin):
     """Cross-entropy against integer labels (NLL for log-probabilities); ``val/acc``. Outputs ``[B, C]`` (or
     ``[B, C, ...]`` per position)."""
 
-    name, primary, higher_is_better = "classification", "val/acc", True
-    metric_names = ("val/loss", "val/acc")
+    name, primary, higher_is_better = "classification", VAL_ACC, True
+    metric_names = (VAL_LOSS, VAL_ACC)
     width = 3  # the length of ``sums``
 
     def __init__(self, outputs: str = "logits", *, from_model: bool = False) -> None:
@@ -150,7 +160,7 @@ class Classification(Builtin):
 
     def finish(self, totals: list[float]) -> dict[str, float]:
         loss, correct, n = totals
-        return {"val/loss": loss / n, "val/acc": correct / n}
+        return {VAL_LOSS: loss / n, VAL_ACC: correct / n}
 
 
 LOG_PROB_TOLERANCE = 1e-3  # |logsumexp| of a row of log-probabilities, in float32 (bfloat16 outputs: looser)
@@ -180,8 +190,8 @@ def check_log_probs(out: torch.Tensor, *, dim: int, log_probs: bool, task: str) 
 class Regression(Builtin):
     """Mean squared error; ``val/mae`` and ``val/rmse``. Outputs and targets of one shape, floating point."""
 
-    name, primary, higher_is_better = "regression", "val/mae", False
-    metric_names = ("val/loss", "val/mae", "val/rmse")
+    name, primary, higher_is_better = "regression", VAL_MAE, False
+    metric_names = (VAL_LOSS, VAL_MAE, VAL_RMSE)
     width = 4
 
     def __init__(self, *, from_model: bool = False) -> None:
@@ -224,14 +234,14 @@ class Regression(Builtin):
 
     def finish(self, totals: list[float]) -> dict[str, float]:
         loss, absolute, n, squared = totals
-        return {"val/loss": loss / n, "val/mae": absolute / n, "val/rmse": math.sqrt(squared / n)}
+        return {VAL_LOSS: loss / n, VAL_MAE: absolute / n, VAL_RMSE: math.sqrt(squared / n)}
 
 
 class Multilabel(Builtin):
     """Binary cross-entropy with logits per label; ``val/f1`` (micro-averaged) and ``val/exact_match``."""
 
-    name, primary, higher_is_better = "multilabel", "val/f1", True
-    metric_names = ("val/loss", "val/f1", "val/exact_match")
+    name, primary, higher_is_better = "multilabel", VAL_F1, True
+    metric_names = (VAL_LOSS, VAL_F1, VAL_EXACT_MATCH)
     width = 7
 
     def __init__(self, threshold: float = 0.5, *, from_model: bool = False) -> None:
@@ -281,9 +291,9 @@ class Multilabel(Builtin):
         loss, tp, fp, fn, exact, rows, elements = totals
         scored = 2 * tp + fp + fn
         return {
-            "val/loss": loss / elements,
-            "val/f1": 2 * tp / scored if scored else 0.0,
-            "val/exact_match": exact / rows,
+            VAL_LOSS: loss / elements,
+            VAL_F1: 2 * tp / scored if scored else 0.0,
+            VAL_EXACT_MATCH: exact / rows,
         }
 
 
@@ -293,8 +303,8 @@ class NextToken(Builtin):
     out; ``val/perplexity`` (and ``val/acc``, the share of tokens predicted right). With ``shift``, output ``t`` is
     scored against target ``t + 1`` (targets that are the inputs: Hugging Face's ``labels=input_ids``)."""
 
-    name, primary, higher_is_better = "next_token", "val/perplexity", False
-    metric_names = ("val/loss", "val/perplexity", "val/acc")
+    name, primary, higher_is_better = "next_token", VAL_PERPLEXITY, False
+    metric_names = (VAL_LOSS, VAL_PERPLEXITY, VAL_ACC)
     width = 3
 
     def __init__(
@@ -381,7 +391,7 @@ class NextToken(Builtin):
     def finish(self, totals: list[float]) -> dict[str, float]:
         loss, correct, tokens = totals
         mean = loss / tokens if tokens else math.nan
-        return {"val/loss": mean, "val/perplexity": math.exp(min(mean, 700.0)), "val/acc": correct / tokens}
+        return {VAL_LOSS: mean, VAL_PERPLEXITY: math.exp(min(mean, 700.0)), VAL_ACC: correct / tokens}
 
 
 class Custom:
@@ -398,11 +408,11 @@ class Custom:
         self._loss: Callable[..., torch.Tensor] = model_loss
         if not isinstance(cfg.loss, str):  # the one string task.loss takes is "model" (cfg.model_loss)
             self._loss = _callable(cfg.loss, "task.loss")
-        self.metrics = [(f"val/{m.label}", _callable(m, f"task.metrics[{i}]")) for i, m in enumerate(cfg.metrics)]
+        self.metrics = [(val_metric(m.label), _callable(m, f"task.metrics[{i}]")) for i, m in enumerate(cfg.metrics)]
         self.averaged = [(name, fn) for name, fn in self.metrics if not _stateful(fn)]
         self.stateful = [(name, fn) for name, fn in self.metrics if _stateful(fn)]
-        self.primary = cfg.primary or "val/loss"
-        self.metric_names = ("val/loss", *(name for name, _ in self.metrics))
+        self.primary = cfg.primary or VAL_LOSS
+        self.metric_names = (VAL_LOSS, *(name for name, _ in self.metrics))
         self.width = 2 + len(self.averaged)
 
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
@@ -448,7 +458,7 @@ class Custom:
 
     def finish(self, totals: list[float]) -> dict[str, float]:
         n = totals[-1]
-        out = {"val/loss": totals[0] / n}
+        out = {VAL_LOSS: totals[0] / n}
         out.update({name: value / n for (name, _), value in zip(self.averaged, totals[1:-1], strict=True)})
         for name, metric in self.stateful:
             value = metric.compute()

@@ -34,6 +34,18 @@ from typing import Any, TypeVar
 
 import torch
 
+from pipeline.common.metric_names import (
+    THROUGHPUT_SAMPLES_PER_S,
+    TIME_COMPUTE_PCT,
+    TIME_DATA_WAIT_PCT,
+    TIME_FIRST_STEP_S,
+    TIME_H2D_COPY_MS,
+    TIME_H2D_PCT,
+    TIME_LAUNCH_TO_FIRST_STEP_S,
+    TIME_OVERHEAD_PCT,
+    TIME_STEP_MS,
+)
+
 T = TypeVar("T")
 
 
@@ -87,14 +99,14 @@ class Breakdown:
     def metrics(self) -> dict[str, float]:
         per_step_ms = 1000.0 / self.steady_steps if self.steady_steps else 0.0
         return {
-            "time/data_wait_pct": self.data_wait_pct,
-            "time/h2d_pct": self.h2d_pct,
-            "time/compute_pct": self.compute_pct,
-            "time/overhead_pct": self.overhead_pct,
-            "time/first_step_s": self.first_step_s,
-            "time/step_ms": self.step_s * per_step_ms,
-            "throughput/samples_per_s": self.samples_per_s,
-            **({"time/h2d_copy_ms": self.copy_s * per_step_ms} if self.copy_s else {}),  # prefetched runs only
+            TIME_DATA_WAIT_PCT: self.data_wait_pct,
+            TIME_H2D_PCT: self.h2d_pct,
+            TIME_COMPUTE_PCT: self.compute_pct,
+            TIME_OVERHEAD_PCT: self.overhead_pct,
+            TIME_FIRST_STEP_S: self.first_step_s,
+            TIME_STEP_MS: self.step_s * per_step_ms,
+            THROUGHPUT_SAMPLES_PER_S: self.samples_per_s,
+            **({TIME_H2D_COPY_MS: self.copy_s * per_step_ms} if self.copy_s else {}),  # prefetched runs only
         }
 
 
@@ -314,5 +326,5 @@ def launch_metrics(first_epoch_started_at: float, breakdown: Breakdown) -> dict[
     import psutil
 
     return {
-        "time/launch_to_first_step_s": first_epoch_started_at - psutil.Process().create_time() + breakdown.first_step_s
+        TIME_LAUNCH_TO_FIRST_STEP_S: first_epoch_started_at - psutil.Process().create_time() + breakdown.first_step_s
     }

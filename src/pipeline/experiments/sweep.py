@@ -37,7 +37,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.common.cli import bug_line, debugging
 from pipeline.common.errors import ConfigError, PipelineError
 from pipeline.common.messages import brief
+from pipeline.common.metric_names import THROUGHPUT_SAMPLES_PER_S, VAL_ACC, VAL_PREFIX
 from pipeline.common.secrets import env_values, mask_overrides, mask_text
 from pipeline.config import as_typed
 from pipeline.engine.outputs import make_output_folder
@@ -74,8 +75,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # what a job can return to the sweeper: its task's leading metric, a validation metric by name, or its speed
-Metric = Literal["primary", "throughput/samples_per_s"]
-VALIDATION = re.compile(r"val/[\w.]+")
+METRICS = ("primary", THROUGHPUT_SAMPLES_PER_S)
+VALIDATION = re.compile(re.escape(VAL_PREFIX) + r"[\w.]+")  # val/<name>
 USER_ERROR = 2  # exit status of a failure the user can fix (PipelineError), as for single runs
 _UNFINISHED: set[Path] = set()  # folders of the sweeps started in this process and not yet ended (end_unfinished)
 
@@ -123,15 +124,15 @@ def start_sweep(config: DictConfig, *, metric: str) -> Sweep:
     """Open the sweep's parent run (tracking on) and write ``sweep.json``, before the first job starts.
 
     Raises:
-        ConfigError: ``metric`` is not a ``Metric``, the experiment's name comes from the environment, or the
+        ConfigError: ``metric`` is not one of ``METRICS``, the experiment's name comes from the environment, or the
             sweep's folder cannot be made.
         SlurmMissing: ``hydra/launcher=slurm`` where SLURM's commands are missing.
         SqliteUnderSlurm: ``hydra/launcher=slurm`` with an SQLite store (``pipeline.record.filesystems``).
         TrackingUnavailable: the store cannot work (``pipeline.record.reachability.check_reachable``).
     """
-    if metric not in get_args(Metric) and not VALIDATION.fullmatch(metric):
+    if metric not in METRICS and not VALIDATION.fullmatch(metric):
         raise ConfigError(
-            "hydra.callbacks.sweep.optimized_metric", metric, f"{_one_of(get_args(Metric))} or a val/<name> metric"
+            "hydra.callbacks.sweep.optimized_metric", metric, f"{_one_of(METRICS)} or a val/<name> metric"
         )
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
     check_slurm_commands(launcher)
@@ -169,7 +170,7 @@ def current_job() -> SweepJob:
     sweep = Sweep.load(folder)
     if sweep is None:  # the callback did not run (hydra.callbacks replaced): no parent, failures still listed
         log.warning("%s is missing: this job is recorded without its sweep's parent run", folder / SWEEP_FILE)
-        sweep = Sweep(id="unknown", keys=(), metric="val/acc")
+        sweep = Sweep(id="unknown", keys=(), metric=VAL_ACC)
     number = int(hydra.job.num)
     overrides = tuple(as_typed(str(o)) for o in hydra.overrides.task)  # model.width=2, not Hydra's ++model.width=2
     config = load_round(folder, number, "configs")
@@ -202,7 +203,7 @@ def finished(job: SweepJob, result: RunResult) -> float | None:
 def objective(result: RunResult, metric: str) -> float | None:
     """The task's leading metric (``primary``), a ``val/...`` metric, or the steady-state samples/s of the last epoch
     (a DDP job's over all its ranks); None when not finite (or the run has no such metric)."""
-    if metric == "throughput/samples_per_s":
+    if metric == THROUGHPUT_SAMPLES_PER_S:
         value = result.epochs[-1].job_samples_per_s if result.epochs else math.nan
     else:
         value = result.metric(result.primary if metric == "primary" else metric)
@@ -250,7 +251,7 @@ def lost(folder: Path, jobs: Sequence[tuple[int, Sequence[str]]], reason: str) -
         jobs: the launched jobs, as ``(job number, overrides)``.
         reason: one line saying what happened, the error recorded on each lost job's run.
     """
-    sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric="val/acc")
+    sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric=VAL_ACC)
     ended = {outcome.job for outcome in load_outcomes(folder)}
     for number, overrides in jobs:
         if number in ended:
@@ -292,7 +293,7 @@ def end_sweep(folder: Path, *, complete: bool = True) -> int:
     _UNFINISHED.discard(folder)
     if not complete:  # the jobs the sweeper listed and nobody started are part of the record too
         not_started(folder, planned_jobs(folder))
-    sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric="val/acc")
+    sweep = Sweep.load(folder) or Sweep(id="unknown", keys=(), metric=VAL_ACC)
     outcomes = load_outcomes(folder)
     not_run = [o for o in outcomes if o.status == NOT_RUN]
     failures = [o for o in outcomes if o.status not in ("FINISHED", NOT_RUN)]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from pipeline.common.metric_names import MEMORY_ALLOC_RETRIES, MEMORY_MAX_ALLOCATED_MB, MEMORY_MAX_RESERVED_MB
 from pipeline.config import MonitorConfig
 from pipeline.monitor.gpu import GpuTarget, open_backend
 from pipeline.monitor.sampler import (
@@ -97,7 +98,7 @@ def allocator_metrics(device: torch.device) -> dict[str, float]:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {
-        "memory/max_allocated_mb": torch.cuda.max_memory_allocated(device) / 1e6,
-        "memory/max_reserved_mb": torch.cuda.max_memory_reserved(device) / 1e6,
-        "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        MEMORY_MAX_ALLOCATED_MB: torch.cuda.max_memory_allocated(device) / 1e6,
+        MEMORY_MAX_RESERVED_MB: torch.cuda.max_memory_reserved(device) / 1e6,
+        MEMORY_ALLOC_RETRIES: float(stats.get("num_alloc_retries", 0)),
     }

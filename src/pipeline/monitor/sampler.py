@@ -27,11 +27,23 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from pipeline.common.messages import brief
+from pipeline.common.metric_names import (
+    CPU_RUN_UTIL_MEAN_PCT,
+    CPU_UTIL_MEAN_PCT,
+    GPU_MEM_PEAK_MB,
+    GPU_UTIL_MEAN_PCT,
+    GPU_UTIL_P95_PCT,
+    SYSTEM_CPU_UTILIZATION_PERCENTAGE,
+    SYSTEM_MEMORY_USAGE_MEGABYTES,
+    SYSTEM_MEMORY_USAGE_PERCENTAGE,
+    SYSTEM_PROCESS_CPU_UTILIZATION_PERCENTAGE,
+    system_gpu,
+)
 from pipeline.monitor.gpu import GpuBackend, GpuReading, NoGpu
 
 log = logging.getLogger(__name__)
 
-CLOCK_KEY = "system/cpu_utilization_percentage"  # logged at every reading: its last step is the sampler's last tick
+CLOCK_KEY = SYSTEM_CPU_UTILIZATION_PERCENTAGE  # logged at every reading: its last step is the sampler's last tick
 # Other processes' mean share of the machine's CPUs from which the machine counts as busy. Below it is the usual
 # background (a shell, an editor, the tracking server: a few %); a quarter of the CPUs is a whole core of a 4-CPU
 # machine taken from the run and its loader (half of a 2-CPU one), and on bigger machines a share of the memory
@@ -93,11 +105,11 @@ class UtilSummary:
 
     def metrics(self) -> dict[str, float]:
         values = {
-            "cpu/util_mean_pct": self.cpu_mean_pct,
-            "cpu/run_util_mean_pct": self.run_cpu_pct,
-            "gpu/util_mean_pct": self.gpu_util_mean_pct,
-            "gpu/util_p95_pct": self.gpu_util_p95_pct,
-            "gpu/mem_peak_mb": self.gpu_mem_peak_mb,
+            CPU_UTIL_MEAN_PCT: self.cpu_mean_pct,
+            CPU_RUN_UTIL_MEAN_PCT: self.run_cpu_pct,
+            GPU_UTIL_MEAN_PCT: self.gpu_util_mean_pct,
+            GPU_UTIL_P95_PCT: self.gpu_util_p95_pct,
+            GPU_MEM_PEAK_MB: self.gpu_mem_peak_mb,
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -307,13 +319,12 @@ def job_summary(summary: UtilSummary, ranks: list[RankCpu], *, host: str | None 
 def system_metrics(sample: Sample) -> dict[str, float]:
     """A reading under MLflow's system-metric names (plus the process's own CPU share)."""
     metrics = {
-        "system/cpu_utilization_percentage": sample.cpu_pct,
-        "system/process_cpu_utilization_percentage": sample.process_cpu_pct,
-        "system/system_memory_usage_megabytes": sample.ram_used_mb,
-        "system/system_memory_usage_percentage": sample.ram_pct,
+        SYSTEM_CPU_UTILIZATION_PERCENTAGE: sample.cpu_pct,
+        SYSTEM_PROCESS_CPU_UTILIZATION_PERCENTAGE: sample.process_cpu_pct,
+        SYSTEM_MEMORY_USAGE_MEGABYTES: sample.ram_used_mb,
+        SYSTEM_MEMORY_USAGE_PERCENTAGE: sample.ram_pct,
     }
     for gpu in sample.gpus:
-        prefix = f"system/gpu_{gpu.index}_"
         fields = {
             "utilization_percentage": gpu.util_pct,
             "memory_usage_megabytes": gpu.mem_used_mb,
@@ -326,5 +337,5 @@ def system_metrics(sample: Sample) -> dict[str, float]:
             if gpu.power_w is not None and gpu.power_limit_w
             else None,
         }
-        metrics.update({prefix + k: v for k, v in fields.items() if v is not None})
+        metrics.update({system_gpu(gpu.index, k): v for k, v in fields.items() if v is not None})
     return metrics

@@ -43,6 +43,7 @@ from torch import nn
 
 from pipeline.common.device_memory import is_oom
 from pipeline.common.messages import brief
+from pipeline.common.metric_names import TIME_ALLREDUCE_MS
 from pipeline.parallel.ranks import DistributedError
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class CommClock:
             total_ms = 1000.0 * sum(stop - start for start, stop in self.spans)
         count = len(self.spans)
         self.spans.clear()
-        return {"time/allreduce_ms": total_ms / count}
+        return {TIME_ALLREDUCE_MS: total_ms / count}
 
 
 AGREEMENT = 66  # the agreement's flags: [failed, then one slot per signal number 0..64]

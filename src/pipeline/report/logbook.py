@@ -13,6 +13,16 @@ from typing import Any
 
 import yaml
 
+from pipeline.common.metric_names import (
+    AMP_CPU_SPEED_VS_FP32,
+    PERF_FLOPS_PER_SAMPLE,
+    TIME_COMPILE_S,
+    TIME_LOG_MODEL_S,
+    TIME_TOTAL_S,
+    TIME_TRACKING_BACKGROUND_WRITE_S,
+    TIME_TRACKING_WRITE_S,
+    TRAIN_EPOCH_LOSS,
+)
 from pipeline.config import RunConfig, flatten
 from pipeline.data.structures import move
 from pipeline.engine.build import Setup
@@ -45,12 +55,12 @@ def start(
     model_flops = setup.model_flops  # a resumed run may continue on another device: its peak is said again
     tracker.set_tags(model_flops.tags())
     if model_flops.per_sample is not None:
-        tracker.log_metrics({"perf/flops_per_sample": model_flops.per_sample}, step=0)
+        tracker.log_metrics({PERF_FLOPS_PER_SAMPLE: model_flops.per_sample}, step=0)
     probe = setup.amp_probe
     if probe is not None:
         tracker.set_tags({"amp.cpu_check": probe.describe()})
         if probe.measured:
-            tracker.log_metrics({"amp/cpu_speed_vs_fp32": probe.speed}, step=0)
+            tracker.log_metrics({AMP_CPU_SPEED_VS_FP32: probe.speed}, step=0)
     if said := point.record_tags(tracker, typed_overrides):  # resumed: where it continued and what changed
         tracker.set_tags(said)
     if point.same_run:
@@ -93,7 +103,7 @@ def conclude(run: Run, cfg: RunConfig, fitted: Fitted, *, total_s: float) -> Run
     if cfg.monitor.plots:
         _plots(tracker, setup.run_name, sampler, epochs, fitted.starts)
     model = setup.group.unwrap(setup.state.model)  # the job's wrapper must not outlive its process group
-    once = {"time/total_s": total_s}
+    once = {TIME_TOTAL_S: total_s}
     logged = models.last  # tracking.log_model=checkpoints: the last epoch's
     if cfg.tracking.models == "final" and tracker.run_id is not None and epochs:
         logged = _log_model(tracker, setup, model, once, form=cfg.tracking.model_format)
@@ -106,9 +116,9 @@ def conclude(run: Run, cfg: RunConfig, fitted: Fitted, *, total_s: float) -> Run
     tracker.set_tags(replay.tags())
     notes = [note] if note else []
     if compile_s is not None:
-        once["time/compile_s"] = compile_s
+        once[TIME_COMPILE_S] = compile_s
         notes.append(compile_note(compile_s, breakdown, setup.state.compiles, mode=cfg.trainer.compile_mode))
-    times = {"time/tracking_write_s": tracker.write_s, "time/tracking_background_write_s": tracker.background_write_s}
+    times = {TIME_TRACKING_WRITE_S: tracker.write_s, TIME_TRACKING_BACKGROUND_WRITE_S: tracker.background_write_s}
     tracker.log_metrics({**once, **times}, step=len(epochs))
     return RunResult(
         **_setup_facts(setup, cfg),
@@ -179,7 +189,7 @@ def _log_model(tracker: Tracker, setup: Setup, model: Any, once: dict[str, float
     ``time/log_model_s`` into ``once``."""
     began = time.perf_counter()
     logged = tracker.log_model(model.cpu(), model_card(setup, model), form=form)
-    once["time/log_model_s"] = time.perf_counter() - began
+    once[TIME_LOG_MODEL_S] = time.perf_counter() - began
     return logged
 
 
@@ -268,7 +278,7 @@ def model_card(setup: Setup, model: Any) -> ModelCard:
             "mean": spec.mean,
             "std": spec.std,
         }
-    return ModelCard(_as_input(args, kwargs), outputs, metadata, [*setup.scoring.metric_names, "train/epoch_loss"])
+    return ModelCard(_as_input(args, kwargs), outputs, metadata, [*setup.scoring.metric_names, TRAIN_EPOCH_LOSS])
 
 
 def _example(setup: Setup) -> tuple[tuple[Any, ...], dict[str, Any]]:

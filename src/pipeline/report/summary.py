@@ -10,6 +10,7 @@ objective read the last epoch's, as every run they compare does.
 from __future__ import annotations
 
 from pipeline.common import stats
+from pipeline.common.metric_names import VAL_ACC, VAL_LOSS
 from pipeline.data.backends import on_device
 from pipeline.engine.results import EpochResult, RunResult, steady_epochs
 from pipeline.monitor import UtilSummary
@@ -28,12 +29,12 @@ def format_summary(result: RunResult) -> str:
     if result.distributed:
         lines.append(f"  distributed {result.distributed}")
     if last is not None:
-        ordered = sorted(last.val_metrics.items(), key=lambda item: (item[0] != result.primary, item[0] == "val/loss"))
+        ordered = sorted(last.val_metrics.items(), key=lambda item: (item[0] != result.primary, item[0] == VAL_LOSS))
         shown = " · ".join(
             f"{name} {value:.4g}" if abs(value) >= 1e4 else f"{name} {value:.4f}" for name, value in ordered
         )
         lines += [
-            f"  {'accuracy' if result.primary == 'val/acc' else 'validation':<12}{shown} · "
+            f"  {'accuracy' if result.primary == VAL_ACC else 'validation':<12}{shown} · "
             f"train/epoch_loss {last.train_loss:.4f}",
             speed_line(result),
             *compute_line(result),

@@ -12,9 +12,16 @@ import math
 import textwrap
 
 from pipeline.common.markdown import markdown_table
+from pipeline.common.metric_names import (
+    GPU_MEM_PEAK_MB,
+    GPU_UTIL_MEAN_PCT,
+    MEMORY_MAX_ALLOCATED_MB,
+    PERF_MFU_PCT,
+    TIME_EPOCH_S,
+)
 from pipeline.common.stats import NOISY, Summary
 from pipeline.experiments.compare.rows import LOADER_SHOWN, PROVENANCE, Row
-from pipeline.experiments.compare.runs import DEVICE_PEAK_MB, EPOCH_S, GPU_UTIL, MFU, PEAK_MB, STEP_PARTS
+from pipeline.experiments.compare.runs import STEP_PARTS
 from pipeline.experiments.compare.table import Line, Speedup, Table, power_note
 
 WIDTH = 100  # prose lines are wrapped to this many characters
@@ -122,7 +129,7 @@ def _cells(table: Table, line: Line) -> list[str]:
         *(row.param(k) for k in LOADER_SHOWN),
         *(row.param(k) for k in table.diff_keys),
         *(_provenance(row, t) for t in table.provenance),
-        _range(row.stat(EPOCH_S), "¹" if row.single_epoch else ""),
+        _range(row.stat(TIME_EPOCH_S), "¹" if row.single_epoch else ""),
         _range(row.speed(), busy_mark(row)),
         _spread(row.speed()),
         "1.00× (baseline)" if is_base else line.vs_baseline.cell(),
@@ -131,7 +138,7 @@ def _cells(table: Table, line: Line) -> list[str]:
         step_cell(row),
         "baseline" if is_base else line.step_change or "–",
         _range(row.stat(table.quality)),
-        number(s.median) if (s := row.stat(GPU_UTIL)) else "–",
+        number(s.median) if (s := row.stat(GPU_UTIL_MEAN_PCT)) else "–",
         mfu_cell(table, row),
         (number(peak.median) + ("²" if device_peak else "")) if peak else "–",
         row.tag("bottleneck"),
@@ -143,7 +150,7 @@ def _cells(table: Table, line: Line) -> list[str]:
 def mfu_cell(table: Table, row: Row) -> str:
     """The row's median MFU in percent (``perf/mfu_pct``), ``–`` where its runs have none; marked ``PEAKS_MARK``
     where the row's runs read it against a CPU peak and the table's runs against more than one measurement."""
-    stat = row.stat(MFU)
+    stat = row.stat(PERF_MFU_PCT)
     if not stat:
         return "–"
     mixed = len(peak_measurements(table)) > 1 and any(PEAK_MEASURED in run.tags for run in row.runs)
@@ -278,7 +285,10 @@ def _footnotes(table: Table) -> list[str]:
             "train with trainer.epochs ≥ 2 for a steady epoch time (samples/s leaves the warm-up out already)."
         )
     if any(line.row.peak_mb()[1] for line in table.lines):
-        notes.append(f"² the device's peak in use ({DEVICE_PEAK_MB}, all processes): {PEAK_MB} was not recorded.")
+        notes.append(
+            f"² the device's peak in use ({GPU_MEM_PEAK_MB}, all processes): "
+            f"{MEMORY_MAX_ALLOCATED_MB} was not recorded."
+        )
     if busy := busy_note(table):
         notes.append(busy)
     if peaks := peaks_note(table):
@@ -307,7 +317,7 @@ def table_csv(table: Table) -> str:
     """One line per row: every number unrounded, min and max included; the ladder's total and mean step last."""
     quality = table.quality.replace("/", "_")  # val_acc, val_mae, ...
     metrics = {
-        "epoch_s": lambda r: r.stat(EPOCH_S),
+        "epoch_s": lambda r: r.stat(TIME_EPOCH_S),
         "samples_per_s": Row.speed,
         quality: lambda r: r.stat(table.quality),
     }
@@ -345,11 +355,11 @@ def table_csv(table: Table) -> str:
                 *_speedup_cells(line.vs_previous),
                 *(_g(parts.get(p)) for p in STEP_PARTS),
                 line.step_change,
-                _g(s.median if (s := row.stat(GPU_UTIL)) else None),
-                _g(s.median if (s := row.stat(MFU)) else None),
+                _g(s.median if (s := row.stat(GPU_UTIL_MEAN_PCT)) else None),
+                _g(s.median if (s := row.stat(PERF_MFU_PCT)) else None),
                 row.runs[0].tags.get("perf.peak", ""),
                 _g(peak.median if peak else None),
-                (DEVICE_PEAK_MB if device_peak else PEAK_MB) if peak else "",
+                (GPU_MEM_PEAK_MB if device_peak else MEMORY_MAX_ALLOCATED_MB) if peak else "",
                 row.tag("bottleneck"),
                 row.oom_events,
                 _flag(row.single_epoch),

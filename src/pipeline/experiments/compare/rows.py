@@ -17,10 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.common.metric_names import GPU_MEM_PEAK_MB, MEMORY_MAX_ALLOCATED_MB, OOM_EVENTS
 from pipeline.common.stats import Summary, summarize
 from pipeline.config import target_label
 from pipeline.config.design import REPEAT_KEYS  # runs differing only here are repeats of one configuration
-from pipeline.experiments.compare.runs import DEVICE_PEAK_MB, OOM_EVENTS, PEAK_MB, STEP_PARTS, ComparedRun
+from pipeline.experiments.compare.runs import STEP_PARTS, ComparedRun
 
 # Keys that name, place or watch a run and change nothing it measures: never a reason for two rows.
 BOOKKEEPING_PREFIXES = ("tracking.", "monitor.")
@@ -127,10 +128,10 @@ class Row:
 
     def peak_mb(self) -> tuple[Summary | None, bool]:
         """The allocator's peak, else the device's (NVML) peak; True when it is the device's."""
-        own = self.stat(PEAK_MB)
+        own = self.stat(MEMORY_MAX_ALLOCATED_MB)
         if own is not None:
             return own, False
-        device = self.stat(DEVICE_PEAK_MB)
+        device = self.stat(GPU_MEM_PEAK_MB)
         return device, device is not None
 
     @property

@@ -8,27 +8,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.metric_names import (
+    THROUGHPUT_GLOBAL_SAMPLES_PER_S,
+    THROUGHPUT_SAMPLES_PER_S,
+    TIME_COMPUTE_PCT,
+    TIME_DATA_WAIT_PCT,
+    TIME_EPOCH_S,
+    TIME_H2D_PCT,
+    TIME_OVERHEAD_PCT,
+    TIME_STEP_MS,
+    VAL_ACC,
+    VAL_LOSS,
+    VAL_MAE,
+    VAL_PERPLEXITY,
+    VAL_RMSE,
+)
 
-EPOCH_S = "time/epoch_s"
-THROUGHPUT = "throughput/samples_per_s"  # steady state: each epoch's first step left out (one rank's under DDP)
-GLOBAL_THROUGHPUT = "throughput/global_samples_per_s"  # DDP: every rank's together, what a job is compared by
-STEP_MS = "time/step_ms"  # a steady step's mean time; the four shares below split it
+# The metric names are pipeline.common.metric_names's. A steady step's mean time (TIME_STEP_MS) is split by the four
+# shares below; THROUGHPUT_SAMPLES_PER_S is one rank's under DDP, THROUGHPUT_GLOBAL_SAMPLES_PER_S every rank's together
+# (what a job is compared by); GPU_MEM_PEAK_MB (NVML's reading of the whole device) is shown only where
+# MEMORY_MAX_ALLOCATED_MB (the allocator's peak, CUDA) is missing; OOM_EVENTS is logged only at an event: none = 0.
 STEP_PARTS = {  # a step's parts, as the table and the chart name them, from their shares of the step
-    "data wait": "time/data_wait_pct",
-    "copy": "time/h2d_pct",
-    "compute": "time/compute_pct",
-    "own work": "time/overhead_pct",
+    "data wait": TIME_DATA_WAIT_PCT,
+    "copy": TIME_H2D_PCT,
+    "compute": TIME_COMPUTE_PCT,
+    "own work": TIME_OVERHEAD_PCT,
 }
-VAL_ACC = "val/acc"
-VAL_LOSS = "val/loss"
 PRIMARY = "task.primary"  # the tag naming a run's leading validation metric (val/acc, val/mae, ...)
-LOWER_IS_BETTER = frozenset({"val/loss", "val/mae", "val/rmse", "val/perplexity"})
-GPU_UTIL = "gpu/util_mean_pct"
-MFU = "perf/mfu_pct"  # model FLOPs utilisation: the model's FLOP/s over the device's peak (pipeline.engine.flops)
-PEAK_MB = "memory/max_allocated_mb"  # the allocator's peak (CUDA)
-DEVICE_PEAK_MB = "gpu/mem_peak_mb"  # NVML's reading of the whole device: shown only where PEAK_MB is missing
-OOM_EVENTS = "oom/events"  # a running count, logged only at an event: missing = none
-CORE = (EPOCH_S, THROUGHPUT)  # a run lacking one of these, or its leading metric, is listed under the table
+LOWER_IS_BETTER = frozenset({VAL_LOSS, VAL_MAE, VAL_RMSE, VAL_PERPLEXITY})
+# a run lacking one of these, or its leading metric, is listed under the table
+CORE = (TIME_EPOCH_S, THROUGHPUT_SAMPLES_PER_S)
 
 BUSY = "machine.busy"  # "true": other processes kept the machine busy during the run (pipeline.monitor.sampler)
 ROLE, PARENT = "sweep.role", "parent"  # the tag (set by the sweep callback) that marks a sweep's parent run
@@ -71,7 +80,7 @@ class ComparedRun:
     @property
     def speed(self) -> float | None:
         """Steady-state samples/s of the whole job: every rank's under DDP, else the run's; None if not recorded."""
-        value = self.metrics.get(GLOBAL_THROUGHPUT, self.metrics.get(THROUGHPUT))
+        value = self.metrics.get(THROUGHPUT_GLOBAL_SAMPLES_PER_S, self.metrics.get(THROUGHPUT_SAMPLES_PER_S))
         return value if value is not None and math.isfinite(value) else None
 
     @property
@@ -115,7 +124,7 @@ class ComparedRun:
 
     def step_parts_ms(self) -> dict[str, float] | None:
         """A steady step's parts in ms (``STEP_PARTS``), from ``time/step_ms`` and the shares; None without them."""
-        step = self.metrics.get(STEP_MS)
+        step = self.metrics.get(TIME_STEP_MS)
         if step is None or not all(m in self.metrics for m in STEP_PARTS.values()):
             return None
         return {name: step * self.metrics[metric] / 100 for name, metric in STEP_PARTS.items()}
@@ -127,7 +136,7 @@ class ComparedRun:
     @property
     def single_epoch(self) -> bool:
         """Its epoch time is its first epoch's, warm-up included (per-epoch metrics are logged at step = epoch)."""
-        return EPOCH_S in self.metrics and self.steps.get(EPOCH_S, 2) <= 1
+        return TIME_EPOCH_S in self.metrics and self.steps.get(TIME_EPOCH_S, 2) <= 1
 
 
 def _steps(data: Any) -> dict[str, int]:

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeline.common.metric_names import VAL_ACC, VAL_PREFIX
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, Drift, compare, drift, holm, repeats_needed
 from pipeline.experiments.compare.rows import (
     COVERED,
@@ -132,7 +133,7 @@ class Table:
     drift: Drift | None
     lacking: list[tuple[ComparedRun, list[str]]]  # runs without some CORE metrics, and which
     ranked_by: str | None = None  # an objective the rows are sorted by (a search), best first
-    quality: str = "val/acc"  # the validation metric shown: the rows' leading one, val/loss where they differ
+    quality: str = VAL_ACC  # the validation metric shown: the rows' leading one, val/loss where they differ
     min_effect: float = MIN_EFFECT
     alpha: float = ALPHA
 
@@ -298,7 +299,7 @@ def sweep_drift(rows: Sequence[Row]) -> Drift | None:
 
 def _ranked(rows: list[Row], metric: str) -> list[Row]:
     def key(row: Row) -> float:
-        s = row.stat(metric) if metric.startswith("val/") else row.speed()
+        s = row.stat(metric) if metric.startswith(VAL_PREFIX) else row.speed()
         if s is None:
             return float("inf")
         return s.median if metric in LOWER_IS_BETTER else -s.median
