@@ -11,7 +11,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.benchmarks.gpu_goals import (
+from pipeline.config import load
+from pipeline.gpucheck.goals import (
     BF16,
     BF16_CL,
     COMMON,
@@ -22,7 +23,6 @@ from pipeline.benchmarks.gpu_goals import (
     Row,
     guarded,
 )
-from pipeline.config import load
 
 
 def train_run(overrides: list[str]) -> Any:
@@ -317,7 +317,7 @@ def step_oom(ctx: Context) -> list[Row]:
             if peak is None:  # run alone (--only oom): measure the fitting batch's peak first
                 train_run([*resnet_overrides(plan, *precision, epochs=1, samples=samples), "trainer.max_steps=2"])
                 peak = peak_mb(plan)
-                from pipeline.benchmarks.harness import release  # lazy: torch (~1.4 s), checked for first
+                from pipeline.gpucheck.harness import release  # lazy: torch (~1.4 s), checked for first
 
                 release()
             total = torch.cuda.get_device_properties(0).total_memory / 1e6
