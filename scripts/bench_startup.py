@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.benchmarks.harness import machine
 from pipeline.common.stats import paired_ratio, summarize
+from pipeline.gpucheck.harness import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY = re.compile(r"epoch (\d+)/\d+: .*?val/acc ([0-9.]+)")

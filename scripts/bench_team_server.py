@@ -35,8 +35,8 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the servers the tests use
 
-from pipeline.benchmarks.harness import Row, machine, quiet_logs, table
 from pipeline.common.stats import compare, summarize
+from pipeline.gpucheck.harness import Row, machine, quiet_logs, table
 from servers import mlflow_server, postgres, postgres_missing
 
 SAMPLES, BATCH, EPOCHS = 60_000, 64, 2  # epochs of about 1.3 s on 2 CPUs

@@ -1,4 +1,5 @@
-"""The benchmark suite runs end to end (a smoke run: tiny sizes; its numbers are not checked)."""
+"""The benchmark suite (``python -m bench`` from the checkout's root) runs end to end (a smoke run: tiny sizes; its
+numbers are not checked), and stays out of the package."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.benchmarks.bench import BENCHES, main
-from pipeline.benchmarks.harness import Row, Sizes, interleaved, table
+from bench.suite import BENCHES, main
 from pipeline.common.stats import paired_ratio
+from pipeline.gpucheck.harness import Row, Sizes, interleaved, table
 
 
 def test_interleaving_alternates_order_drops_warmup_and_pairs_rounds() -> None:
@@ -58,7 +59,7 @@ def test_non_positive_thread_counts_are_refused_in_one_line(capsys: pytest.Captu
         main(["--only", "overhead", "--threads", threads])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "--threads must be >= 1" in err
-    assert err.count("\n") == 1 and err.startswith("error: python -m pipeline.bench: --threads must be >= 1")
+    assert err.count("\n") == 1 and err.startswith("error: python -m bench: --threads must be >= 1")
 
 
 ROWS = {  # each benchmark's rows in a --quick run (ddp: the next test runs its workers)
@@ -80,6 +81,26 @@ ROWS = {  # each benchmark's rows in a --quick run (ddp: the next test runs its 
 }
 
 
+@pytest.mark.slow
+def test_python_m_bench_runs_from_the_checkouts_root_as_a_thin_command(tmp_path: Path) -> None:
+    """``bench/`` lives outside ``src/`` and the wheel: from the checkout's root ``python -m bench`` finds it, and its
+    ``__main__`` only calls the suite's ``main``."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(root / "src")  # this checkout's pipeline, whatever the environment installed
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m bench ") and "--only ONLY" in proc.stdout
+    thin = (root / "bench" / "__main__.py").read_text()
+    assert "from bench.suite import main" in thin and len(thin.splitlines()) <= 12
+
+
 def test_every_benchmark_but_ddp_has_its_quick_rows_listed() -> None:
     assert set(ROWS) == set(BENCHES) - {"ddp"}
 
@@ -98,8 +119,8 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its rounds, as each rank runs them (here a job of one rank joining and leaving twice), and the row."""
-    from pipeline.benchmarks import bench_ddp
-    from pipeline.benchmarks.harness import QUICK
+    from bench import ddp as bench_ddp
+    from pipeline.gpucheck.harness import QUICK
     from servers import free_port
 
     for name, value in {
@@ -131,7 +152,7 @@ def test_the_ddp_benchmark_times_both_loops_and_reports_their_ratio(
 
 def test_a_claimed_gain_holds_only_when_the_real_estimate_is_within_1_5x_of_it() -> None:
     """BENCHMARKS.md's row claimed +37% against +19% real and passed because the intervals overlapped."""
-    from pipeline.benchmarks.bench_claims import claim_holds
+    from bench.claims import claim_holds
     from pipeline.common.stats import compare
 
     def real(ratio: float):

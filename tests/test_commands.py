@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 from mlflow import MlflowClient
 
+from bench import suite as bench
 from pipeline.autotune import cli as autotune_cli
 from pipeline.autotune import tuning
-from pipeline.benchmarks import bench
 from pipeline.experiments.compare import cli as compare_cli
 from pipeline.machine import doctor
 from pipeline.record import outbox, stale
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check() -> Callable[[list[str]], int]:
-    from pipeline.benchmarks.gpu_check import main
+    from pipeline.gpucheck.check import main
 
     return main
 
@@ -255,13 +255,12 @@ def test_sigterm_ends_a_command_in_one_line_with_the_signals_exit_status(
 
 
 ENTRY_MODULES = {  # python -m pipeline.<command>: the module it runs, and the implementation whose main that calls
-    "gpu_check": ("pipeline.gpu_check", "pipeline.benchmarks.gpu_check"),
+    "gpu_check": ("pipeline.gpu_check", "pipeline.gpucheck.check"),
     "compare": ("pipeline.compare", "pipeline.experiments.compare.cli"),
     "autotune": ("pipeline.autotune.__main__", "pipeline.autotune.cli"),  # a package: python -m runs its __main__
     "doctor": ("pipeline.doctor", "pipeline.machine.doctor"),
     "stale": ("pipeline.stale", "pipeline.record.stale"),
     "outbox": ("pipeline.outbox", "pipeline.record.outbox"),
-    "bench": ("pipeline.bench", "pipeline.benchmarks.bench"),
     "launch": ("pipeline.launch", "pipeline.parallel.launch"),
 }
 

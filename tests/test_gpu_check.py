@@ -17,7 +17,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from pipeline.benchmarks import gpu_goals, gpu_overheads, gpu_training
+from pipeline.gpucheck import goals as gpu_goals
+from pipeline.gpucheck import overheads as gpu_overheads
+from pipeline.gpucheck import training as gpu_training
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"  # a fresh GPU machine's entry: python -m pipeline.gpu_check
@@ -53,9 +55,9 @@ MEASURED = ["mlp", "resnet50_fp32", "resnet50_bf16", "resnet50_bf16_channels_las
 @pytest.fixture(scope="module")
 def gpu_check() -> ModuleType:
     """``python -m pipeline.gpu_check``'s module, so that main() runs in this process."""
-    import pipeline.benchmarks.gpu_check
+    import pipeline.gpucheck.check
 
-    return pipeline.benchmarks.gpu_check
+    return pipeline.gpucheck.check
 
 
 def rows_by_key(document: dict) -> dict[str, dict]:
@@ -146,10 +148,10 @@ def test_a_failing_measurement_is_an_error_row_and_the_others_still_run(
 ) -> None:
     real = gpu_training.train_run
 
-    def failing_for_the_mlp(overrides: list[str]):
+    def failing_for_the_mlp(overrides: list[str], hooks: object = None):
         if "model=mlp" in overrides:
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
-        return real(overrides)
+        return real(overrides, hooks)
 
     monkeypatch.setattr(gpu_training, "train_run", failing_for_the_mlp)
     out = tmp_path / "check.json"
@@ -185,7 +187,7 @@ def test_missing_packages_are_named_with_the_pip_command_before_anything_runs(
 def test_without_mlflow_the_profile_rows_are_skipped_saying_why(
     gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.benchmarks import gpu_profile
+    from pipeline.gpucheck import profiling as gpu_profile
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
@@ -320,17 +322,16 @@ def test_a_poller_keeps_its_backends_utilisation_readings_until_stopped(gpu_chec
 def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisation(
     gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The GPU path without a GPU: pipeline.benchmarks.bench's readings and the busy loop's pollers are stood in
-    for."""
-    from pipeline.benchmarks import bench
+    """The GPU path without a GPU: the harness's sampler readings and the busy loop's pollers are stood in for."""
+    from pipeline.gpucheck import harness
 
     monkeypatch.setattr(
-        bench,
-        "bench_sampler_backends",
+        harness,
+        "sampler_readings",
         lambda sizes: [
-            bench.Row("sampler reading, psutil (CPU, RAM)", "120 µs", "(info)", None, "per reading"),
-            bench.Row("sampler reading, nvml", "85 µs", "(info)", None, "per reading of one GPU"),
-            bench.Row(
+            harness.Row("sampler reading, psutil (CPU, RAM)", "120 µs", "(info)", None, "per reading"),
+            harness.Row("sampler reading, nvml", "85 µs", "(info)", None, "per reading of one GPU"),
+            harness.Row(
                 "sampler reading, gputil", "n/a", "(info)", None, "ModuleNotFoundError: No module named 'GPUtil'"
             ),
         ],
@@ -357,7 +358,7 @@ def test_on_the_gpu_the_sampler_rows_report_each_backends_cost_and_busy_utilisat
 
 
 def test_a_card_missing_from_the_table_fails_the_mfu_row_with_the_reason(gpu_check: ModuleType) -> None:
-    from pipeline.benchmarks.gpu_training import mfu_row
+    from pipeline.gpucheck.training import mfu_row
 
     ctx = gpu_goals.Context(gpu_goals.GPU_PLAN, "default", Path("."))
     ctx.mfu["resnet50_bf16_channels_last"] = (None, "no MFU: 'NVIDIA Some Future GPU' is not in pipeline's table")
@@ -370,7 +371,7 @@ def test_a_card_missing_from_the_table_fails_the_mfu_row_with_the_reason(gpu_che
 def test_the_snapshot_row_reads_the_pickles_strings_without_unpickling_it() -> None:
     import pickle
 
-    from pipeline.benchmarks.gpu_profile import pickled_strings
+    from pipeline.gpucheck.profiling import pickled_strings
 
     class Trap:
         def __reduce__(self):  # type: ignore[no-untyped-def]

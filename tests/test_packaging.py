@@ -41,6 +41,9 @@ def test_the_wheel_ships_conf_and_the_installed_package_composes_from_it(tmp_pat
     assert expected <= names and "pipeline/conf/config.yaml" in names and "pipeline/__main__.py" in names
     assert {"pipeline/doctor.py", "pipeline/autotune/__main__.py"} <= names  # python -m pipeline.doctor, .autotune
     assert "hydra_plugins/pipeline_sweeper/interleaved_sweeper.py" in names  # the default sweeper (conf/design/)
+    assert {"pipeline/gpu_check.py", "pipeline/gpucheck/check.py", "pipeline/gpucheck/harness.py"} <= names
+    benchmarks = [n for n in names if n.split("/")[:2] in (["pipeline", "benchmarks"], ["pipeline", "bench.py"])]
+    assert benchmarks == [] and not [n for n in names if n.startswith("bench/")]  # python -m bench: a checkout's
 
     site = tmp_path / "site"
     subprocess.run(
@@ -76,7 +79,7 @@ def test_the_linter_sees_every_python_file_of_the_package_and_the_tests() -> Non
         check=True,
     ).stdout
     seen = {Path(line.strip()).resolve() for line in listed.splitlines() if line.strip().endswith(".py")}
-    ours = {p.resolve() for folder in ("src", "tests", "scripts") for p in (ROOT / folder).rglob("*.py")}
+    ours = {p.resolve() for folder in ("src", "tests", "scripts", "bench") for p in (ROOT / folder).rglob("*.py")}
     ours = {p for p in ours if "__pycache__" not in p.parts}
     assert ours and sorted(map(str, ours - seen)) == []
 

@@ -88,6 +88,7 @@ def test_the_readme_commands_are_found() -> None:
 def test_no_page_config_or_message_leans_on_guides_it_never_names() -> None:
     """'The guides' was used 15 times and defined nowhere: the docs home page defines the set-up recipe instead."""
     texts = [*PAGES, ROOT / "BENCHMARKS.md", *ROOT.glob("conf/**/*.yaml"), *ROOT.glob("src/**/*.py")]
+    texts += [*ROOT.glob("bench/*.py")]
     said = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in texts for line in p.read_text().splitlines()]
     assert [line for line in said if re.search(r"\bthe guides\b|\bguides'", line, re.IGNORECASE)] == []
     assert '"The set-up recipe" on these pages means that recipe' in (ROOT / "docs" / "index.md").read_text()

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-import pipeline.engine.run as run_module
 import pipeline.record.lifecycle as lifecycle
 import pipeline.record.tracking as tracking
 from pipeline.config import RunConfig, flatten
 from pipeline.engine.provenance import git_tags
+from pipeline.engine.session import Hooks
 from pipeline.record.store import connect
 from pipeline.record.tracking import FLUSH_AT, MlflowTracker
 from pipeline.train import train
@@ -139,12 +139,11 @@ def test_metrics_are_written_in_batches_not_per_step(
 def test_a_failing_run_is_marked_failed_with_the_error(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
 ) -> None:
-    def broken(*args, **kwargs):
+    def broken(seconds: float) -> None:
         raise RuntimeError("evaluation exploded")
 
-    monkeypatch.setattr(run_module, "evaluate", broken)
     with pytest.raises(RuntimeError, match="evaluation exploded"):
-        train(make_cfg("trainer.log_every_n_steps=1"), echo=False)
+        train(make_cfg("trainer.log_every_n_steps=1"), echo=False, hooks=Hooks(evaluated=broken))
     client = MlflowClient(store_uri)
     (run,) = client.search_runs(experiment_ids=["1"])
     assert run.info.status == "FAILED"
@@ -154,12 +153,11 @@ def test_a_failing_run_is_marked_failed_with_the_error(
 
 
 def test_ctrl_c_marks_the_run_killed(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str) -> None:
-    def interrupted(*args, **kwargs):
+    def interrupted(seconds: float) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run_module, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train(make_cfg(), echo=False)
+        train(make_cfg(), echo=False, hooks=Hooks(evaluated=interrupted))
     (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
     assert run.info.status == "KILLED"
 

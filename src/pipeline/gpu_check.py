@@ -1,9 +1,9 @@
 """``python -m pipeline.gpu_check``: the pipeline's speed goals checked on an NVIDIA GPU
-(``pipeline.benchmarks.gpu_check``; ``--help`` for the options)."""
+(``pipeline.gpucheck.check``; ``--help`` for the options)."""
 
 import sys
 
-from pipeline.benchmarks.gpu_check import main
+from pipeline.gpucheck.check import main
 
 if __name__ == "__main__":
     sys.exit(main())

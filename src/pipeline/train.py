@@ -16,7 +16,7 @@ from pipeline.engine import continuation
 from pipeline.engine.build import Setup
 from pipeline.engine.results import RunResult
 from pipeline.engine.run import EpochModels, Fitted, Run
-from pipeline.engine.session import Asked, Said, session
+from pipeline.engine.session import Asked, Hooks, Said, session
 from pipeline.engine.start import FreshStart, Resumed
 from pipeline.machine import doctor
 from pipeline.record.lifecycle import Tracker
@@ -35,6 +35,7 @@ def train(
     quiet: bool = False,
     sweep: SweepJob | None = None,
     own_overrides: Sequence[str] | None = None,
+    hooks: Hooks | None = None,
 ) -> RunResult:
     """Train and evaluate the configured model and record the run.
 
@@ -48,6 +49,7 @@ def train(
             ``tracking.run_name`` is set.
         own_overrides: the run's own configuration as overrides, kept in its checkpoints for a resume to restore
             (``pipeline.engine.continuation``); default ``overrides`` without ``resume=``/``fork=``.
+        hooks: seams for a tool that watches the run from this process (``pipeline.engine.session.Hooks``).
 
     Raises:
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
@@ -56,7 +58,8 @@ def train(
     usercode.forget()  # where the user's code lives is this run's targets' to say, not an earlier run's
     own = continuation.own_overrides(overrides if own_overrides is None else own_overrides)
     book = _Logbook(cfg)
-    result = session(cfg, Asked(list(overrides), own, quiet=quiet, sweep=sweep), book, started=started)
+    asked = Asked(list(overrides), own, quiet=quiet, sweep=sweep)
+    result = session(cfg, asked, book, started=started, hooks=hooks or Hooks())
     if echo and book.main:
         print(book.summary, flush=True)
     return result

@@ -107,7 +107,11 @@ class Setup:
 
 
 def build(
-    cfg: RunConfig, group: Solo | Group | None = None, *, explain_missing_gpu: Callable[[], str] = lambda: ""
+    cfg: RunConfig,
+    group: Solo | Group | None = None,
+    *,
+    explain_missing_gpu: Callable[[], str] = lambda: "",
+    on_model: Callable[[torch.nn.Module], None] = lambda model: None,
 ) -> Setup:
     """Device, precision, data, model, optimizer and batches, in the order that fails fastest.
 
@@ -115,6 +119,8 @@ def build(
     wrapped in DistributedDataParallel and each loader reads this rank's share. ``explain_missing_gpu`` adds a
     diagnosis to the error when CUDA was asked for and is unusable (the caller's: ``train`` and ``autotune`` pass
     ``pipeline.machine.doctor.main_finding``; the engine never imports the doctor, a layer above it).
+    ``on_model`` is handed the model as built, on its device, before anything runs it (the GPU check's dry run
+    injects its out-of-memory errors there).
     """
     group = group or Solo()
     choice = _device(cfg, group, explain_missing_gpu)
@@ -129,18 +135,14 @@ def build(
     step = make_step(cfg.step, task)  # the user's step imported now: a bad path fails before the model is made
     first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
     model = _model(cfg, spec, device, example=first[0])
+    on_model(model)
     batchnorm = has_batchnorm(model)
     train_loader = _batchnorm_safe(cfg, batchnorm=batchnorm, samples=spec.train_size, world=group.world_size)
     prepare = _prepare(spec, trainer, device)
     checked, model_flops = _model_flops(cfg, model, task, first, step, prepare=prepare, choice=choice, policy=policy)
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    augment = None
-    if spec.builtin:  # the user's data arrives augmented by its own transform
-        assert spec.in_shape is not None  # a built-in source knows its shape
-        augment = make_augment(
-            cfg.data, in_shape=spec.in_shape, seed=trainer.seed, device=device, rank=group.rank, world=group.world_size
-        )
+    augment = _augment(cfg, spec, device, group)
     first_prepared, amp_loss = _first_prepared(data, cfg.loader, prepare, device), _amp_loss(step, task, device, model)
     amp_probe = check_cpu_amp(policy, model, first_prepared, loss=amp_loss, per_sample=model_flops.per_sample)
     parameters = count_parameters(model)
@@ -158,7 +160,7 @@ def build(
     )
     state = _train_state(cfg, model, optimizer, policy, scheduler, scoring, batchnorm=batchnorm, snapshot=snapshot)
     batch = cfg.loader.batch_size
-    setup = Setup(
+    return Setup(
         choice=choice,
         policy=policy,
         backends=backends,
@@ -183,7 +185,17 @@ def build(
         snapshot=snapshot,
         replay=make_replay(trainer),
     )
-    return setup
+
+
+def _augment(cfg: RunConfig, spec: DataSpec, device: torch.device, group: Solo | Group) -> Any:
+    """The GPU-side augmentation of a built-in source's batches (None: off, or the user's data, which arrives
+    augmented by its own transform)."""
+    if not spec.builtin:
+        return None
+    assert spec.in_shape is not None  # a built-in source knows its shape
+    return make_augment(
+        cfg.data, in_shape=spec.in_shape, seed=cfg.trainer.seed, device=device, rank=group.rank, world=group.world_size
+    )
 
 
 def _train_state(

@@ -16,7 +16,7 @@
   fallback's half) is kept out of the steady-state throughput like an epoch's first step (``pipeline.engine.timing``).
 
 Marking the batch dimension dynamic up front (``dynamic=True``) would avoid the last batch's recompile but makes
-every step run the dynamic graph; ``python -m pipeline.bench --only compile`` measures the two side by side.
+every step run the dynamic graph; ``python -m bench --only compile`` measures the two side by side.
 """
 
 from __future__ import annotations

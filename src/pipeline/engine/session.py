@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,6 +77,15 @@ class Said:
         return cls(masked, mask_overrides(asked.overrides, cfg.env_keys), env_values(cfg))
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """The run's seams for a tool that watches it from the same process (``pipeline.gpucheck``): ``model`` is handed
+    the model as built, on its device, before anything runs it; ``evaluated`` each evaluation pass's seconds."""
+
+    model: Callable[[Any], None] = lambda model: None
+    evaluated: Callable[[float], None] = lambda seconds: None
+
+
 class Record(Protocol):
     """What the layers above record of a run besides its metrics (``pipeline.report.logbook``)."""
 
@@ -93,7 +103,7 @@ class Record(Protocol):
         """The run's verdict, pictures and result, once its training is over and the sampler has stopped."""
 
 
-def session(cfg: RunConfig, asked: Asked, record: Record, *, started: float) -> RunResult:
+def session(cfg: RunConfig, asked: Asked, record: Record, *, started: float, hooks: Hooks = Hooks()) -> RunResult:
     """Train and evaluate the configured model and record the run (``started``: its ``time.perf_counter``)."""
     stop = StopRequests(checkpoints=cfg.checkpoint.enabled)
     with contextlib.ExitStack() as envelope:
@@ -109,7 +119,7 @@ def session(cfg: RunConfig, asked: Asked, record: Record, *, started: float) -> 
         # loader workers killed by the same stop signal are no fault, up to and while their loaders end: on a loaded
         # machine they can die of it only as the run ends them
         enter(deaths_expected_while(stop.requested))
-        setup = build(cfg, group, explain_missing_gpu=record.explain_missing_gpu)
+        setup = build(cfg, group, explain_missing_gpu=record.explain_missing_gpu, on_model=hooks.model)
         envelope.callback(setup.end_loaders)  # its loader workers end with it, whichever way it ends
         setup = _named(setup, asked.sweep, said.typed) if not cfg.tracking.run_name else setup
         announce(setup, cfg)  # under the name the summary and MLflow show
@@ -129,7 +139,7 @@ def session(cfg: RunConfig, asked: Asked, record: Record, *, started: float) -> 
         envelope.callback(sampler.stop)  # stopped before the record's end reads it; here, whichever way it ends
         run = Run(setup, cfg.trainer, tracker, sampler, saver, stop, started,
                   progress=progress_mode(cfg.trainer.progress, quiet=asked.quiet),
-                  models=record.epoch_models(tracker, setup))  # fmt: skip
+                  models=record.epoch_models(tracker, setup), evaluated=hooks.evaluated)  # fmt: skip
         fitted = fit(run, start.position)
         sampler.stop()
         saver.mark("finished")

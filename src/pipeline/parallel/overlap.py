@@ -143,8 +143,8 @@ class Agreeing(nn.Module):
     On the CPU an overlapped backward starts from two roots, the loss and this parameter with the flags as its
     gradient; DDP all-reduces that gradient in its first bucket with the model's: the agreement costs no collective,
     no op and no copy of its own (a separate all-reduce, or flags appended to a bucket by a comm hook, each cost
-    about 8% of a small MLP's step on 2 CPU ranks; see BENCHMARKS.md). On a logging step the interval's losses ride
-    along too (a blocking all-reduce of them every 10 steps cost about 2.5%).
+    about 8% of a small MLP's step on 2 CPU ranks; see docs/benchmarks-history.md). On a logging step the interval's
+    losses ride along too (a blocking all-reduce of them every 10 steps cost about 2.5%).
     """
 
     def __init__(self, model: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """Benchmarks of the pipeline's own claims: does what it tells a user hold up when measured again?
 
-    python -m pipeline.bench --only autotune,amp_check,compile,profile
+    python -m bench --only autotune,amp_check,compile,profile
 
 - ``autotune``: the loader tuner's suggestion and the gain it claims, then real training runs of the suggested
   command against the current one, interleaved: the claim should reproduce within 1.5× of its gain, never slower.
@@ -37,12 +37,12 @@ from pipeline.autotune import (
     tune,
     worker_limit,
 )
-from pipeline.benchmarks.harness import QUICK, Row, Sizes, bare_epoch, interleaved
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, paired_ratio, summarize
 from pipeline.config import DataConfig, load
 from pipeline.data.sources import load_data
 from pipeline.engine.amp_check import probe_cpu_amp
 from pipeline.engine.models import mlp, resnet
+from pipeline.gpucheck.harness import QUICK, Row, Sizes, bare_epoch, interleaved
 from pipeline.train import train
 
 CLAIM_FACTOR = 1.5  # the real gain must be within this factor of the claimed gain
@@ -60,7 +60,7 @@ def claim_holds(claimed: float | None, real: Comparison) -> bool:
 
 
 def _quick(sizes: Sizes) -> bool:
-    """``--quick`` (compared by value: run as ``python -m pipeline.bench``, bench's own ``Sizes`` is another class)."""
+    """``--quick`` (compared by value: run as ``python -m bench``, bench's own ``Sizes`` is another class)."""
     return (sizes.samples, sizes.warmup) == (QUICK.samples, QUICK.warmup)
 
 

@@ -1,5 +1,5 @@
 """``python -m pipeline.compare`` against MLflow's own ``search_runs`` for the same runs, each in a fresh process
-(``python -m pipeline.bench --only compare``): 1,000 runs of 250 configurations (4 seeds each), with the params,
+(``python -m bench --only compare``): 1,000 runs of 250 configurations (4 seeds each), with the params,
 tags and metrics a pipeline run records, in a SQLite store. The two commands alternate (A B, B A, ...), the ratio is
 the median of per-round ratios with its spread: the machine's drift cancels. The goal: compare at most 1.2x
 ``search_runs``, imports, reading and the table included. compare pauses Python's cyclic collector
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from statistics import median
 
-from pipeline.benchmarks.harness import QUICK, Row, Sizes, interleaved
 from pipeline.common.stats import paired_ratio
+from pipeline.gpucheck.harness import QUICK, Row, Sizes, interleaved
 
 GOAL = 1.2  # compare / search_runs, fresh processes
 CONFIGS, SEEDS = 250, 4

@@ -6,12 +6,12 @@ compiled), and a batch too large for the card, which the out-of-memory fallback 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.benchmarks.gpu_goals import (
+from pipeline.config import load
+from pipeline.gpucheck.goals import (
     BF16,
     BF16_CL,
     COMMON,
@@ -22,14 +22,14 @@ from pipeline.benchmarks.gpu_goals import (
     Row,
     guarded,
 )
-from pipeline.config import load
 
 
-def train_run(overrides: list[str]) -> Any:
-    """``python -m pipeline <overrides>`` in this process, printing nothing; returns its ``RunResult``."""
+def train_run(overrides: list[str], hooks: Any = None) -> Any:
+    """``python -m pipeline <overrides>`` in this process, printing nothing, under ``hooks``
+    (``pipeline.engine.session.Hooks``); returns its ``RunResult``."""
     from pipeline.train import train  # lazy: torch (~1.4 s), checked for first
 
-    return train(load(overrides), echo=False, quiet=True)
+    return train(load(overrides), echo=False, quiet=True, hooks=hooks)
 
 
 def peak_mb(plan: Plan) -> float | None:
@@ -113,50 +113,30 @@ def step_doctor(ctx: Context) -> list[Row]:
     return [guarded("doctor", "doctor (python -m pipeline.doctor)", "FAIL", make)]
 
 
-@contextlib.contextmanager
-def timed_evaluations(seconds: list[float]) -> Iterator[None]:
-    """Time each evaluation pass of the runs inside. ``evaluate`` ends with a host sync (its sums become
-    numbers), so its wall clock is the device's time too."""
-    import pipeline.train as train_module  # lazy: torch (~1.4 s), checked for first
-
-    original = train_module.evaluate
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    train_module.evaluate = timed
-    try:
-        yield
-    finally:
-        train_module.evaluate = original
-
-
 def step_mlp(ctx: Context) -> list[Row]:
     """The set-up recipe's MLP on MNIST-shaped data kept on the device: the second epoch's training and evaluation."""
     plan = ctx.plan
     name = f"MLP epoch, {plan.mlp_samples:,} MNIST-shaped samples, resident, batch 64, with evaluation"
 
     def make() -> Row:
+        from pipeline.engine.session import Hooks  # lazy: torch (~1.4 s), checked for first
+
         evaluations: list[float] = []
-        with timed_evaluations(evaluations):
-            result = train_run(
-                [
-                    f"device={plan.device}",
-                    "model=mlp",
-                    "data=synthetic",
-                    "data.shape=[1,28,28]",
-                    f"data.num_samples={plan.mlp_samples}",
-                    f"data.val_samples={plan.mlp_val}",
-                    "loader=resident",
-                    "loader.batch_size=64",
-                    "trainer.epochs=2",
-                    *COMMON,
-                ]
-            )
+        result = train_run(
+            [
+                f"device={plan.device}",
+                "model=mlp",
+                "data=synthetic",
+                "data.shape=[1,28,28]",
+                f"data.num_samples={plan.mlp_samples}",
+                f"data.val_samples={plan.mlp_val}",
+                "loader=resident",
+                "loader.batch_size=64",
+                "trainer.epochs=2",
+                *COMMON,
+            ],
+            hooks=Hooks(evaluated=evaluations.append),  # each evaluation pass's seconds (it ends with a host sync)
+        )
         last = result.epochs[-1]
         value = last.seconds + evaluations[-1]
         return Row(
@@ -253,30 +233,19 @@ def mfu_row(ctx: Context, key: str = "resnet50_bf16_channels_last") -> Row:
     return Row("mfu", name, shown, "%", goal.text, ctx.plan.judge(shown, goal), basis, {"mfu_pct": value})
 
 
-@contextlib.contextmanager
-def injected_oom_above(limit: int) -> Iterator[None]:
-    """Models built inside raise torch.OutOfMemoryError for training batches over ``limit`` samples: the dry run's
-    stand-in for a card that is too small (a CPU has no allocator cap to hit)."""
+def injected_oom_above(limit: int) -> Any:
+    """The run's hooks (``pipeline.engine.session.Hooks``) under which its model raises torch.OutOfMemoryError for
+    training batches over ``limit`` samples: the dry run's stand-in for a card that is too small (a CPU has no
+    allocator cap to hit)."""
     import torch
 
-    import pipeline.engine.build as build_module  # lazy: torch (~1.4 s), checked for first
-
-    original = build_module.build_model
+    from pipeline.engine.session import Hooks  # lazy: torch (~1.4 s), checked for first
 
     def hook(module: Any, inputs: tuple[Any, ...]) -> None:
         if module.training and inputs[0].shape[0] > limit:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected above {limit} samples)")
 
-    def build(*args: Any, **kwargs: Any) -> Any:
-        model = original(*args, **kwargs)
-        model.register_forward_pre_hook(hook)
-        return model
-
-    build_module.build_model = build
-    try:
-        yield
-    finally:
-        build_module.build_model = original
+    return Hooks(model=lambda model: model.register_forward_pre_hook(hook))
 
 
 @contextlib.contextmanager
@@ -317,18 +286,19 @@ def step_oom(ctx: Context) -> list[Row]:
             if peak is None:  # run alone (--only oom): measure the fitting batch's peak first
                 train_run([*resnet_overrides(plan, *precision, epochs=1, samples=samples), "trainer.max_steps=2"])
                 peak = peak_mb(plan)
-                from pipeline.benchmarks.harness import release  # lazy: torch (~1.4 s), checked for first
+                from pipeline.gpucheck.harness import release  # lazy: torch (~1.4 s), checked for first
 
                 release()
             total = torch.cuda.get_device_properties(0).total_memory / 1e6
             fraction = min(1.6 * peak / total, 0.95)
             how = f"the card capped at {fraction * total / 1e3:.1f} GB of {total / 1e3:.0f} GB"
             cap: Any = memory_cap(fraction)
+            hooks = None
         else:
             fraction, how = None, f"out of memory injected above {plan.batch} samples (a CPU has no allocator cap)"
-            cap = injected_oom_above(plan.batch)
+            cap, hooks = contextlib.nullcontext(), injected_oom_above(plan.batch)
         with cap:
-            result = train_run(overrides)
+            result = train_run(overrides, hooks)
         figures = {**steady(result), "memory_fraction": fraction, "batch": big}
         survived = float(len(result.oom_events) >= 1 and result.micro_batch < big)
         status = plan.judge(survived, GOALS["oom_fallback"])

@@ -11,7 +11,10 @@ import threading
 import time
 from typing import Any
 
-from pipeline.benchmarks.gpu_goals import (
+from pipeline.common.messages import brief
+from pipeline.common.stats import paired_ratio
+from pipeline.config import DataConfig
+from pipeline.gpucheck.goals import (
     AUGMENT,
     BF16_CL,
     DRY_GPU,
@@ -21,14 +24,11 @@ from pipeline.benchmarks.gpu_goals import (
     Row,
     guarded,
 )
-from pipeline.benchmarks.gpu_training import (
+from pipeline.gpucheck.training import (
     resnet_overrides,
     steady,
     train_run,
 )
-from pipeline.common.messages import brief
-from pipeline.common.stats import paired_ratio
-from pipeline.config import DataConfig
 
 
 class Poller:
@@ -202,10 +202,10 @@ def step_input(ctx: Context) -> list[Row]:
 
 
 def step_sampler(ctx: Context) -> list[Row]:
-    """What one reading costs through NVML and through GPUtil (``pipeline.benchmarks.bench``'s sampler benchmark),
-    and the mean utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input step)."""
-    from pipeline.benchmarks.bench import bench_sampler_backends  # lazy: torch (~1.4 s), checked for first
-    from pipeline.benchmarks.harness import Sizes  # lazy: torch, as above
+    """What one reading costs through NVML and through GPUtil (``harness.sampler_readings``, the benchmark suite's
+    sampler rows), and the mean utilisation each reported while the bare ResNet-50 loop kept the GPU busy (the input
+    step)."""
+    from pipeline.gpucheck.harness import Sizes, sampler_readings  # lazy: torch (~1.4 s), checked for first
 
     plan = ctx.plan
     rows: list[Row] = []
@@ -220,7 +220,7 @@ def step_sampler(ctx: Context) -> list[Row]:
         return rows
 
     def costs() -> dict[str, Any]:
-        measured = bench_sampler_backends(Sizes(samples=0, repeats=1, warmup=0))
+        measured = sampler_readings(Sizes(samples=0, repeats=1, warmup=0))
         return {r.name.rsplit(", ", 1)[-1]: r for r in measured if r.name.startswith("sampler reading, ")}
 
     try:
@@ -259,16 +259,16 @@ def step_sampler(ctx: Context) -> list[Row]:
 
 def step_overhead(ctx: Context) -> list[Row]:
     """The whole pipeline (timing, sampler, loss checks) against a hand-written loop, MLP epochs on resident
-    MNIST-shaped data, interleaved rounds: ``pipeline.benchmarks.bench``'s comparison, on this check's device."""
+    MNIST-shaped data, interleaved rounds: the benchmark suite's comparison (``python -m bench --only overhead``), on
+    this check's device."""
     plan = ctx.plan
     name = f"pipeline / bare loop, MLP, batch 64, {plan.overhead_samples:,} samples, {plan.device}"
 
     def make() -> Row:
         from statistics import median
 
-        from pipeline.benchmarks.bench import pipeline_epoch  # lazy: torch (~1.4 s), checked for first
-        from pipeline.benchmarks.harness import Sizes, bare_epoch, interleaved  # lazy: torch, as above
         from pipeline.data.sources import load_data  # lazy: torch, as above
+        from pipeline.gpucheck.harness import Sizes, bare_epoch, interleaved, pipeline_epoch  # lazy: torch (~1.4 s)
 
         sizes = Sizes(samples=plan.overhead_samples, repeats=plan.overhead_repeats, warmup=0 if plan.dry else 1)
         bundle = load_data(

@@ -1,4 +1,4 @@
-"""MFU as the pipeline reports it, for two models on this machine (``python -m pipeline.bench --only mfu``).
+"""MFU as the pipeline reports it, for two models on this machine (``python -m bench --only mfu``).
 
 The set-up recipe's MLP (784-512-10 at batch 64) moves a lot of data for little arithmetic: each weight is read
 for 64 multiply-adds a step. A wider MLP at a larger batch (784-2048-2048-10 at batch 256) does more arithmetic per
@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from statistics import median
 
-from pipeline.benchmarks.bench import pipeline_run
-from pipeline.benchmarks.harness import Row, Sizes, interleaved
 from pipeline.common.stats import paired_ratio
+from pipeline.gpucheck.harness import Row, Sizes, interleaved, pipeline_run
 
 NARROW = ["model=mlp", "model.hidden_sizes=[512]", "loader.batch_size=64"]
 WIDE = ["model=mlp", "model.hidden_sizes=[2048,2048]", "loader.batch_size=256"]

@@ -1,7 +1,7 @@
 """The GPU check's step for what a run records when asked (``--only profile``): ``trainer.profile=true`` on ResNet-50
 steps (the trace artifact must hold the profiled steps and, on CUDA, their kernels; ``perf/gpu_busy_pct`` must be
 recorded), and ``trainer.memory_snapshot=on_oom`` on the MLP with an out-of-memory error injected into its forward
-(``gpu_training.injected_oom_above``: the fallback must recover and ``memory/snapshot.pickle`` must hold the allocator's
+(``training.injected_oom_above``: the fallback must recover and ``memory/snapshot.pickle`` must hold the allocator's
 real history). These are the check's only runs that record: into an MLflow store of their own in the check's
 temporary folder (artifacts included), so MLflow is needed for them; without it both rows are skipped.
 """
@@ -15,8 +15,8 @@ import pickletools
 from pathlib import Path
 from typing import Any
 
-from pipeline.benchmarks.gpu_goals import BF16_CL, GOALS, Context, Row, guarded
-from pipeline.benchmarks.gpu_training import injected_oom_above, resnet_overrides, train_run
+from pipeline.gpucheck.goals import BF16_CL, GOALS, Context, Row, guarded
+from pipeline.gpucheck.training import injected_oom_above, resnet_overrides, train_run
 
 EXPERIMENT = "gpu-check"
 PROFILED = 2  # trainer.profile_steps: steps 2 and 3, after the first's warm-up
@@ -122,8 +122,7 @@ def snapshot(ctx: Context, uri: str, name: str) -> Row:
         "monitor.plots=false",
         "trainer.progress=false",
     ]
-    with injected_oom_above(batch // 2):
-        result = train_run(recorded(overrides, uri))
+    result = train_run(recorded(overrides, uri), injected_oom_above(batch // 2))
     data = artifact(uri, result.run_id, "memory/snapshot.pickle", ctx.work)
     held = pickled_strings(data)
     recovered = len(result.oom_events) >= 1 and result.micro_batch < batch

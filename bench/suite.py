@@ -1,8 +1,8 @@
 """The benchmark suite: what the pipeline costs, measured side by side in one process.
 
-    python -m pipeline.bench                 # everything, 7 repeats (about 5 minutes on 2 CPUs)
-    python -m pipeline.bench --quick         # a smoke run with tiny sizes (numbers meaningless)
-    python -m pipeline.bench --only overhead,resident --repeats 7
+    python -m bench                 # everything, 7 repeats (about 5 minutes on 2 CPUs)
+    python -m bench --quick         # a smoke run with tiny sizes (numbers meaningless)
+    python -m bench --only overhead,resident --repeats 7
 
 Variants of one comparison are interleaved (A B, B A, ...), one warm-up round is discarded,
 ratios are medians of per-round ratios (``pipeline.common.stats.paired_ratio``: a round's variants run
@@ -13,9 +13,7 @@ here, not in the test suite.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import io
 import os
 import subprocess
 import sys
@@ -28,7 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline.benchmarks.harness import (
+from pipeline.common.cli import Parser, command
+from pipeline.common.stats import paired_ratio
+from pipeline.config import DataConfig
+from pipeline.data.sources import load_data
+from pipeline.gpucheck.harness import (
     FULL,
     QUICK,
     Row,
@@ -37,19 +39,13 @@ from pipeline.benchmarks.harness import (
     interleaved,
     machine,
     mlp,
+    pipeline_epoch,
     quiet_logs,
+    sampler_readings,
     table,
 )
-from pipeline.common.cli import Parser, command
-from pipeline.common.messages import brief
-from pipeline.common.stats import paired_ratio
-from pipeline.config import DataConfig, load
-from pipeline.data.sources import load_data
-from pipeline.monitor import Sampler, gpu_targets
-from pipeline.monitor.gpu import GputilBackend, NvmlBackend
 from pipeline.record.store import experiment_id
 from pipeline.record.tracking import MlflowTracker
-from pipeline.train import train
 
 # ---------------------------------------------------------------------------------------------
 # What is compared
@@ -73,26 +69,6 @@ def recipe_epoch(root: Path, *, batch: int) -> float:
         optimizer.step()
     loss.item()
     return time.perf_counter() - start
-
-
-def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None = None) -> float:
-    """One epoch of ``python -m pipeline`` in-process: the epoch's wall time plus its metric writes.
-
-    ``writes`` collects each run's share of that time spent writing metrics.
-    """
-    result = pipeline_run(overrides, store)
-    seconds = result.epochs[0].seconds + result.tracking_write_s  # the writes between epochs count too
-    if writes is not None:  # the writer thread's writes, if any, ran during the epoch: its seconds hold them
-        writes.append((result.tracking_write_s + result.tracking_background_write_s) / seconds)
-    return seconds
-
-
-def pipeline_run(overrides: list[str], store: Path) -> Any:
-    """A one-epoch ``python -m pipeline`` run in-process, on the CPU, tracked in ``store``: its ``RunResult``."""
-    base = ["device=cpu", "trainer.epochs=1", "trainer.progress=false", f"tracking.uri=sqlite:///{store}"]
-    cfg = load([*base, "tracking.experiment=bench", "monitor.plots=false", *overrides])
-    with contextlib.redirect_stdout(io.StringIO()):
-        return train(cfg, echo=False, quiet=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,55 +169,6 @@ def tracking_call_cost(store: Path) -> Row:
     )
 
 
-def bench_sampler_backends(sizes: Sizes) -> list[Row]:
-    """Microseconds per reading of each backend that works here."""
-    rows = []
-    n = 50 if sizes is QUICK else 500
-
-    def per_read_us(sampler: Sampler) -> float:
-        sampler.read()
-        start = time.perf_counter()
-        for _ in range(n):
-            sampler.read()
-        return 1e6 * (time.perf_counter() - start) / n
-
-    alone, family = per_read_us(Sampler(interval_s=1.0)), per_read_us(Sampler(interval_s=1.0, children=True))
-    rows.append(
-        Row(
-            "sampler reading, psutil (CPU, RAM)",
-            f"{alone:.0f} µs",
-            "(info)",
-            None,
-            f"per reading, on the sampler thread; {family:.0f} µs with loader workers (psutil scans /proc for them)",
-        )
-    )
-    gpus = gpu_targets(torch.device("cuda", 0)) if torch.cuda.is_available() else []
-    for name, make in (("nvml", lambda: NvmlBackend(gpus)), ("gputil", lambda: GputilBackend(gpus, timeout_s=5))):
-        if not gpus:
-            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, "no CUDA device on this machine"))
-            continue
-        try:
-            backend = make()
-        except Exception as err:  # report, do not fail the suite
-            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, brief(err)))
-            continue
-        reads = 20 if name == "gputil" else n
-        start = time.perf_counter()
-        for _ in range(reads):
-            backend.read()
-        rows.append(
-            Row(
-                f"sampler reading, {name}",
-                f"{1e6 * (time.perf_counter() - start) / reads:.0f} µs",
-                "(info)",
-                None,
-                "per reading of one GPU",
-            )
-        )
-        backend.close()
-    return rows
-
-
 def bench_resident(sizes: Sizes, work: Path) -> list[Row]:
     """loader.resident=true vs the set-up recipe's torchvision + ToTensor + DataLoader recipe, batch 64."""
     import numpy as np
@@ -339,32 +266,32 @@ def bench_launch(sizes: Sizes, work: Path) -> list[Row]:
 
 BENCHES = {
     "overhead": lambda sizes, work: bench_overhead(sizes, work),
-    "sampler": lambda sizes, work: bench_sampler_backends(sizes),
+    "sampler": lambda sizes, work: sampler_readings(sizes),
     "resident": lambda sizes, work: bench_resident(sizes, work),
     "launch": lambda sizes, work: bench_launch(sizes, work),
-    "amp": lambda sizes, work: _module("bench_amp").bench_amp(sizes, work),
-    "amp_check": lambda sizes, work: _module("bench_claims").bench_amp_check(sizes),
-    "compile": lambda sizes, work: _module("bench_claims").bench_compile(sizes),
-    "profile": lambda sizes, work: _module("bench_claims").bench_profile(sizes, work),
-    "autotune": lambda sizes, work: _module("bench_claims").bench_autotune(sizes, work),
-    "ddp": lambda sizes, work: _module("bench_ddp").bench_ddp(sizes, work),
-    "compare": lambda sizes, work: _module("bench_compare").bench_compare(sizes, work),
-    "mfu": lambda sizes, work: _module("bench_mfu").bench_mfu(sizes, work),
-    "tune": lambda sizes, work: _module("bench_tune").bench_tune(sizes, work),
+    "amp": lambda sizes, work: _module("amp").bench_amp(sizes, work),
+    "amp_check": lambda sizes, work: _module("claims").bench_amp_check(sizes),
+    "compile": lambda sizes, work: _module("claims").bench_compile(sizes),
+    "profile": lambda sizes, work: _module("claims").bench_profile(sizes, work),
+    "autotune": lambda sizes, work: _module("claims").bench_autotune(sizes, work),
+    "ddp": lambda sizes, work: _module("ddp").bench_ddp(sizes, work),
+    "compare": lambda sizes, work: _module("compare").bench_compare(sizes, work),
+    "mfu": lambda sizes, work: _module("mfu").bench_mfu(sizes, work),
+    "tune": lambda sizes, work: _module("tune").bench_tune(sizes, work),
 }
 
 
 def _module(name: str) -> Any:
-    """A benchmark module that builds on this one (``bench_amp``, ``bench_claims``, ``bench_ddp``, ``bench_compare``,
-    ``bench_mfu``, ``bench_tune``), imported when its rows are asked for."""
+    """A benchmark module that builds on this one (``amp``, ``claims``, ``ddp``, ``compare``, ``mfu``, ``tune``),
+    imported when its rows are asked for."""
     import importlib
 
-    return importlib.import_module(f"pipeline.benchmarks.{name}")
+    return importlib.import_module(f"bench.{name}")
 
 
-@command("python -m pipeline.bench")
+@command("python -m bench")
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="python -m pipeline.bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test, not a measurement")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {', '.join(BENCHES)}")
     parser.add_argument("--repeats", type=int, default=None, help="measured rounds per comparison (default 5)")
@@ -382,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
     torch.set_num_threads(args.threads)
-    command = "python -m pipeline.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"# pipeline benchmarks\n\n{datetime.date.today()} · `{command.strip()}`\n\n{machine()}\n", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp, quiet_logs():

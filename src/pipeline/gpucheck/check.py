@@ -17,9 +17,9 @@ on synthetic data made in memory, so nothing is downloaded and nothing is left b
 The runs are ``pipeline.train.train`` in this process, with configs from ``pipeline.config.load`` and
 ``trainer.max_steps`` bounding their length; images/s is each run's steady state (``RunResult.breakdown``: every
 epoch's first step, with its warm-up and compilation, left out). The comparisons against a bare loop reuse the
-benchmarks' harness (``pipeline.benchmarks.harness``). Every row is guarded: one that fails is an ERROR row and the
-rest still run. The exit status is 0 when every goal is met, 1 when a goal is missed or a row failed, 2 when the
-check cannot start (a missing package, no GPU without ``--dry-run``).
+harness (``pipeline.gpucheck.harness``, which the project's benchmarks use too). Every row is guarded: one that fails
+is an ERROR row and the rest still run. The exit status is 0 when every goal is met, 1 when a goal is missed or a
+row failed, 2 when the check cannot start (a missing package, no GPU without ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -40,22 +40,22 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.benchmarks.gpu_goals import (
+from pipeline.common.cli import Parser, command
+from pipeline.common.markdown import markdown_table
+from pipeline.gpucheck.goals import (
     DRY_PLAN,
     GPU_PLAN,
     Context,
     Row,
 )
-from pipeline.benchmarks.gpu_overheads import augment_available, step_input, step_overhead, step_sampler
-from pipeline.benchmarks.gpu_profile import step_profile
-from pipeline.benchmarks.gpu_training import (
+from pipeline.gpucheck.overheads import augment_available, step_input, step_overhead, step_sampler
+from pipeline.gpucheck.profiling import step_profile
+from pipeline.gpucheck.training import (
     step_doctor,
     step_mlp,
     step_oom,
     step_resnet,
 )
-from pipeline.common.cli import Parser, command
-from pipeline.common.markdown import markdown_table
 
 # module -> what to pip install. The pipeline's other dependencies are not imported by these runs.
 REQUIRED = {
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     if not plan.dry and not _cuda_or_say_why():
         return 2
-    from pipeline.benchmarks.harness import machine_facts, quiet_logs  # lazy: torch (~1.4 s), checked for first
+    from pipeline.gpucheck.harness import machine_facts, quiet_logs  # lazy: torch (~1.4 s), checked for first
 
     started = datetime.datetime.now(datetime.timezone.utc)
     facts = machine_facts()

@@ -1,4 +1,4 @@
-"""How every benchmark here measures, shared by ``python -m pipeline.bench`` and the GPU check: variants interleaved in
+"""How every benchmark here measures, shared by ``python -m bench`` and the GPU check: variants interleaved in
 one process round after round (``interleaved``: warm-up discarded, the order alternating), the hand-written loop
 that is the honest baseline (``mlp``, ``bare_step``, ``bare_epoch``), one result ``Row`` per claim with its goal,
 the Markdown table and the machine's one-line description. Needs only torch: a fresh GPU machine runs it before
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import os
 import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,6 +91,82 @@ def bare_step(
     loss.backward()
     optimizer.step()
     return loss
+
+
+def pipeline_epoch(overrides: list[str], store: Path, writes: list[float] | None = None) -> float:
+    """One epoch of ``python -m pipeline`` in-process: the epoch's wall time plus its metric writes.
+
+    ``writes`` collects each run's share of that time spent writing metrics.
+    """
+    result = pipeline_run(overrides, store)
+    seconds = result.epochs[0].seconds + result.tracking_write_s  # the writes between epochs count too
+    if writes is not None:  # the writer thread's writes, if any, ran during the epoch: its seconds hold them
+        writes.append((result.tracking_write_s + result.tracking_background_write_s) / seconds)
+    return seconds
+
+
+def pipeline_run(overrides: list[str], store: Path) -> Any:
+    """A one-epoch ``python -m pipeline`` run in-process, on the CPU, tracked in ``store``: its ``RunResult``."""
+    from pipeline.config import load  # lazy: Hydra and the run's imports (MLflow), only for a run
+    from pipeline.train import train  # lazy, as above
+
+    base = ["device=cpu", "trainer.epochs=1", "trainer.progress=false", f"tracking.uri=sqlite:///{store}"]
+    cfg = load([*base, "tracking.experiment=bench", "monitor.plots=false", *overrides])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(cfg, echo=False, quiet=True)
+
+
+def sampler_readings(sizes: Sizes) -> list[Row]:
+    """Microseconds per reading of each sampler backend that works here: psutil's (CPU, RAM), NVML's, GPUtil's."""
+    from pipeline.common.messages import brief
+    from pipeline.monitor import Sampler, gpu_targets  # lazy: psutil and the GPU libraries, only when measured
+    from pipeline.monitor.gpu import GputilBackend, NvmlBackend  # lazy, as above
+
+    rows = []
+    n = 50 if sizes is QUICK else 500
+
+    def per_read_us(sampler: Sampler) -> float:
+        sampler.read()
+        start = time.perf_counter()
+        for _ in range(n):
+            sampler.read()
+        return 1e6 * (time.perf_counter() - start) / n
+
+    alone, family = per_read_us(Sampler(interval_s=1.0)), per_read_us(Sampler(interval_s=1.0, children=True))
+    rows.append(
+        Row(
+            "sampler reading, psutil (CPU, RAM)",
+            f"{alone:.0f} µs",
+            "(info)",
+            None,
+            f"per reading, on the sampler thread; {family:.0f} µs with loader workers (psutil scans /proc for them)",
+        )
+    )
+    gpus = gpu_targets(torch.device("cuda", 0)) if torch.cuda.is_available() else []
+    for name, make in (("nvml", lambda: NvmlBackend(gpus)), ("gputil", lambda: GputilBackend(gpus, timeout_s=5))):
+        if not gpus:
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, "no CUDA device on this machine"))
+            continue
+        try:
+            backend = make()
+        except Exception as err:  # report, do not fail the suite
+            rows.append(Row(f"sampler reading, {name}", "n/a", "(info)", None, brief(err)))
+            continue
+        reads = 20 if name == "gputil" else n
+        start = time.perf_counter()
+        for _ in range(reads):
+            backend.read()
+        rows.append(
+            Row(
+                f"sampler reading, {name}",
+                f"{1e6 * (time.perf_counter() - start) / reads:.0f} µs",
+                "(info)",
+                None,
+                "per reading of one GPU",
+            )
+        )
+        backend.close()
+    return rows
 
 
 @contextlib.contextmanager

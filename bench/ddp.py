@@ -1,4 +1,4 @@
-"""DDP against the textbook loop: ``python -m pipeline.bench --only ddp``.
+"""DDP against the textbook loop: ``python -m bench --only ddp``.
 
 Two CPU ranks over Gloo (``torchrun --nproc_per_node=2``), the same MLP, optimizer, per-rank batch and data on the
 device; one torchrun job whose two processes run both loops, one after the other, in alternating order round after
@@ -12,7 +12,7 @@ round (the same processes, so no process start-up or placement separates the two
 Each side of a round trains two epochs in the job's one process group (``pipeline.train`` uses a group its caller
 joined) and reports its second (the steady state: buckets rebuilt, caches warm); the claim is the median of
 per-round ratios of global samples/s (``pipeline.common.stats.paired_ratio``). Each rank is a
-``python -m pipeline.benchmarks.bench_ddp`` process that torchrun starts; rank 0 writes every round's seconds to a
+``python -m bench.ddp`` process that torchrun starts; rank 0 writes every round's seconds to a
 JSON file the parent reads.
 """
 
@@ -28,7 +28,6 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from pipeline.benchmarks.harness import Row, Sizes, bare_step, interleaved, mlp
 from pipeline.common.stats import paired_ratio
 from pipeline.config import DataConfig, load
 from pipeline.data.sources import load_data
@@ -36,6 +35,7 @@ from pipeline.engine.build import build
 from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
 from pipeline.engine.step import Inputs, Peers
 from pipeline.engine.timing import make_timer
+from pipeline.gpucheck.harness import Row, Sizes, bare_step, interleaved, mlp
 from pipeline.parallel.distributed import from_env
 from pipeline.train import train
 
@@ -43,6 +43,7 @@ RANKS = 2
 BATCH = 64  # per rank: the set-up recipe's MNIST batch
 CHUNK = 50  # steps per side of a round in the loop-level comparison
 CHUNK_ROUNDS = 120  # its rounds (about 0.4 s a side on 2 CPUs): many short pairs, so a 1% difference is resolved
+CHECKOUT = Path(__file__).resolve().parents[1]  # the folder that holds ``bench``: the ranks import it from there
 
 
 def _tutorial(samples: int) -> tuple[Any, Any, Any, Any]:
@@ -159,9 +160,11 @@ def run_job(sizes, work: Path, *, batch: int = BATCH, epochs: int = 2) -> dict[s
     out.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, as torchrun sets for several ranks (said, not left implicit)
+    # the ranks run in ``work``: ``bench`` is found through the checkout's root, before what PYTHONPATH held already
+    env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *filter(None, [env.get("PYTHONPATH")])])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}"]
     rounds = (sizes.samples, sizes.repeats, sizes.warmup, chunk_rounds(sizes))
-    command += ["-m", "pipeline.benchmarks.bench_ddp", *map(str, (*rounds, batch, epochs, out))]
+    command += ["-m", "bench.ddp", *map(str, (*rounds, batch, epochs, out))]
     done = subprocess.run(command, env=env, cwd=work, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"the DDP benchmark job failed (exit {done.returncode}): {done.stderr[-2000:]}")

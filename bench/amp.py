@@ -1,4 +1,4 @@
-"""amp against float32, measured side by side (``python -m pipeline.bench --only amp``): ResNet-50 steps under
+"""amp against float32, measured side by side (``python -m bench --only amp``): ResNet-50 steps under
 autocast against float32 steps in interleaved pairs, and the MLP run end to end with ``amp=true`` against
 ``amp=false``. On a CPU the answer depends on the hardware (AMX or not): the rows say what this machine does.
 """
@@ -12,16 +12,16 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 
-from pipeline.benchmarks.bench import pipeline_epoch
-from pipeline.benchmarks.harness import (
+from pipeline.common.stats import paired_ratio
+from pipeline.engine.amp_check import probe_cpu_amp
+from pipeline.engine.models import resnet
+from pipeline.gpucheck.harness import (
     QUICK,
     Row,
     Sizes,
     interleaved,
+    pipeline_epoch,
 )
-from pipeline.common.stats import paired_ratio
-from pipeline.engine.amp_check import probe_cpu_amp
-from pipeline.engine.models import resnet
 
 
 def bench_amp(sizes: Sizes, work: Path) -> list[Row]:

@@ -1,4 +1,4 @@
-"""``python -m pipeline.bench --only tune``: does ``python -m pipeline.tune`` find the fastest configuration, in a
+"""``python -m bench --only tune``: does ``python -m pipeline.tune`` find the fastest configuration, in a
 fraction of the time an exhaustive sweep takes, and does its claimed gain hold?
 
 On the CPU ladder's configuration (``experiment=ladder_cpu``: MNIST-shaped synthetic data, the MLP), three stages:
@@ -27,8 +27,8 @@ from pipeline.autotune.candidates import Candidate, describe
 from pipeline.autotune.report import confirmed_gain
 from pipeline.autotune.search import Settings
 from pipeline.autotune.tuning import CONFIRM, tune_run
-from pipeline.benchmarks.harness import Row, Sizes
 from pipeline.config import RunConfig, load
+from pipeline.gpucheck.harness import Row, Sizes
 from pipeline.parallel.distributed import Solo
 from pipeline.train import train
 

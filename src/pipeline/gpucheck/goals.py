@@ -133,6 +133,6 @@ def guarded(key: str, name: str, unit: str, make: Callable[[], Row]) -> Row:
             raw={"error": brief(err, limit=len(str(err))), "traceback": traceback.format_exc(limit=8)},
         )
     finally:
-        from pipeline.benchmarks.harness import release  # lazy: torch (~1.4 s), checked for first
+        from pipeline.gpucheck.harness import release  # lazy: torch (~1.4 s), checked for first
 
         release()
