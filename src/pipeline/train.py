@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from pipeline.common import usercode
 from pipeline.config import RunConfig
-from pipeline.engine import continuation
 from pipeline.engine.build import Setup
 from pipeline.engine.results import RunResult
 from pipeline.engine.run import EpochModels, Fitted, Run
-from pipeline.engine.session import Asked, Hooks, Said, session
+from pipeline.engine.session import Asked, Hooks, Said, SweepJob, session
 from pipeline.engine.start import FreshStart, Resumed
 from pipeline.machine import doctor
 from pipeline.record.lifecycle import Tracker
 from pipeline.report import logbook
 from pipeline.report.summary import format_summary
-
-if TYPE_CHECKING:
-    from pipeline.experiments.sweep import SweepJob
 
 
 def train(
@@ -55,9 +49,8 @@ def train(
         Stopped: SIGTERM or Ctrl-C arrived; a checkpoint was written and the run marked KILLED.
     """
     started = time.perf_counter()
-    usercode.forget()  # where the user's code lives is this run's targets' to say, not an earlier run's
-    own = continuation.own_overrides(overrides if own_overrides is None else own_overrides)
     book = _Logbook(cfg)
+    own = list(own_overrides) if own_overrides is not None else None
     asked = Asked(list(overrides), own, quiet=quiet, sweep=sweep)
     result = session(cfg, asked, book, started=started, hooks=hooks or Hooks())
     if echo and book.main:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pipeline.common import usercode
 from pipeline.common.heap import collector_paused
 from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.common.usercode import user_errors
@@ -27,7 +28,7 @@ from pipeline.config import RunConfig
 from pipeline.data.workers import deaths_expected_while
 from pipeline.engine import checkpoint, compilation, resume
 from pipeline.engine.build import Setup, announce, build
-from pipeline.engine.continuation import stop_says_how_to_continue
+from pipeline.engine.continuation import own_overrides, stop_says_how_to_continue
 from pipeline.engine.memory import out_of_memory_is_an_error
 from pipeline.engine.progress import progress_mode
 from pipeline.engine.provenance import run_tags, sweep_run_name, with_overrides
@@ -52,13 +53,19 @@ class SweepJob(Protocol):
 
 @dataclass(frozen=True)
 class Asked:
-    """What the run was asked: the command line's ``overrides`` as typed, the run's ``own`` (its checkpoints keep
-    them for a resume), ``quiet`` (no progress bar) and the ``sweep`` job it is (None outside a sweep)."""
+    """What the run was asked: the command line's ``overrides`` as typed, the run's ``own_overrides`` (its
+    checkpoints keep them for a resume; None: ``overrides``), ``quiet`` (no progress bar) and the ``sweep`` job it is
+    (None outside a sweep)."""
 
     overrides: list[str]
-    own: list[str]
+    own_overrides: list[str] | None = None
     quiet: bool = False
     sweep: SweepJob | None = None
+
+    @property
+    def own(self) -> list[str]:
+        """The run's own configuration as overrides, without ``resume=``/``fork=`` (``continuation.own_overrides``)."""
+        return own_overrides(self.overrides if self.own_overrides is None else self.own_overrides)
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class Record(Protocol):
 
 def session(cfg: RunConfig, asked: Asked, record: Record, *, started: float, hooks: Hooks = Hooks()) -> RunResult:
     """Train and evaluate the configured model and record the run (``started``: its ``time.perf_counter``)."""
+    usercode.forget()  # where the user's code lives is this run's targets' to say, not an earlier run's
     stop = StopRequests(checkpoints=cfg.checkpoint.enabled)
     with contextlib.ExitStack() as envelope:
         enter = envelope.enter_context
