@@ -13,7 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.config import ConfigError, PrecisionConfig, load
-from pipeline.engine.precision import configure_backends, resolve_precision
+from pipeline.engine.precision_setup import configure_backends, resolve_precision
 from pipeline.train import train
 
 AUTO = PrecisionConfig("auto", tf32=True)

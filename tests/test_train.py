@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 from collections.abc import Callable
@@ -291,3 +292,13 @@ def test_the_name_printed_at_the_start_is_the_runs_name_in_the_summary_and_in_ml
     (started,) = [line for line in out.splitlines() if "] - run " in line]
     assert started.endswith(f"] - run {name}: mlp on digits, 1438 train / 359 val samples, 50,890 parameters")
     assert f"\nrun {name}: 1 epoch(s)" in out  # the summary's first line
+
+
+def test_an_epochs_line_keeps_the_logger_name_users_see_and_filter_by(
+    make_cfg: Callable[..., RunConfig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hydra prints each line's logger name (``[pipeline.train][INFO] - epoch 1/1: ...``), and a log config filters
+    by it: the epochs' lines kept theirs when the epoch loop moved into the engine."""
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        train(make_cfg("trainer.epochs=1", "tracking=none"), echo=False)
+    assert [r.name for r in caplog.records if r.getMessage().startswith("epoch 1/1: ")] == ["pipeline.train"]

@@ -49,7 +49,8 @@ from pipeline.engine.loop import Scoring
 from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_tail
 from pipeline.engine.models import BUILTIN, build_model, count_parameters
 from pipeline.engine.optim import Schedule, build_optimizer, build_scheduler, make_clipping, needs_closure
-from pipeline.engine.precision import PrecisionPolicy, configure_backends, resolve_precision
+from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.precision_setup import configure_backends, resolve_precision
 from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
 from pipeline.engine.provenance import UserCode, run_name
 from pipeline.engine.replay import NO_REPLAY, NoReplay, ReplayCheck, make_replay

@@ -33,7 +33,6 @@ FORWARD_AND_BACKWARD = 3  # the backward pass costs about two forwards
 # Under this share of the device's peak a run leaves most of it unused (well-tuned training reaches 40-60% of a GPU's
 # dense peak: nanoGPT's GPT-2 on an A100, about 40%): the verdict looks for where the time goes, and a run profiles
 # a few steps by itself to find it (``pipeline.engine.profiling.AutoProfiler``).
-LOW_MFU_PCT = 30.0
 
 
 @dataclass

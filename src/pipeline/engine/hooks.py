@@ -23,16 +23,18 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pipeline.common.errors import PipelineError
 from pipeline.common.targets import hook
-from pipeline.config import StepConfig
 from pipeline.data.structures import call_model, describe, detached, leaves
 from pipeline.engine.tasks import Task
+
+if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
+    from pipeline.config import StepConfig
 
 
 class StepHookError(PipelineError):

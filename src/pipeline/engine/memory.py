@@ -24,13 +24,16 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.common.device_memory import is_oom, nearly_full
 from pipeline.common.errors import PipelineError
 from pipeline.common.messages import brief
-from pipeline.config import OomConfig
+
+if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
+    from pipeline.config import OomConfig
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, OneCycleLR, StepLR
@@ -33,7 +33,9 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, O
 from pipeline.common.errors import ConfigError
 from pipeline.common.metric_names import VAL_LOSS
 from pipeline.common.targets import TargetError, instantiate
-from pipeline.config import OptimizerConfig, SchedulerConfig, TrainerConfig
+
+if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
+    from pipeline.config import OptimizerConfig, SchedulerConfig, TrainerConfig
 
 LOWER_IS_BETTER = ("loss", "perplexity", "mae", "rmse")  # metric names whose best value is the lowest
 

@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from pipeline.common.messages import brief
-from pipeline.engine.flops import LOW_MFU_PCT
 from pipeline.engine.profile_report import WAIT, ProfileReport, analyse
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
+
+LOW_MFU_PCT = 30.0  # MFU (% of the peak) under which the loop, not the arithmetic, limits: profiled, and said
 
 if TYPE_CHECKING:
     from pipeline.record.lifecycle import Tracker

@@ -46,7 +46,7 @@ from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.monitor import allocator_metrics
 from pipeline.record.lifecycle import Tracker
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.train")  # the name its lines have always carried (a log config may filter by it)
 
 
 class EpochModels(Protocol):

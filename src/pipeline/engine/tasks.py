@@ -43,11 +43,12 @@ from pipeline.common.metric_names import (
     val_metric,
 )
 from pipeline.common.targets import hook
-from pipeline.config import TargetConfig, TaskConfig
 from pipeline.data.structures import count, describe
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
     from typing_extensions import Self  # typing.Self from Python 3.11
+
+    from pipeline.config import TargetConfig, TaskConfig
 
 log = logging.getLogger(__name__)
 

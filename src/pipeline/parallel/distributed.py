@@ -22,16 +22,18 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from pipeline.common.messages import brief
-from pipeline.config import DeviceConfig
 from pipeline.parallel import overlap
 from pipeline.parallel.overlap import posted_failure
 from pipeline.parallel.ranks import DistributedError, Launch, cuda_index, launch_from
+
+if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
+    from pipeline.config import DeviceConfig
 
 log = logging.getLogger(__name__)
 

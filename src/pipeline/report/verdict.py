@@ -34,7 +34,7 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.engine.amp_check import AmpProbe, has_amx
-from pipeline.engine.flops import LOW_MFU_PCT
+from pipeline.engine.profiling import LOW_MFU_PCT
 from pipeline.report.operators import OperatorGroup
 
 INPUT_HIGH_PCT = 20.0
@@ -45,7 +45,7 @@ IDLE_GPU_PCT = 50.0
 OUTSIDE_IDLE_PCT = 50.0
 DISAGREE_SPREAD_PCT = 5.0
 INPUT_WITH_IDLE_GPU_PCT = 15.0  # the copies' share above which pinned memory is the first hint on a GPU
-HIGH_MFU_PCT = 50.0  # from here on little is left to win by tuning the loop (LOW_MFU_PCT: pipeline.engine.flops)
+HIGH_MFU_PCT = 50.0  # from here on little is left to win by tuning the loop (LOW_MFU_PCT: pipeline.engine.profiling)
 OVERHEAD_PCT = 10.0  # the pipeline's own work named in the evidence (with how to cut it) from this share on
 
 LABELS = {
