@@ -25,6 +25,10 @@ from pipeline.common.metric_names import (
     GPU_UTIL_MEAN_PCT,
     MEMORY_MAX_ALLOCATED_MB,
     OOM_EVENTS,
+    PERF_GPU_BUSY_PCT,
+    PERF_GPU_IDLE_DATA_PCT,
+    PERF_GPU_IDLE_HOST_PCT,
+    PROFILE_STEPS,
     THROUGHPUT_GLOBAL_SAMPLES_PER_S,
     TIME_DATA_WAIT_PCT_SLOWEST_RANK,
     TRAIN_GRAD_NORM,
@@ -42,7 +46,6 @@ from pipeline.train import train
 
 PACKAGE = Path(pipeline.__file__).parent
 NAMES_MODULE = Path(metric_names.__file__)
-SKIPPED = (PACKAGE / "benchmarks",)  # being moved out of the package (issue 38), its own names with it
 WRITE_CALLS = frozenset({"log_metric", "log_metrics"})
 # A string that is a metric name: an area of the module, a slash, then lower-case words (no dot: artifact paths such
 # as profile/trace.json.gz are files, not metrics).
@@ -64,6 +67,10 @@ CONDITIONAL = {
     OOM_EVENTS: "an out-of-memory error the fallback recovered from",
     AMP_SKIPPED_STEPS: "amp with float16 (the GradScaler)",
     TRAIN_GRAD_NORM: "trainer.clip_grad_*",
+    PROFILE_STEPS: "steps profiled: trainer.profile=true, or the auto profile on a run whose MFU is low",
+    PERF_GPU_BUSY_PCT: "steps profiled on a CUDA device",
+    PERF_GPU_IDLE_HOST_PCT: "steps profiled on a CUDA device",
+    PERF_GPU_IDLE_DATA_PCT: "steps profiled on a CUDA device",
 }
 
 
@@ -79,7 +86,7 @@ def names_by_constant() -> dict[str, str]:
 def package_modules() -> Iterator[Path]:
     """Every module of the package but the names module and those being moved out."""
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path != NAMES_MODULE and not any(path.is_relative_to(skipped) for skipped in SKIPPED):
+        if path != NAMES_MODULE:
             yield path
 
 

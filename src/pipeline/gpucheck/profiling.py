@@ -15,6 +15,12 @@ import pickletools
 from pathlib import Path
 from typing import Any
 
+from pipeline.common.metric_names import (
+    PERF_GPU_BUSY_PCT,
+    PERF_GPU_IDLE_DATA_PCT,
+    PERF_GPU_IDLE_HOST_PCT,
+    PROFILE_STEPS,
+)
 from pipeline.gpucheck.goals import BF16_CL, GOALS, Context, Row, guarded
 from pipeline.gpucheck.training import injected_oom_above, resnet_overrides, train_run
 
@@ -84,19 +90,19 @@ def profiled(ctx: Context, uri: str, name: str) -> Row:
     names = {e.get("name") for e in events if e.get("ph") == "X"}
     kernels = sum(e.get("cat") == "kernel" for e in events)
     wanted = {f"step {n}" for n in range(2, 2 + PROFILED)}
-    busy = metrics.get("perf/gpu_busy_pct")
-    ok = wanted <= names and metrics.get("profile/steps") == PROFILED and (not cuda or (busy is not None and kernels))
+    busy = metrics.get(PERF_GPU_BUSY_PCT)
+    ok = wanted <= names and metrics.get(PROFILE_STEPS) == PROFILED and (not cuda or (busy is not None and kernels))
     report = result.profile
     detail = f"trace: {len(events):,} events, {kernels:,} kernels, ranges {', '.join(sorted(wanted & names))}"
     if busy is not None:
         detail += (
-            f"; GPU busy {busy:.0f}%, idle {metrics['perf/gpu_idle_host_pct']:.0f}% on the host, "
-            f"{metrics['perf/gpu_idle_data_pct']:.0f}% for data"
+            f"; GPU busy {busy:.0f}%, idle {metrics[PERF_GPU_IDLE_HOST_PCT]:.0f}% on the host, "
+            f"{metrics[PERF_GPU_IDLE_DATA_PCT]:.0f}% for data"
         )
     if report is not None and report.operators:
         detail += f"; top: {report.operators[0].name} {report.operators[0].share_pct:.0f}%"
     figures: dict[str, Any] = {
-        "metrics": {k: v for k, v in metrics.items() if k.startswith(("profile/", "perf/"))},
+        "metrics": {k: v for k, v in metrics.items() if k.partition("/")[0] in ("profile", "perf")},
         "trace_events": len(events),
         "kernels": kernels,
         "operators": [vars(op) for op in report.operators[:20]] if report is not None else [],
