@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import machine, split
 from pipeline.config import load
 from pipeline.engine import amp_check
 from pipeline.engine.amp_check import AmpProbe, amp_advice, cpu_flags, probe_batch, probe_cpu_amp
-from pipeline.report.verdict import judge
+from pipeline.report.verdict import RunFacts, judge
 
 
 def mlp() -> nn.Module:
@@ -192,12 +193,10 @@ def test_the_doctors_bf16_figure_says_it_is_one_large_op_not_the_model() -> None
 def test_every_later_hint_follows_the_measurement() -> None:
     cfg = load(["device=cpu", "amp=true", "model=resnet50"])
     fast = AmpProbe(1.0, 0.234, 4.27, 2, 5, "bf16", amx=True)
-    hint = judge(cfg, device_type="cpu", data_wait_pct=0, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16",
-                 amp_check=fast).message  # fmt: skip
+    hint = judge(cfg, RunFacts("cpu", "amp-bf16", amp_check=fast), split(), machine()).message
     assert "amp pays off here (4.27x float32 measured at start): keep amp=true" in hint and "usually" not in hint
     slow = AmpProbe(1.0, 2.0, 0.5, 2, 5, "bf16", amx=False)
-    hint = judge(cfg, device_type="cpu", data_wait_pct=0, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16",
-                 amp_check=slow).message  # fmt: skip
+    hint = judge(cfg, RunFacts("cpu", "amp-bf16", amp_check=slow), split(), machine()).message
     assert "amp=false is faster here (0.50x float32 measured at start)" in hint
     assert fast.describe().endswith("before training): amp pays off here")
 

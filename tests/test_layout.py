@@ -27,8 +27,7 @@ WIDE_ON_PURPOSE = re.compile(r"#\s*params:\s*\S")  # "# params: <why>", on the d
 WIDE_FOR_NOW = {
     # the benchmarks, moving out of the package (issue 38)
     "pipeline/gpucheck/check.py:_document",
-    # issue 38's own, not yet refactored (judge to take the Breakdown and the UtilSummary, not their fields; the
-    # others to bundle what travels together, or to say why with "# params:")
+    # issue 38's own, not yet refactored (to bundle what travels together, or to say why with "# params:")
     "pipeline/autotune/search.py:search",
     "pipeline/data/sources.py:tensor_bundle",
     "pipeline/engine/amp_check.py:probe_cpu_amp",
@@ -38,8 +37,6 @@ WIDE_FOR_NOW = {
     "pipeline/experiments/compare/reporting.py:report",
     "pipeline/record/logged_model.py:log_model",
     "pipeline/record/logged_model.py:_log",
-    "pipeline/report/verdict.py:judge",
-    "pipeline/report/verdict.py:_hint",
 }
 
 

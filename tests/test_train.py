@@ -252,7 +252,7 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 
     judged: list[object] = []
     real_judge = logbook.judge
-    monkeypatch.setattr(logbook, "judge", lambda *a, **kw: judged.append(kw["amp_check"]) or real_judge(*a, **kw))
+    monkeypatch.setattr(logbook, "judge", lambda *a, **kw: judged.append(a[1].amp_check) or real_judge(*a, **kw))
     monkeypatch.setattr(amp_check, "probe_cpu_amp", ten_times_slower)
     result = train(make_cfg("amp=true"), echo=False)
     assert judged == [result.amp_probe]  # the bottleneck hint is told what was measured
