@@ -244,8 +244,8 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 
     timed: list[tuple[int, torch.dtype]] = []
 
-    def ten_times_slower(model, images, labels, *, dtype, **kwargs):  # what the review measured on a CPU
-        timed.append((len(images), dtype))
+    def ten_times_slower(model, batch, *, dtype, **kwargs):  # what the review measured on a CPU
+        timed.append((len(batch[0]), dtype))
         return amp_check.AmpProbe(1.7, 17.0, 0.1, batch=4, pairs=5, dtype="bf16", amx=False)
 
     import pipeline.report.logbook as logbook
