@@ -28,9 +28,6 @@ WIDE_FOR_NOW = {
     # the benchmarks, moving out of the package (issue 38)
     "pipeline/gpucheck/check.py:_document",
     # issue 38's own, not yet refactored (to bundle what travels together, or to say why with "# params:")
-    "pipeline/engine/build.py:_model_flops",
-    "pipeline/engine/build.py:_train_state",
-    "pipeline/engine/inputs.py:check_first_batch",
     "pipeline/experiments/compare/reporting.py:report",
     "pipeline/record/logged_model.py:log_model",
     "pipeline/record/logged_model.py:_log",
