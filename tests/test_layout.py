@@ -29,8 +29,6 @@ WIDE_FOR_NOW = {
     "pipeline/gpucheck/check.py:_document",
     # issue 38's own, not yet refactored (to bundle what travels together, or to say why with "# params:")
     "pipeline/experiments/compare/reporting.py:report",
-    "pipeline/record/logged_model.py:log_model",
-    "pipeline/record/logged_model.py:_log",
 }
 
 
