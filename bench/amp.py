@@ -51,7 +51,7 @@ def bench_amp_resnet(sizes: Sizes) -> list[Row]:
 
     step_s = interleaved({"fp32": lambda: step(None), "bf16": lambda: step(torch.bfloat16)}, sizes)
     speed = paired_ratio(step_s["fp32"], step_s["bf16"])
-    probe = probe_cpu_amp(model, images, labels, dtype=torch.bfloat16)
+    probe = probe_cpu_amp(model, (images, labels), dtype=torch.bfloat16)
     return [
         Row(
             f"bf16 autocast / float32 speed, ResNet-50 step, batch {batch}, cpu",

@@ -124,7 +124,7 @@ def bench_amp_check(sizes: Sizes) -> list[Row]:
         models["ResNet-18, 28 px"] = resnet("resnet18", (1, 28, 28), 10, stem="small")
     rows = []
     for name, model in models.items():
-        probes = [probe_cpu_amp(model, images, labels, dtype=torch.bfloat16) for _ in range(sizes.repeats + 2)]
+        probes = [probe_cpu_amp(model, (images, labels), dtype=torch.bfloat16) for _ in range(sizes.repeats + 2)]
         speeds = [p.speed for p in probes if p.measured]
         middle = statistics.median(speeds) if speeds else math.nan
         verdicts = sorted({p.verdict for p in probes})

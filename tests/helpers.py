@@ -1,5 +1,6 @@
 """Helpers several test files share (fixtures stay in conftest.py): the tiny run's overrides, the step timer's faked
-clock, the entry point in-process and as a real process, and an action at a chosen training step."""
+clock, the entry point in-process and as a real process, an action at a chosen training step, and what the verdict
+reads (a step-time split, steady epochs, the machine's use) made from its shares."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from torch import nn
 import pipeline.engine.build as build_module
 import pipeline.engine.replay as replay_module
 from pipeline.__main__ import main
+from pipeline.engine.results import EpochResult
+from pipeline.engine.timing import Breakdown
+from pipeline.monitor import UtilSummary
 
 # A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
 TINY = ["trainer.epochs=1", "trainer.max_steps=3", "loader.batch_size=32"]
@@ -125,3 +129,29 @@ def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callabl
 def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """Send this process SIGTERM during the forward pass of training step ``step``."""
     at_training_step(monkeypatch, step, lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+def split(data_wait_pct: float = 0.0, h2d_pct: float = 0.0, overhead_pct: float = 0.0) -> Breakdown:
+    """A steady step-time breakdown with these shares (of 100 s of steady steps, the rest computing): what
+    ``pipeline.report.verdict.judge`` reads, the shares exact."""
+    compute_s = 100.0 - data_wait_pct - h2d_pct - overhead_pct
+    return Breakdown(
+        data_wait_pct, h2d_pct, compute_s, steady_steps=10, steady_samples=320, first_step_s=1.0, steps=11,
+        samples=352, overhead_s=overhead_pct,
+    )  # fmt: skip
+
+
+def steady(*shares: tuple[float, float]) -> list[EpochResult]:
+    """Steady epochs with these (input %, overhead %) shares, the input all waiting for data."""
+    return [
+        EpochResult(i + 1, 0.5, {}, 100.0, 3.2, split(data_wait_pct=input_pct, overhead_pct=overhead_pct))
+        for i, (input_pct, overhead_pct) in enumerate(shares)
+    ]
+
+
+def machine(gpu_util_pct: float | None = None, others_pct: float | None = None) -> UtilSummary:
+    """The machine's use over a run: a GPU busy ``gpu_util_pct`` on average (none: no GPU readings), other processes
+    using ``others_pct`` of its 4 CPUs (none: no CPU readings)."""
+    cpu = None if others_pct is None else others_pct + 25.0  # the run's one CPU of 4 on top of the others'
+    process = None if others_pct is None else 100.0
+    return UtilSummary(10, cpu, gpu_util_pct, gpu_util_pct, None, process, cpus=1, machine_cpus=4)

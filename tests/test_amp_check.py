@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import machine, split
 from pipeline.config import load
 from pipeline.engine import amp_check
 from pipeline.engine.amp_check import AmpProbe, amp_advice, cpu_flags, probe_batch, probe_cpu_amp
-from pipeline.report.verdict import judge
+from pipeline.report.verdict import RunFacts, judge
 
 
 def mlp() -> nn.Module:
@@ -85,7 +86,7 @@ def test_the_probe_times_both_formats_and_leaves_the_model_and_the_random_stream
     images, labels = batch(16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    probe = probe_cpu_amp(model, images, labels, dtype=torch.bfloat16)
+    probe = probe_cpu_amp(model, (images, labels), dtype=torch.bfloat16)
     assert probe.fp32_s > 0 and probe.amp_s > 0 and probe.speed > 0 and probe.measured
     assert probe.batch == 16 and probe.dtype == "bf16" and 1 <= probe.pairs <= amp_check.PAIRS
     after = model.state_dict()
@@ -103,7 +104,7 @@ def test_the_probe_runs_without_the_models_hooks() -> None:
     model.register_forward_pre_hook(lambda m, i: calls.append("pre"))
     model[1].register_forward_hook(lambda m, i, o: calls.append("forward"))
     model[1].register_full_backward_hook(lambda m, gi, go: calls.append("backward"))
-    probe = probe_cpu_amp(model, *batch(16), dtype=torch.bfloat16)
+    probe = probe_cpu_amp(model, batch(16), dtype=torch.bfloat16)
     assert probe.speed > 0 and calls == []
     model(batch(4)[0])
     assert calls == ["pre", "forward"]  # the real model keeps its hooks
@@ -129,7 +130,7 @@ def test_identical_configurations_get_the_same_verdict_on_a_noisy_machine(monkey
         for seed in range(10):
             machine = Machine(seed, noise=0.2, burst_every=3)
             monkeypatch.setattr(amp_check, "time", machine)
-            probe = probe_cpu_amp(Costed(machine, fp32_s=0.1, amp_s=0.1 / true_speed), *batch(16), dtype=torch.bfloat16)
+            probe = probe_cpu_amp(Costed(machine, fp32_s=0.1, amp_s=0.1 / true_speed), batch(16), dtype=torch.bfloat16)
             assert probe.verdict == verdict, (true_speed, seed, probe.speed)
             batches.add(probe.batch)
         assert batches == {16}
@@ -140,7 +141,7 @@ def test_on_a_quiet_machine_identical_configurations_agree_within_15_percent(mon
         for seed in range(10):
             machine = Machine(seed, noise=0.05)  # a quiet machine: ±5% from step to step
             monkeypatch.setattr(amp_check, "time", machine)
-            probe = probe_cpu_amp(Costed(machine, 0.1, 0.1 / true_speed), *batch(16), dtype=torch.bfloat16)
+            probe = probe_cpu_amp(Costed(machine, 0.1, 0.1 / true_speed), batch(16), dtype=torch.bfloat16)
             assert true_speed / 1.15 <= probe.speed <= true_speed * 1.15 and probe.verdict == verdict
 
 
@@ -148,13 +149,13 @@ def test_no_pair_starts_past_the_budget_and_a_probe_without_one_says_so(monkeypa
     machine = Machine(0, noise=0.0)
     monkeypatch.setattr(amp_check, "time", machine)
     model = Costed(machine, fp32_s=0.5, amp_s=5.0)
-    probe = probe_cpu_amp(model, *batch(16), dtype=torch.bfloat16, budget_s=1.0)
+    probe = probe_cpu_amp(model, batch(16), dtype=torch.bfloat16, budget_s=1.0)
     assert model.calls == {"fp32": 2, "amp": 2} and probe.pairs == 0  # warm-up and calibration used the budget
     assert not probe.measured and probe.verdict == "unknown" and math.isnan(probe.speed)
     assert amp_advice(probe) is None
     said = probe.describe()
     assert "was not measured" in said and "nan" not in said and "0.00 s" not in said
-    enough = probe_cpu_amp(Costed(machine, 0.5, 5.0), *batch(16), dtype=torch.bfloat16, budget_s=17.5)
+    enough = probe_cpu_amp(Costed(machine, 0.5, 5.0), batch(16), dtype=torch.bfloat16, budget_s=17.5)
     assert enough.pairs == 1 and enough.speed == pytest.approx(0.1)  # 11 s of warm-up and calibration, one pair
 
 
@@ -192,12 +193,10 @@ def test_the_doctors_bf16_figure_says_it_is_one_large_op_not_the_model() -> None
 def test_every_later_hint_follows_the_measurement() -> None:
     cfg = load(["device=cpu", "amp=true", "model=resnet50"])
     fast = AmpProbe(1.0, 0.234, 4.27, 2, 5, "bf16", amx=True)
-    hint = judge(cfg, device_type="cpu", data_wait_pct=0, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16",
-                 amp_check=fast).message  # fmt: skip
+    hint = judge(cfg, RunFacts("cpu", "amp-bf16", amp_check=fast), split(), machine()).message
     assert "amp pays off here (4.27x float32 measured at start): keep amp=true" in hint and "usually" not in hint
     slow = AmpProbe(1.0, 2.0, 0.5, 2, 5, "bf16", amx=False)
-    hint = judge(cfg, device_type="cpu", data_wait_pct=0, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16",
-                 amp_check=slow).message  # fmt: skip
+    hint = judge(cfg, RunFacts("cpu", "amp-bf16", amp_check=slow), split(), machine()).message
     assert "amp=false is faster here (0.50x float32 measured at start)" in hint
     assert fast.describe().endswith("before training): amp pays off here")
 
@@ -206,7 +205,7 @@ def test_a_step_too_short_to_time_is_repeated_within_each_measurement(monkeypatc
     machine = Machine(0, noise=0.0)
     monkeypatch.setattr(amp_check, "time", machine)
     model = Costed(machine, fp32_s=0.002, amp_s=0.004)  # a small MLP's milliseconds
-    probe = probe_cpu_amp(model, *batch(16), dtype=torch.bfloat16)
+    probe = probe_cpu_amp(model, batch(16), dtype=torch.bfloat16)
     assert probe.fp32_s == pytest.approx(0.002) and probe.speed == pytest.approx(0.5)  # seconds per step
     per_pair = (model.calls["fp32"] - 2) / probe.pairs
     assert per_pair == math.ceil(amp_check.MIN_CALL_S / 0.002)  # 25 steps a measurement: 50 ms of work

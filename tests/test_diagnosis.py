@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 import pipeline.engine.build as build_module
 import pipeline.monitor as monitor
-from helpers import StepClock, fake_command
+from helpers import StepClock, fake_command, machine, split, steady
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
 from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
@@ -30,7 +30,7 @@ from pipeline.monitor import GpuTarget, Sample
 from pipeline.monitor.gpu import GpuReading
 from pipeline.report.plots import step_breakdown, utilisation_timeline
 from pipeline.report.summary import format_summary
-from pipeline.report.verdict import classify, judge
+from pipeline.report.verdict import RunFacts, classify, judge
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -110,26 +110,24 @@ def test_classification_rules(input_pct: float, overhead: float, mfu: float | No
 
 
 def test_epochs_that_agree_make_a_confident_verdict_and_epochs_that_disagree_cannot_tell(make_cfg: MakeCfg) -> None:
-    agree = judge(make_cfg(), device_type="cpu", data_wait_pct=30, h2d_pct=0, gpu_util_pct=None, precision="fp32",
-                  epochs=[(28, 1), (31, 1), (33, 0)])  # fmt: skip
+    cpu = RunFacts("cpu", "fp32")
+    agree = judge(make_cfg(), cpu, split(30), machine(), epochs=steady((28, 1), (31, 1), (33, 0)))
     assert agree.bottleneck == "input" and agree.confidence == "high"
     assert agree.message.startswith(
         "highly input-bound (high confidence: input 28-33% over 3 epochs; decided by the step-time split): "
     )
-    split = judge(make_cfg(), device_type="cpu", data_wait_pct=12, h2d_pct=0, gpu_util_pct=None, precision="fp32",
-                  epochs=[(2, 1), (25, 1)])  # fmt: skip
-    assert split.bottleneck == "unknown" and split.confidence == "low"
-    assert split.message.startswith(
+    apart = judge(make_cfg(), cpu, split(12), machine(), epochs=steady((2, 1), (25, 1)))
+    assert apart.bottleneck == "unknown" and apart.confidence == "low"
+    assert apart.message.startswith(
         "cannot tell: the steady epochs disagree, input 2-25% over 2 epochs; the shares lean moderately input-bound: "
     )
-    near = judge(make_cfg(), device_type="cpu", data_wait_pct=5, h2d_pct=0, gpu_util_pct=None, precision="fp32",
-                 epochs=[(4.5, 0), (6, 0)])  # fmt: skip
+    near = judge(make_cfg(), cpu, split(5), machine(), epochs=steady((4.5, 0), (6, 0)))
     assert near.confidence == "high"  # classes differ across a threshold by less than DISAGREE_SPREAD_PCT: noise
 
 
 def test_input_hint_on_a_gpu_names_workers_and_pinned_memory(make_cfg: MakeCfg) -> None:
     cfg = make_cfg("loader.pin_memory=false")
-    verdict = judge(cfg, device_type="cuda", data_wait_pct=58, h2d_pct=2, gpu_util_pct=41, precision="fp32", cpus=8)
+    verdict = judge(cfg, RunFacts("cuda", "fp32"), split(58, 2), machine(gpu_util_pct=41), cpus=8)
     assert verdict.message == (
         "highly input-bound (medium confidence: one steady epoch; decided by the step-time split): 58% of step time "
         "waiting for data, 2% copying it, GPU busy 41% on average — "
@@ -147,35 +145,20 @@ def test_input_hint_on_a_gpu_names_workers_and_pinned_memory(make_cfg: MakeCfg) 
 def test_input_hint_with_workers_doubles_them_and_resident_suggests_a_bigger_batch(
     make_cfg: MakeCfg, loader: str, hint: str
 ) -> None:
-    verdict = judge(
-        make_cfg(f"loader={loader}"),
-        device_type="cuda",
-        data_wait_pct=40,
-        h2d_pct=0,
-        gpu_util_pct=30,
-        precision="fp32",
-        cpus=16,
-    )
+    verdict = judge(make_cfg(f"loader={loader}"), RunFacts("cuda", "fp32"), split(40), machine(30), cpus=16)
     assert hint in verdict.message
 
 
 def test_compute_hints_follow_device_and_precision(make_cfg: MakeCfg) -> None:
-    gpu = judge(
-        make_cfg("model=resnet50"), device_type="cuda", data_wait_pct=1, h2d_pct=1, gpu_util_pct=98, precision="fp32"
-    )
+    gpu = judge(make_cfg("model=resnet50"), RunFacts("cuda", "fp32"), split(1, 1), machine(gpu_util_pct=98))
     assert gpu.message.endswith("try amp=true trainer.channels_last=true trainer.compile=true loader.batch_size=64")
-    cpu = judge(
-        make_cfg("amp=true"), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="amp-bf16"
-    )
+    cpu = judge(make_cfg("amp=true"), RunFacts("cpu", "amp-bf16"), split(1), machine())
     assert "trainer.compile=true; amp's effect on this CPU was not measured" in cpu.message
     assert cpu.message.index("loader.batch_size=64") < cpu.message.index("no GPU that torch can use")
 
 
 def test_on_a_busy_machine_the_verdict_cannot_tell_and_says_which_way_the_shares_lean(make_cfg: MakeCfg) -> None:
-    busy = "the machine was busy (others used 60% of its CPUs)"
-    verdict = judge(
-        make_cfg(), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="fp32", busy=busy
-    )
+    verdict = judge(make_cfg(), RunFacts("cpu", "fp32"), split(1), machine(others_pct=60))
     assert (verdict.bottleneck, verdict.confidence) == ("unknown", "low")
     assert verdict.message.startswith(
         "cannot tell: the machine was busy (others used 60% of its CPUs); the shares lean compute-bound: 1% of step "

@@ -9,6 +9,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from helpers import machine, split
 from pipeline.config import RunConfig
 from pipeline.engine import flops
 from pipeline.engine.build import build
@@ -140,38 +141,24 @@ def test_the_peak_is_the_dtype_the_run_computes_in(
 
 
 def test_a_compute_bound_gpu_run_at_low_mfu_gets_the_changes_that_raise_it(make_cfg: Callable[..., RunConfig]) -> None:
-    from pipeline.report.verdict import Mfu, judge
+    from pipeline.report.verdict import Mfu, RunFacts, judge
 
     cfg = make_cfg("model=resnet18")
-    low = judge(
-        cfg, device_type="cuda", data_wait_pct=1, h2d_pct=1, gpu_util_pct=98, precision="fp32", mfu=Mfu(8, "tf32")
-    )
+    low = judge(cfg, RunFacts("cuda", "fp32", mfu=Mfu(8, "tf32")), split(1, 1), machine(gpu_util_pct=98))
     assert low.bottleneck == "compute"
     assert (
         "computes at only 8% of its tf32 peak (MFU); to raise it try amp=true trainer.channels_last=true" in low.message
     )
-    high = judge(
-        cfg, device_type="cuda", data_wait_pct=1, h2d_pct=1, gpu_util_pct=98, precision="amp-bf16", mfu=Mfu(61, "bf16")
-    )
+    high = judge(cfg, RunFacts("cuda", "amp-bf16", mfu=Mfu(61, "bf16")), split(1, 1), machine(gpu_util_pct=98))
     assert "at 61% of its bf16 peak (MFU): the model's own arithmetic is the limit at this precision" in high.message
     assert "amp=true" not in high.message and "channels_last" not in high.message
-    fp32 = judge(
-        cfg, device_type="cuda", data_wait_pct=1, h2d_pct=1, gpu_util_pct=98, precision="fp32", mfu=Mfu(70, "tf32")
-    )
+    fp32 = judge(cfg, RunFacts("cuda", "fp32", mfu=Mfu(70, "tf32")), split(1, 1), machine(gpu_util_pct=98))
     assert fp32.message.endswith("amp=true computes in a narrower format, whose peak is higher")
 
 
 def test_a_cpu_run_at_high_mfu_is_told_the_arithmetic_is_the_limit_there(make_cfg: Callable[..., RunConfig]) -> None:
-    from pipeline.report.verdict import Mfu, judge
+    from pipeline.report.verdict import Mfu, RunFacts, judge
 
-    verdict = judge(
-        make_cfg(),
-        device_type="cpu",
-        data_wait_pct=1,
-        h2d_pct=0,
-        gpu_util_pct=None,
-        precision="fp32",
-        mfu=Mfu(55, "fp32"),
-    )
+    verdict = judge(make_cfg(), RunFacts("cpu", "fp32", mfu=Mfu(55, "fp32")), split(1), machine())
     assert verdict.message.startswith("compute-bound (medium confidence: one steady epoch; decided by the step-time")
     assert "55% of its fp32 peak (MFU) — on this CPU the model's own arithmetic is the limit; " in verdict.message

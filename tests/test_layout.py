@@ -22,26 +22,6 @@ SRC = ROOT / "src"
 FUNCTION_LINES, READ_IN_ONE_PASS, PARAMETERS = 80, 50, 7
 WIDE_ON_PURPOSE = re.compile(r"#\s*params:\s*\S")  # "# params: <why>", on the def line or the line above
 
-# Functions over PARAMETERS with no "# params:" comment, each awaiting a change outside this test's branch. Empty it
-# as they shrink: an entry that is no longer over fails below.
-WIDE_FOR_NOW = {
-    # the benchmarks, moving out of the package (issue 38)
-    "pipeline/gpucheck/check.py:_document",
-    # issue 38's own, not yet refactored (judge to take the Breakdown and the UtilSummary, not their fields; the
-    # others to bundle what travels together, or to say why with "# params:")
-    "pipeline/autotune/search.py:search",
-    "pipeline/data/sources.py:tensor_bundle",
-    "pipeline/engine/amp_check.py:probe_cpu_amp",
-    "pipeline/engine/build.py:_model_flops",
-    "pipeline/engine/build.py:_train_state",
-    "pipeline/engine/inputs.py:check_first_batch",
-    "pipeline/experiments/compare/reporting.py:report",
-    "pipeline/record/logged_model.py:log_model",
-    "pipeline/record/logged_model.py:_log",
-    "pipeline/report/verdict.py:judge",
-    "pipeline/report/verdict.py:_hint",
-}
-
 
 def _defs(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """Every function under ``node`` with its qualified name (``Class.method``, ``outer.<locals>.inner``)."""
@@ -126,11 +106,7 @@ def test_a_function_not_found_fails_by_name() -> None:
 
 
 def test_no_function_takes_more_than_7_parameters_unless_a_comment_says_why() -> None:
-    assert {name: n for name, n in wide_functions().items() if name not in WIDE_FOR_NOW} == {}
-
-
-def test_every_function_waiting_to_shrink_is_still_wide() -> None:
-    assert sorted(WIDE_FOR_NOW - set(wide_functions())) == [], "these take 7 or fewer now: remove them from the set"
+    assert wide_functions() == {}
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from torch import nn
 
-from pipeline.record.logged_model import SELF_CHECKS, ModelCard, log_model, requirements
+from pipeline.record.logged_model import SELF_CHECKS, Destination, ModelCard, log_model, requirements
 
 
 def test_a_model_is_logged_with_this_process_versions_without_mlflows_self_checks_and_serves_its_example(
@@ -34,7 +34,7 @@ def test_a_model_is_logged_with_this_process_versions_without_mlflows_self_check
     inputs = torch.arange(8.0).view(2, 4)
     card = ModelCard(inputs, model(inputs).detach(), {"task": "classification"}, metrics=[])
 
-    uri = log_model(client, uri=store_uri, experiment_id=experiment_id, run_id=run_id, model=model, card=card).uri
+    uri = log_model(client, Destination(store_uri, experiment_id, run_id), model=model, card=card).uri
 
     assert uri == f"runs:/{run_id}/model"
     assert checked == []  # skipped for the call, then put back:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import StepClock
+from helpers import StepClock, machine
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
 from pipeline.engine.devices import activate
@@ -18,7 +18,7 @@ from pipeline.engine.models import mlp
 from pipeline.engine.precision import PrecisionPolicy
 from pipeline.engine.step import Inputs, TrainState
 from pipeline.engine.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
-from pipeline.report.verdict import judge
+from pipeline.report.verdict import RunFacts, judge
 
 
 def test_breakdown_splits_bookkeeping_wait_copy_and_compute_and_leaves_the_first_step_out() -> None:
@@ -166,15 +166,7 @@ def test_slow_bookkeeping_between_steps_is_overhead_not_waiting_for_data(
     # steps 2..8: 7 x (5 + 5) ms logging and drawing, and the checkpoints after steps 2, 4 and 6 (step 8's comes
     # after the last mark); fetching resident batches and computing take no time on this clock
     assert b.overhead_s == pytest.approx(0.1) and b.data_wait_s == 0.0 and b.overhead_pct == pytest.approx(100.0)
-    verdict = judge(
-        make_cfg(),
-        device_type="cpu",
-        data_wait_pct=b.data_wait_pct,
-        h2d_pct=b.h2d_pct,
-        overhead_pct=b.overhead_pct,
-        gpu_util_pct=None,
-        precision="fp32",
-    )
+    verdict = judge(make_cfg(), RunFacts("cpu", "fp32"), b, machine())
     assert verdict.bottleneck != "input"
     assert "the pipeline's own work between steps" in verdict.message and "trainer.log_every_n_steps" in verdict.message
 

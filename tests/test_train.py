@@ -245,15 +245,15 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 
     timed: list[tuple[int, torch.dtype]] = []
 
-    def ten_times_slower(model, images, labels, *, dtype, **kwargs):  # what the review measured on a CPU
-        timed.append((len(images), dtype))
+    def ten_times_slower(model, batch, *, dtype, **kwargs):  # what the review measured on a CPU
+        timed.append((len(batch[0]), dtype))
         return amp_check.AmpProbe(1.7, 17.0, 0.1, batch=4, pairs=5, dtype="bf16", amx=False)
 
     import pipeline.report.logbook as logbook
 
     judged: list[object] = []
     real_judge = logbook.judge
-    monkeypatch.setattr(logbook, "judge", lambda *a, **kw: judged.append(kw["amp_check"]) or real_judge(*a, **kw))
+    monkeypatch.setattr(logbook, "judge", lambda *a, **kw: judged.append(a[1].amp_check) or real_judge(*a, **kw))
     monkeypatch.setattr(amp_check, "probe_cpu_amp", ten_times_slower)
     result = train(make_cfg("amp=true"), echo=False)
     assert judged == [result.amp_probe]  # the bottleneck hint is told what was measured

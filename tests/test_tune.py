@@ -86,7 +86,7 @@ def run_search(fake: Fake, *, budget_s: float = 200, confirm: int = 6) -> tuple[
     cfg = load(["device=cpu"])
     found = plan(cfg, probe("compute"), MACHINE, device=CPU, input_dims=4)
     settings = Settings(budget_s=budget_s, confirm=confirm, order_seed=1, runner_up=False)
-    outcome = search(found.candidates, found.candidates[0], measure=fake, settings=settings, clock=lambda: fake.now)
+    outcome = search(found.candidates, measure=fake, settings=settings, clock=lambda: fake.now)
     return tuned.claim(outcome), outcome
 
 
@@ -120,7 +120,7 @@ class Lucky(Fake):
 def search_with(fake: Fake, confirm: int = 8) -> tuple[tuple, object]:
     found = plan(load(["device=cpu"]), probe("compute"), MACHINE, device=CPU, input_dims=2)  # amp, compile
     settings = Settings(budget_s=200, confirm=confirm, order_seed=1, runner_up=False)
-    outcome = search(found.candidates, found.candidates[0], measure=fake, settings=settings, clock=lambda: fake.now)
+    outcome = search(found.candidates, measure=fake, settings=settings, clock=lambda: fake.now)
     return tuned.claim(outcome), outcome
 
 
@@ -168,7 +168,7 @@ def tuning(cfg: RunConfig, rates: dict[str, float]) -> Tuning:
     found = plan(cfg, probe("compute"), MACHINE, device=CPU, input_dims=2)
     fake = Fake(rates, spread=0.02)
     settings = Settings(budget_s=100, confirm=6, order_seed=1, runner_up=False)
-    outcome = search(found.candidates, found.candidates[0], measure=fake, settings=settings, clock=lambda: fake.now)
+    outcome = search(found.candidates, measure=fake, settings=settings, clock=lambda: fake.now)
     return Tuning(cfg, probe("compute"), found, outcome, "mlp-test", "cpu")
 
 

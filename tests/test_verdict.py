@@ -13,12 +13,13 @@ import torch
 from mlflow import MlflowClient
 
 import pipeline.engine.profiling as profiling
+from helpers import machine, split
 from pipeline.config import RunConfig
 from pipeline.engine.profile_report import Operator, ProfileReport
 from pipeline.engine.profiling import AUTO_STEPS, AutoProfiler
 from pipeline.engine.timing import WallTimer
 from pipeline.report.operators import operator_groups
-from pipeline.report.verdict import judge
+from pipeline.report.verdict import Mfu, Profiled, RunFacts, judge
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -209,13 +210,10 @@ def test_a_profile_mostly_outside_operators_with_low_mfu_is_overhead_bound(make_
     groups = operator_groups(report, outputs="logits", device_type="cpu")
     assert [g.name for g in groups] == ["outside operators", "many small operators"]
     assert groups[0].share_pct == pytest.approx(64.0) and groups[1].detail == "200 calls a step under 10 µs each"
-    verdict = judge(make_cfg(), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="fp32",
-                    mfu=None, groups=groups, profiled="profile of steps 40-42")  # fmt: skip
+    profile = Profiled(groups, "profile of steps 40-42")
+    verdict = judge(make_cfg(), RunFacts("cpu", "fp32", mfu=None), split(1), machine(), profile=profile)
     assert verdict.bottleneck == "compute"  # no MFU, so the idle rule cannot apply
-    from pipeline.report.verdict import Mfu
-
-    low = judge(make_cfg(), device_type="cpu", data_wait_pct=1, h2d_pct=0, gpu_util_pct=None, precision="fp32",
-                mfu=Mfu(2, "fp32"), groups=groups, profiled="profile of steps 40-42")  # fmt: skip
+    low = judge(make_cfg(), RunFacts("cpu", "fp32", mfu=Mfu(2, "fp32")), split(1), machine(), profile=profile)
     assert low.bottleneck == "overhead"
     assert "decided by MFU with the device mostly idle in the profile" in low.message
     assert low.top_ops == "outside operators 64% · many small operators 16%"

@@ -206,7 +206,6 @@ def tune(
 
 def search(
     plan: list[Candidate],
-    current: Candidate,
     *,
     measure: Measure,
     settings: Settings = Settings(),
@@ -215,10 +214,10 @@ def search(
     started: float | None = None,
     ladder: list[int] | None = None,
 ) -> Outcome:
-    """``tune``'s rounds and confirmation over any ``plan`` (``current`` first in it): the search of
+    """``tune``'s rounds and confirmation over any ``plan``, the current setting first in it: the search of
     ``python -m pipeline.tune``. ``ladder`` is the worker ladder whose plateau ends it early (none: no plateau)."""
     session = _Session(measure, release, clock, settings, started)
-    return _searched(plan, current, session, ladder=ladder or [])
+    return _searched(plan, plan[0], session, ladder=ladder or [])
 
 
 def _searched(plan: list[Candidate], now: Candidate, session: _Session, *, ladder: list[int]) -> Outcome:

@@ -159,7 +159,6 @@ def tune_run(
         current = found.candidates[0]
         outcome = search(
             found.candidates,
-            current,
             measure=usable(trials.measure, group, current),
             settings=dataclasses.replace(settings, order_seed=cfg.trainer.seed, runner_up=False),
             release=trials.release,

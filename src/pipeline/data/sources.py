@@ -182,16 +182,18 @@ def tensor_bundle(
     val: tuple[torch.Tensor, torch.Tensor],
     num_classes: int,
     source: str,
-    mean: tuple[float, ...] | None = None,
-    std: tuple[float, ...] | None = None,
+    mean_std: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     classes: tuple[str, ...] | None = None,
 ) -> DataBundle:
-    """Wrap in-memory uint8 images ``[N, C, H, W]`` and labels; mean/std default to the train split's."""
+    """Wrap in-memory uint8 images ``[N, C, H, W]`` and labels; ``mean_std``: each channel's mean and standard
+    deviation, on a 0-1 scale, that normalise them (none: the train split's)."""
     images, labels = train
-    if mean is None or std is None:
+    if mean_std is None:
         pixels = images.float().div_(255)
         mean = tuple(pixels.mean(dim=(0, 2, 3)).tolist())
         std = tuple(pixels.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist())
+    else:
+        mean, std = mean_std
     spec = DataSpec(
         name=name,
         in_shape=tuple(images.shape[1:]),
@@ -270,15 +272,13 @@ def _torchvision(cfg: DataConfig) -> DataBundle:
     """MNIST, Fashion-MNIST or CIFAR-10 from ``data.root``, downloaded by torchvision when missing (``archives``)."""
     root = Path(cfg.root or "data").expanduser()
     (train, val), num_classes = read_published(cfg.name, root, download=bool(cfg.download))
-    mean, std = _STATS[cfg.name]
     return tensor_bundle(
         cfg.name,
         train=train,
         val=val,
         num_classes=num_classes,
         source=str(root.resolve()),
-        mean=mean,
-        std=std,
+        mean_std=_STATS[cfg.name],
         classes=CLASSES.get(cfg.name),
     )
 
@@ -326,8 +326,7 @@ def _synthetic(cfg: DataConfig) -> DataBundle:
         train=train,
         val=val,
         num_classes=classes,
-        mean=(0.5,) * shape[0],
-        std=(0.2887,) * shape[0],
+        mean_std=((0.5,) * shape[0], (0.2887,) * shape[0]),
         source=f"synthetic: uniform uint8 {list(shape)}, {classes} classes, seed {SPLIT_SEED}",
     )
 

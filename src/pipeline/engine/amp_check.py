@@ -152,8 +152,7 @@ def probe_batch(model: nn.Module, images: Any, run_batch: int, *, per_sample: fl
 
 def probe_cpu_amp(
     model: nn.Module,
-    images: Any,
-    labels: Any,
+    batch: tuple[Any, Any],
     *,
     dtype: torch.dtype,
     budget_s: float = BUDGET_S,
@@ -168,8 +167,8 @@ def probe_cpu_amp(
 
     Args:
         model: The run's model, on the CPU.
-        images: An already-normalised float32 batch on the CPU (the run's first, after ``prepare``).
-        labels: Its targets.
+        batch: The images, already-normalised float32 on the CPU (the run's first batch, after ``prepare``), and
+            their labels.
         loss: The run's step loss, ``loss(model, inputs, targets)`` (a step hook's, or ``model_loss`` of the task's;
             default cross-entropy on the model's outputs).
         per_sample: The run's training FLOPs per sample, where it counted them (``probe_batch``).
@@ -177,22 +176,23 @@ def probe_cpu_amp(
         budget_s: No pair starts that would end after this many seconds (the two warm-ups always run).
         pairs: The most pairs.
     """
+    images, labels = batch
     deadline = time.perf_counter() + budget_s
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         copied = _bare_copy(model)
-        batch = probe_batch(copied, images, count(labels), per_sample=per_sample)
+        size = probe_batch(copied, images, count(labels), per_sample=per_sample)
         copied.train()
-        cut = slice(0, batch)
+        cut = slice(0, size)
         step_loss = loss or model_loss(F.cross_entropy)
         fp32_step = _train_step(copied, take(images, cut), take(labels, cut), None, step_loss)
         amp_step = _train_step(copied, take(images, cut), take(labels, cut), dtype, step_loss)
         first, times = time_pairs(fp32_step, amp_step, pairs=pairs, until=deadline)
     if not times[0]:
-        return AmpProbe(first[0], first[1], math.nan, batch, 0, name, has_amx(), count(labels))
+        return AmpProbe(first[0], first[1], math.nan, size, 0, name, has_amx(), count(labels))
     fp32, amp = statistics.median(times[0]), statistics.median(times[1])
     ratio = paired_ratio(times[0], times[1])
-    return AmpProbe(fp32, amp, ratio, batch, len(times[0]), name, has_amx(), count(labels))
+    return AmpProbe(fp32, amp, ratio, size, len(times[0]), name, has_amx(), count(labels))
 
 
 def time_pairs(
@@ -286,7 +286,7 @@ def check_cpu_amp(
     """
     if policy.device_type != "cpu" or policy.dtype is None:
         return None
-    probe = probe_cpu_amp(model, *batch(), dtype=policy.dtype, loss=loss, per_sample=per_sample)
+    probe = probe_cpu_amp(model, batch(), dtype=policy.dtype, loss=loss, per_sample=per_sample)
     advice = amp_advice(probe)
     if advice:
         log.warning(advice)

@@ -137,10 +137,11 @@ def build(
     first = data.first or first_batch(data.train, 2)  # two samples: BatchNorm needs more than one
     model = _model(cfg, spec, device, example=first[0])
     on_model(model)
-    batchnorm = has_batchnorm(model)
-    train_loader = _batchnorm_safe(cfg, batchnorm=batchnorm, samples=spec.train_size, world=group.world_size)
+    train_loader = _batchnorm_safe(cfg, batchnorm=has_batchnorm(model), samples=spec.train_size, world=group.world_size)
     prepare = _prepare(spec, trainer, device)
-    checked, model_flops = _model_flops(cfg, model, task, first, step, prepare=prepare, choice=choice, policy=policy)
+    checked, model_flops = _model_flops(
+        cfg, model, task, first, step, inputs=Inputs(device, policy, prepare), choice=choice
+    )
     if trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     augment = _augment(cfg, spec, device, group)
@@ -159,7 +160,7 @@ def build(
     scheduler = build_scheduler(
         cfg.scheduler, optimizer, steps=steps, epochs=trainer.epochs, metrics=scoring.metric_names
     )
-    state = _train_state(cfg, model, optimizer, policy, scheduler, scoring, batchnorm=batchnorm, snapshot=snapshot)
+    state = _train_state(cfg, model, optimizer, policy, scheduler, scoring, snapshot=snapshot)
     batch = cfg.loader.batch_size
     return Setup(
         choice=choice,
@@ -207,15 +208,14 @@ def _train_state(
     scheduler: Schedule,
     scoring: Scoring,
     *,
-    batchnorm: bool,
     snapshot: OomSnapshot | NoSnapshot,
 ) -> TrainState:
-    """What the epochs advance: with the scaler, training's own micro-batcher (at least 2 samples with BatchNorm),
-    the step and a context of training's own (``scoring``'s task, step and cut, not its context), clipping, whether
-    the optimizer takes a closure and, compiled, the watch over what torch.compile compiles."""
-    micro = MicroBatcher.from_config(
-        cfg.oom, batch_size=cfg.loader.batch_size, least=2 if batchnorm else 1, on_oom=snapshot
-    )
+    """What the epochs advance: with the scaler, training's own micro-batcher (at least 2 samples when the model,
+    ``scoring``'s unwrapped module, has BatchNorm), the step and a context of training's own (``scoring``'s task, step
+    and cut, not its context), clipping, whether the optimizer takes a closure and, compiled, the watch over what
+    torch.compile compiles."""
+    least = 2 if has_batchnorm(scoring.context.module) else 1
+    micro = MicroBatcher.from_config(cfg.oom, batch_size=cfg.loader.batch_size, least=least, on_oom=snapshot)
     task, step = scoring.task, scoring.compute
     return TrainState(
         model,
@@ -281,27 +281,20 @@ def _model_flops(
     first: tuple[Any, Any],
     step: Step,
     *,
-    prepare: Normalize | AsGiven,
+    inputs: Inputs,
     choice: DeviceChoice,
-    policy: PrecisionPolicy,
 ) -> tuple[FirstBatch, flops.ModelFlops]:
-    """The first batch checked against the model, the task and the step (``check_first_batch``), its forward's FLOPs
-    counted on the way (MFU's numerator, counted once per run), and the device's peak."""
+    """The first batch checked against the model, the task and the step (``check_first_batch``; ``inputs``: how it
+    reaches the model, unaugmented), its forward's FLOPs counted on the way (MFU's numerator, counted once per run),
+    and the peak of ``choice``'s device at the run's precision."""
     device = choice.device
     with flops.counting() as counted:
         checked = check_first_batch(
-            model,
-            task,
-            first,
-            prepare=prepare,
-            device=device,
-            channels_last=cfg.trainer.channels_last,
-            autocast=policy.autocast,
-            step=step,
+            model, task, first, inputs=inputs, channels_last=cfg.trainer.channels_last, step=step
         )
     model_flops = flops.ModelFlops(
         flops.per_sample(counted.forward, count(first[0], cfg.data.batch_dim)),
-        device_peak(device, run_dtype(device, policy.dtype), device_name=choice.name),
+        device_peak(device, run_dtype(device, inputs.policy.dtype), device_name=choice.name),
     )
     return checked, model_flops
 

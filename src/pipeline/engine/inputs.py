@@ -10,8 +10,6 @@ starts.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +24,7 @@ from pipeline.common.usercode import site
 from pipeline.data.structures import describe, move
 from pipeline.engine.hooks import Computed, Step, StepContext, StepHookError, TaskStep
 from pipeline.engine.models import has_convolutions
+from pipeline.engine.step import Inputs
 from pipeline.engine.tasks import OutputMismatch, Task
 
 
@@ -43,14 +42,13 @@ def check_first_batch(
     task: Task,
     batch: tuple[Any, Any],
     *,
-    prepare: Callable[[Any], Any],
-    device: torch.device,
+    inputs: Inputs,
     channels_last: bool,
-    autocast: Callable[[], Any] = contextlib.nullcontext,
     step: Step | None = None,
 ) -> FirstBatch:
-    """Refuse what the first batch (two samples) shows cannot train. The step (the task's, or the user's hook with a
-    context of its own: nothing it keeps reaches training) runs under the run's ``autocast``, as training's.
+    """Refuse what the first batch (two samples) shows cannot train. The batch reaches the model as training's do
+    (``inputs``: moved to its device and prepared, the forward under its policy's autocast; no augmentation). The step
+    (the task's, or the user's hook with a context of its own: nothing it keeps reaches training) runs as training's.
 
     Raises:
         DatasetError: targets whose dtype or shape the task cannot take (``task.check_targets``).
@@ -59,29 +57,29 @@ def check_first_batch(
             are the inputs and the task would score them unshifted (``task.shift_labels``).
         StepHookError: the user's step returned no loss tensor, or a loss that is not one number.
     """
-    step = step or TaskStep(task)
-    inputs, targets = batch
+    step, device = step or TaskStep(task), inputs.device
+    given, targets = batch
     task.check_targets(targets)
     if channels_last:
-        check_channels_last(model, inputs)
-    inputs, targets = move(inputs, device, non_blocking=False), move(targets, device, non_blocking=False)
+        check_channels_last(model, given)
+    given, targets = move(given, device, non_blocking=False), move(targets, device, non_blocking=False)
     if not step.custom:  # the task computes the loss: its targets must line up with the outputs
-        task.check_inputs(inputs, targets)
+        task.check_inputs(given, targets)
     context = StepContext(task.loss, device, model, training=False)
     training = model.training
     model.eval()
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     seen = model.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
     try:  # the random stream forked: a step that draws numbers leaves training's stream as it was
-        with torch.no_grad(), autocast(), torch.random.fork_rng(devices=_cuda(device)):
-            done = step.compute(model, prepare(inputs), targets, context)
+        with torch.no_grad(), inputs.policy.autocast(), torch.random.fork_rng(devices=_cuda(device)):
+            done = step.compute(model, inputs.prepare(given), targets, context)
     except (PipelineError, TargetError):
         raise
     except Exception as err:
         if is_oom(err):  # two samples do not fit: said as the out-of-memory error it is (memory.OutOfMemory)
             raise
         raise OutputMismatch(
-            f"{_what_ran(step)} on the first batch ({describe(inputs)}) raised {brief(err, first_line=True)}"
+            f"{_what_ran(step)} on the first batch ({describe(given)}) raised {brief(err, first_line=True)}"
             f"{site(err)} (--debug shows the traceback)"
         ) from err
     finally:

@@ -87,19 +87,26 @@ class Logged:
     form: str  # pickle | pt2
 
 
+@dataclass(frozen=True)
+class Destination:
+    """Where a model is logged: the run ``run_id`` of experiment ``experiment_id`` in the store at ``uri``."""
+
+    uri: str
+    experiment_id: str
+    run_id: str
+
+
 def log_model(
     client: Any,
+    to: Destination,
     *,
-    uri: str,
-    experiment_id: str,
-    run_id: str,
     model: Any,
     card: ModelCard,
     mask: Callable[[str], str] = lambda text: text,
     form: str = "pickle",
     step: int | None = None,
 ) -> Logged:
-    """Log ``model`` to run ``run_id`` in ``form`` (``pickle``, ``pt2``, or ``auto``: pt2 where it exports) and link
+    """Log ``model`` to the run ``to`` in ``form`` (``pickle``, ``pt2``, or ``auto``: pt2 where it exports) and link
     its metrics: MLflow's own link of the metrics logged at ``step`` (a checkpoint's epoch), or, without a step, the
     run's last points of ``card.metrics``. The tags MLflow gives a logged model from its context (the user, the source,
     git) pass through ``mask``, as the run's own do.
@@ -109,19 +116,18 @@ def log_model(
         ModelExportError: ``pt2`` asked for, and the model does not export with its input example.
     """
     model.eval()
-    where = {"uri": uri, "experiment_id": experiment_id, "run_id": run_id, "mask": mask, "step": step}
     used = "pickle" if form == "pickle" else "pt2"
     try:
-        info = _log(model, card, form=used, **where)
+        info = _log(model, card, to, mask=mask, form=used, step=step)
     except ModelExportError as err:
         if form == "pt2":
             raise
         log.info("the model does not export (%s): logged with pickle (tracking.model_format=auto)", err)
         used = "pickle"
-        info = _log(model, card, form=used, **where)
+        info = _log(model, card, to, mask=mask, form=used, step=step)
     if step is None:
-        _link_last_points(client, run_id, card.metrics, info.model_id)
-    return Logged(f"runs:/{run_id}/{NAME}", used)
+        _link_last_points(client, to.run_id, card.metrics, info.model_id)
+    return Logged(f"runs:/{to.run_id}/{NAME}", used)
 
 
 class ModelExportError(Exception):
@@ -129,15 +135,7 @@ class ModelExportError(Exception):
 
 
 def _log(
-    model: Any,
-    card: ModelCard,
-    *,
-    uri: str,
-    experiment_id: str,
-    run_id: str,
-    mask: Callable[[str], str],
-    form: str,
-    step: int | None,
+    model: Any, card: ModelCard, to: Destination, *, mask: Callable[[str], str], form: str, step: int | None
 ) -> Any:
     import mlflow
     import mlflow.pytorch
@@ -147,12 +145,12 @@ def _log(
     if form != "pt2" and signature is not None:
         example = _numpy(card.inputs)
     how = "pt2 (torch.export): a graph, no code needed" if form == "pt2" else "pickle (cloudpickle): the class itself"
-    with _quiet(), _fluent_store(uri, experiment_id), _self_checks_skipped():
+    with _quiet(), _fluent_store(to.uri, to.experiment_id), _self_checks_skipped():
         try:
             return mlflow.pytorch.log_model(
                 model,
                 name=NAME,
-                run_id=run_id,
+                run_id=to.run_id,
                 step=step or 0,
                 serialization_format=form,
                 code_paths=(code_paths(model) or None) if form == "pickle" else None,

@@ -52,7 +52,7 @@ from pipeline.common.uris import run_page, ui_base
 from pipeline.record import outbox
 from pipeline.record.dataset_input import dataset_inputs
 from pipeline.record.heartbeat import Heartbeat
-from pipeline.record.logged_model import Logged, ModelCard, ModelExportError, log_model
+from pipeline.record.logged_model import Destination, Logged, ModelCard, ModelExportError, log_model
 from pipeline.record.outage import Outage
 from pipeline.record.store import retrying, server_down
 
@@ -363,9 +363,7 @@ class MlflowTracker:
         try:
             return log_model(
                 self.client,
-                uri=self.uri,
-                experiment_id=self.experiment_id,
-                run_id=self.run_id,
+                Destination(self.uri, self.experiment_id, self.run_id),
                 model=model,
                 card=card.masked(self.mask),
                 mask=self.mask,

@@ -29,18 +29,18 @@ from pipeline.engine.build import Setup
 from pipeline.engine.memory import batchnorm_note
 from pipeline.engine.models import has_convolutions
 from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
-from pipeline.engine.results import EpochResult, RunResult, run_breakdown, steady_epochs
+from pipeline.engine.results import EpochResult, RunResult, run_breakdown
 from pipeline.engine.run import Fitted, NoEpochModels, Run
 from pipeline.engine.start import FreshStart, Resumed
 from pipeline.engine.timing import Breakdown
 from pipeline.machine import doctor
-from pipeline.monitor import job_summary, rank_cpu
+from pipeline.monitor import UtilSummary, job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker
 from pipeline.record.logged_model import Logged, ModelCard, check_format
 from pipeline.report.operators import operator_groups
 from pipeline.report.plots import step_breakdown, utilisation_timeline
-from pipeline.report.summary import busy_words, device_speed
-from pipeline.report.verdict import Mfu, Verdict, judge
+from pipeline.report.summary import device_speed
+from pipeline.report.verdict import Mfu, Profiled, RunFacts, Verdict, judge
 
 
 def start(
@@ -143,31 +143,27 @@ def conclude(run: Run, cfg: RunConfig, fitted: Fitted, *, total_s: float) -> Run
 
 
 def _verdict(
-    setup: Setup, cfg: RunConfig, epochs: list[EpochResult], breakdown: Breakdown, utilisation: Any, profile: Any
+    setup: Setup,
+    cfg: RunConfig,
+    epochs: list[EpochResult],
+    breakdown: Breakdown,
+    utilisation: UtilSummary,
+    profile: Any,
 ) -> Verdict:
     """What held the run back (``pipeline.report.verdict.judge``), from its step-time shares, each steady epoch's,
     the machine's use and what the profile found."""
     groups = (
         operator_groups(profile, outputs=cfg.task.outputs, device_type=setup.device.type) if profile is not None else []
     )
-    return judge(
-        cfg,
+    run = RunFacts(
         device_type=setup.device.type,
-        data_wait_pct=max([breakdown.data_wait_pct] + [e.slowest_rank_wait_pct for e in epochs]),
-        h2d_pct=breakdown.h2d_pct,
-        overhead_pct=breakdown.overhead_pct,
-        gpu_util_pct=utilisation.gpu_util_mean_pct,
         precision=setup.policy.label,
+        convolutional=has_convolutions(setup.state.model),
         mfu=run_mfu(setup, device_speed(epochs)),
         amp_check=setup.amp_probe,
-        convolutional=has_convolutions(setup.state.model),
-        busy=busy_words(utilisation) if utilisation.busy else "",
-        epochs=[
-            (e.breakdown.data_wait_pct + e.breakdown.h2d_pct, e.breakdown.overhead_pct) for e in steady_epochs(epochs)
-        ],
-        groups=groups,
-        profiled=_profiled_words(setup.profiler, profile),
     )
+    profiled = Profiled(groups, _profiled_words(setup.profiler, profile))
+    return judge(cfg, run, breakdown, utilisation, epochs=epochs, profile=profiled)
 
 
 def _profiled_words(profiler: Any, profile: Any) -> str:

@@ -14,7 +14,7 @@ from pipeline.common.metric_names import VAL_ACC, VAL_LOSS
 from pipeline.data.backends import on_device
 from pipeline.engine.results import EpochResult, RunResult, steady_epochs
 from pipeline.monitor import UtilSummary
-from pipeline.report.verdict import data_wait_words
+from pipeline.report.verdict import busy_words, data_wait_words
 
 
 def format_summary(result: RunResult) -> str:
@@ -113,8 +113,3 @@ def utilisation_lines(u: UtilSummary) -> list[str]:
     if u.busy:
         lines.append(f"  note        {busy_words(u)}: speed figures are not comparable")
     return lines
-
-
-def busy_words(u: UtilSummary) -> str:
-    """``the machine was busy (others used 60% of its CPUs)``: what the summary and the verdict say of it."""
-    return f"the machine was busy (others used {u.others_cpu_pct or 0.0:.0f}% of its CPUs)"

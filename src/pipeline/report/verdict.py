@@ -35,6 +35,9 @@ import torch
 from pipeline.config import RunConfig
 from pipeline.engine.amp_check import AmpProbe, has_amx
 from pipeline.engine.profiling import LOW_MFU_PCT
+from pipeline.engine.results import EpochResult, steady_epochs
+from pipeline.engine.timing import Breakdown
+from pipeline.monitor import UtilSummary
 from pipeline.report.operators import OperatorGroup
 
 INPUT_HIGH_PCT = 20.0
@@ -146,32 +149,65 @@ def agreement(evidence: Evidence, kind: str) -> tuple[str, str]:
     return "high", spread
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run was, as the verdict reads it: the device it trained on, its precision, whether its model has
+    2-D convolutions (only then is ``channels_last`` worth a try), its model FLOPs utilisation when it has one, and
+    on a CPU what the start-up amp check measured (``pipeline.engine.amp_check``)."""
+
+    device_type: str  # cuda, cpu, mps
+    precision: str  # the precision policy's label: fp32, amp-bf16, amp-fp16
+    convolutional: bool = True
+    mfu: Mfu | None = None
+    amp_check: AmpProbe | None = None
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """What the run's profile found (``pipeline.report.operators``): its operator groups, largest first, and which
+    steps it covered ("profile of steps 51-53") or why the run profiled none ("" when nothing was said)."""
+
+    groups: Sequence[OperatorGroup] = ()
+    words: str = ""
+
+
+def busy_words(u: UtilSummary) -> str:
+    """``the machine was busy (others used 60% of its CPUs)``: what the summary and the verdict say of it."""
+    return f"the machine was busy (others used {u.others_cpu_pct or 0.0:.0f}% of its CPUs)"
+
+
 def judge(
     cfg: RunConfig,
+    run: RunFacts,
+    breakdown: Breakdown,
+    utilisation: UtilSummary,
     *,
-    device_type: str,
-    data_wait_pct: float,
-    h2d_pct: float,
-    gpu_util_pct: float | None,
-    precision: str,
-    overhead_pct: float = 0.0,
+    epochs: Sequence[EpochResult] = (),
+    profile: Profiled = Profiled(),
     cpus: int | None = None,
-    amp_check: AmpProbe | None = None,
-    convolutional: bool = True,
-    mfu: Mfu | None = None,
-    busy: str = "",
-    epochs: Sequence[tuple[float, float]] = (),
-    groups: Sequence[OperatorGroup] = (),
-    profiled: str = "",
 ) -> Verdict:
-    """The verdict with its confidence, its evidence and a hint made of concrete overrides. On a CPU, what it says of
-    amp follows ``amp_check`` (the start-up measurement, ``pipeline.engine.amp_check``); ``mfu``: the run's model
-    FLOPs utilisation, when it has one; ``busy``: how busy other processes kept the machine
-    (``pipeline.report.summary.busy_words``), "" when they did not; ``epochs``: each steady epoch's (input %,
-    overhead %); ``groups`` and ``profiled``: what the run's profile found (``pipeline.report.operators``)."""
-    e = Evidence(data_wait_pct, h2d_pct, overhead_pct, gpu_util_pct, mfu, busy, epochs, groups, profiled)
+    """The verdict with its confidence, its evidence and a hint made of concrete overrides, from the run's step-time
+    ``breakdown`` (``run_breakdown``: its steady steps pooled) and its machine's ``utilisation``. ``epochs``: the run's
+    epochs; the steady ones' shares say how sure the verdict is, and under DDP the rank that waited most for its data
+    sets the data-wait share (a straggler holds every rank back). ``cpus``: the CPUs the hints count (none: the
+    machine's)."""
+    mfu, busy = run.mfu, busy_words(utilisation) if utilisation.busy else ""
+    shares = [
+        (s.breakdown.data_wait_pct + s.breakdown.h2d_pct, s.breakdown.overhead_pct) for s in steady_epochs(list(epochs))
+    ]
+    e = Evidence(
+        data_wait_pct=max([breakdown.data_wait_pct] + [epoch.slowest_rank_wait_pct for epoch in epochs]),
+        h2d_pct=breakdown.h2d_pct,
+        overhead_pct=breakdown.overhead_pct,
+        gpu_util_pct=utilisation.gpu_util_mean_pct,
+        mfu=mfu,
+        busy=busy,
+        epochs=shares,
+        groups=profile.groups,
+        profiled=profile.words,
+    )
     kind = classify(
-        input_pct=e.input_pct, overhead_pct=overhead_pct, mfu_pct=mfu.pct if mfu else None, idle=e.device_idle()
+        input_pct=e.input_pct, overhead_pct=e.overhead_pct, mfu_pct=mfu.pct if mfu else None, idle=e.device_idle()
     )
     confidence, spread = agreement(e, kind)
     label = LABELS[kind]
@@ -183,10 +219,8 @@ def judge(
     else:
         head, bottleneck = label, kind.split("-")[0]
         head += f" ({confidence} confidence: {spread}; decided by {decided_by(kind, e)})"
-    cpus = cpus or os.cpu_count() or 1
-    hint = _hint(kind, cfg, e, device_type=device_type, precision=precision, cpus=cpus, amp_check=amp_check,
-                 convolutional=convolutional)  # fmt: skip
-    top = " · ".join(f"{g.name} {g.share_pct:.0f}%" for g in groups)
+    hint = _hint(kind, cfg, e, run, cpus=cpus or os.cpu_count() or 1)
+    top = " · ".join(f"{g.name} {g.share_pct:.0f}%" for g in profile.groups)
     return Verdict(bottleneck, f"{head}: {_evidence(cfg, e)} — {hint}{_bookkeeping(cfg, e)}", confidence, top)
 
 
@@ -223,28 +257,21 @@ def _bookkeeping(cfg: RunConfig, e: Evidence) -> str:
     )
 
 
-def _hint(
-    kind: str,
-    cfg: RunConfig,
-    e: Evidence,
-    *,
-    device_type: str,
-    precision: str,
-    cpus: int,
-    amp_check: AmpProbe | None,
-    convolutional: bool,
-) -> str:
+def _hint(kind: str, cfg: RunConfig, e: Evidence, run: RunFacts, *, cpus: int) -> str:
     """The class's hint: the loader's (an input-bound run) and the operator groups' (they name the step's waste)
     first, then the device's (a CPU's whatever the class: it does the loading and the arithmetic)."""
+    device_type, precision = run.device_type, run.precision
     ops = "; ".join(g.hint for g in e.groups if g.hint and g.name != "outside operators")
     first = input_hint(cfg, device_type=device_type, h2d_pct=e.h2d_pct, cpus=cpus) if kind.startswith("input") else ""
     ops = "; ".join(filter(None, [first, ops]))
     if kind.startswith("input") and device_type != "cpu":  # a GPU waiting for its data: the data first and only
         return ops
     if device_type == "cpu":
-        device = cpu_hint(cfg, precision=precision, amp_check=amp_check, mfu=e.mfu, cpus=cpus, overhead=kind)
+        device = cpu_hint(cfg, precision=precision, amp_check=run.amp_check, mfu=e.mfu, cpus=cpus, overhead=kind)
     else:
-        device = compute_hint(cfg, device_type=device_type, precision=precision, convolutional=convolutional, mfu=e.mfu)
+        device = compute_hint(
+            cfg, device_type=device_type, precision=precision, convolutional=run.convolutional, mfu=e.mfu
+        )
     return f"{ops}; then {device}" if ops else device
 
 

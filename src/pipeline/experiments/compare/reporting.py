@@ -37,6 +37,8 @@ class Report:
         return chart(self.table)
 
 
+# Keyword-only and all defaulted: a caller names only its own (the sweep's summary names two).
+# params: pipeline.compare's options (--baseline, --ladder, --ui, --min-effect) and the selection's note and ranking
 def report(
     client: Any,
     runs: Sequence[Any],
