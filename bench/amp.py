@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.common.stats import paired_ratio
-from pipeline.engine.amp_check import probe_cpu_amp
+from pipeline.engine.building.amp_check import probe_cpu_amp
 from pipeline.engine.models import resnet
 from pipeline.gpucheck.harness import (
     QUICK,

@@ -40,7 +40,7 @@ from pipeline.autotune import (
 from pipeline.common.stats import ALPHA, MIN_EFFECT, Comparison, compare, paired_ratio, summarize
 from pipeline.config import DataConfig, load
 from pipeline.data.sources import load_data
-from pipeline.engine.amp_check import probe_cpu_amp
+from pipeline.engine.building.amp_check import probe_cpu_amp
 from pipeline.engine.models import mlp, resnet
 from pipeline.gpucheck.harness import QUICK, Row, Sizes, bare_epoch, interleaved
 from pipeline.train import train
@@ -115,8 +115,8 @@ def _epoch_rate(overrides: list[str], work: Path) -> float:
 
 
 def bench_amp_check(sizes: Sizes) -> list[Row]:
-    """The CPU amp check (``pipeline.engine.amp_check.probe_cpu_amp``) run ``repeats + 2`` times on the same model and
-    batch: does it give one verdict, and ratios within ±15% of their median?"""
+    """The CPU amp check (``pipeline.engine.building.amp_check.probe_cpu_amp``) run ``repeats + 2`` times on the same
+    model and batch: does it give one verdict, and ratios within ±15% of their median?"""
     torch.manual_seed(0)
     images, labels = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     models = {"MLP 784-512-10": mlp((784,), 10, [512])}

@@ -31,10 +31,10 @@ from typing import Any
 from pipeline.common.stats import paired_ratio
 from pipeline.config import DataConfig, load
 from pipeline.data.sources import load_data
-from pipeline.engine.build import build
-from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
-from pipeline.engine.step import Inputs, Peers
-from pipeline.engine.timing import make_timer
+from pipeline.engine.building.build import build
+from pipeline.engine.hot.loop import EpochHooks, StepMetrics, train_epoch
+from pipeline.engine.hot.step import Inputs, Peers
+from pipeline.engine.hot.timing import make_timer
 from pipeline.gpucheck.harness import Row, Sizes, bare_step, interleaved, mlp
 from pipeline.parallel.distributed import from_env
 from pipeline.train import train
@@ -106,9 +106,10 @@ def pipeline(samples: int, batch: int, epochs: int, store: Path) -> float:
 
 def chunked(samples: int, batch: int, store: Path) -> dict[str, Callable[[], float]]:
     """The two training loops, CHUNK steps at a time, each resuming where its last chunk stopped: the textbook loop,
-    and ``pipeline.engine.loop.train_epoch`` on what ``pipeline.engine.build`` builds for a run (the DDP wrapper and its
-    agreement, the resident loader's shard, the fused normalisation, the step timer, the loss averaged over ranks at
-    each logging point); the run's surroundings (tracker, sampler) are left out, measured by the other benchmarks."""
+    and ``pipeline.engine.hot.loop.train_epoch`` on what ``pipeline.engine.building.build`` builds for a run (the DDP
+    wrapper and its agreement, the resident loader's shard, the fused normalisation, the step timer, the loss averaged
+    over ranks at each logging point); the run's surroundings (tracker, sampler) are left out, measured by the other
+    benchmarks."""
     import itertools
 
     import torch

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.engine.devices import cpu_name
+from pipeline.engine.building.devices import cpu_name
 from pipeline.monitor import peaks
 from pipeline.monitor.peaks import WINDOW_DTYPES, Window
 

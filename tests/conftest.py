@@ -17,7 +17,7 @@ from mlflow.store.tracking import sqlalchemy_store
 from helpers import TINY, StepClock, freeze_the_heap
 from pipeline.common.uris import sqlite_path, sqlite_uri
 from pipeline.config import RunConfig, load
-from pipeline.engine.devices import cpu_name
+from pipeline.engine.building.devices import cpu_name
 from pipeline.monitor import peaks
 
 STAND_IN_PEAK_TFLOPS = 1.0  # what runs in the tests read MFU against, in every dtype: about 5x this test machine's
@@ -193,7 +193,7 @@ def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> StepClock:
     """The step timer's clock, faked for the test (``StepClock``)."""
-    import pipeline.engine.timing as timing_module
+    import pipeline.engine.hot.timing as timing_module
 
     fake = StepClock()
     monkeypatch.setattr(timing_module, "time", fake)

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.engine.build as build_module
-import pipeline.engine.replay as replay_module
+import pipeline.engine.building.build as build_module
+import pipeline.engine.observe.replay as replay_module
 from pipeline.__main__ import main
+from pipeline.engine.hot.timing import Breakdown
 from pipeline.engine.results import EpochResult
-from pipeline.engine.timing import Breakdown
 from pipeline.monitor import UtilSummary
 
 # A run small enough for a unit test: one epoch of a few steps, everything in tmp_path.
@@ -39,7 +39,7 @@ def freeze_the_heap() -> None:
 
 
 class StepClock:
-    """The step timer's clock (``pipeline.engine.timing``'s ``time.perf_counter``): it moves only when the fakes
+    """The step timer's clock (``pipeline.engine.hot.timing``'s ``time.perf_counter``): it moves only when the fakes
     below say they spent time, so a share of the step time is exact whatever else the machine is doing."""
 
     def __init__(self) -> None:
@@ -83,22 +83,23 @@ def fake_command(folder: Path, name: str, body: str) -> Path:
 def without_first_batch_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Leave out the start-up check of the first batch (one more forward, before the run), so that faults injected
     into the model's forwards land where a test puts them; the run then knows of no input example."""
-    from pipeline.engine.inputs import FirstBatch
+    from pipeline.engine.building.inputs import FirstBatch
 
     monkeypatch.setattr(build_module, "check_first_batch", lambda *args, **kwargs: FirstBatch(True, ((), {})))
 
 
 def without_replay_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """No replay check in the runs this test makes (as ``trainer.replay_check=false``): its few steps replayed after
-    the first steady epoch (``pipeline.engine.replay``, tested in test_replay.py) are forwards and optimizer steps
-    too, which would shift what a test counts to inject its faults."""
+    the first steady epoch (``pipeline.engine.observe.replay``, tested in test_replay.py) are forwards and optimizer
+    steps too, which would shift what a test counts to inject its faults."""
     monkeypatch.setattr(build_module, "make_replay", lambda trainer: replay_module.NO_REPLAY)
 
 
 def at_training_step(monkeypatch: pytest.MonkeyPatch, step: int, action: Callable[[], None]) -> None:
     """Run ``action`` during the forward pass of training step ``step`` of the model ``train()`` builds. The hook
     goes once it has fired, so the model the run logs at its end carries none (an action holding a lock could not
-    be pickled). The steps the replay check replays (``pipeline.engine.replay``) are no training steps: not counted."""
+    be pickled). The steps the replay check replays (``pipeline.engine.observe.replay``) are no training steps: not
+    counted."""
     original, replay = build_module.build_model, replay_module.replay
     calls = {"n": 0, "replaying": False}
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from helpers import machine, split
 from pipeline.config import load
-from pipeline.engine import amp_check
-from pipeline.engine.amp_check import AmpProbe, amp_advice, cpu_flags, probe_batch, probe_cpu_amp
+from pipeline.engine.building import amp_check
+from pipeline.engine.building.amp_check import AmpProbe, amp_advice, cpu_flags, probe_batch, probe_cpu_amp
 from pipeline.report.verdict import RunFacts, judge
 
 

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 from helpers import sigterm_at_step, without_first_batch_check, without_replay_check
 from pipeline.config import ConfigError, DataConfig, RunConfig, load
 from pipeline.data import CropFlip, Normalize, load_data, make_augment
 from pipeline.data.augment import Draws
-from pipeline.engine.provenance import run_name
+from pipeline.engine.building.provenance import run_name
 from pipeline.engine.stopping import Stopped
 from pipeline.train import train
 

@@ -411,8 +411,8 @@ def test_no_timed_batch_was_made_before_its_trial_began(
 
     import torch
 
-    import pipeline.engine.build
-    import pipeline.engine.loop
+    import pipeline.engine.building.build
+    import pipeline.engine.hot.loop
     from pipeline.data.sources import tensor_bundle
 
     class Stamped(torch.utils.data.Dataset):
@@ -435,7 +435,7 @@ def test_no_timed_batch_was_made_before_its_trial_began(
 
     timed_made: list[tuple[int, list[float]]] = []  # per timed call: its trial, when each timed batch was made
     starts: list[float] = []
-    real_train_epoch = pipeline.engine.loop.train_epoch
+    real_train_epoch = pipeline.engine.hot.loop.train_epoch
 
     def train_epoch(state, batches, **kwargs):
         timed = kwargs["max_steps"] - state.step == 3 + 1  # the trial's timed call (steps=3, plus its first)
@@ -453,8 +453,8 @@ def test_no_timed_batch_was_made_before_its_trial_began(
             if timed:
                 timed_made.append((len(starts) - 1, made))
 
-    monkeypatch.setattr(pipeline.engine.build, "load_data", load_data)
-    monkeypatch.setattr(pipeline.engine.loop, "train_epoch", train_epoch)
+    monkeypatch.setattr(pipeline.engine.building.build, "load_data", load_data)
+    monkeypatch.setattr(pipeline.engine.hot.loop, "train_epoch", train_epoch)
     cfg = make_cfg("loader.num_workers=2", "loader.prefetch_factor=2", "loader.persistent_workers=true")
     trials = autotune.Trials(cfg)
     with_workers, without = Candidate(cfg.loader), Candidate(dataclasses.replace(cfg.loader, num_workers=0,

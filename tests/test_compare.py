@@ -716,7 +716,7 @@ def test_a_row_name_too_long_for_the_terminal_is_cut_in_the_middle() -> None:
 def test_the_chart_has_a_title_a_legend_and_step_colours_of_step_time_png_and_marks_slowdowns() -> None:
     from matplotlib.colors import to_hex
 
-    from pipeline.engine.timing import Breakdown
+    from pipeline.engine.hot.timing import Breakdown
     from pipeline.report.plots import STEP_COLOURS, step_breakdown
 
     split = {"step_ms": 10.0, "wait": 60.0, "h2d": 10.0, "compute": 25.0, "own": 5.0}

@@ -12,11 +12,11 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.engine.build as build_module
-import pipeline.engine.timing as timing_module
+import pipeline.engine.building.build as build_module
+import pipeline.engine.hot.timing as timing_module
 from pipeline.config import ConfigError, RunConfig, load
-from pipeline.engine import compilation
-from pipeline.engine.timing import Breakdown
+from pipeline.engine.hot import compilation
+from pipeline.engine.hot.timing import Breakdown
 from pipeline.report.logbook import compile_seconds
 from pipeline.train import train
 

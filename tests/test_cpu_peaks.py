@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.engine.flops import ModelFlops
+from pipeline.engine.building.flops import ModelFlops
 from pipeline.monitor import peaks
 from pipeline.monitor.peaks import CpuTimes, Figure, MatmulTimer, Peak, Window
 

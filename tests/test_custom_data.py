@@ -208,7 +208,7 @@ def test_spawn_workers_refuse_a_class_from_main(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_batch_the_fallback_cannot_cut_uses_the_users_split_hook(make_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.engine.hooks as step
+    import pipeline.engine.hot.hooks as step
 
     original = step.call_model
 

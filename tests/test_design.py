@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-import pipeline.engine.timing as timing_module
+import pipeline.engine.hot.timing as timing_module
 import pipeline.train
 from helpers import LEAN, run_main
 from pipeline.config import sweep_jobs

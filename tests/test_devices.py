@@ -11,7 +11,7 @@ import torch
 
 from helpers import fake_command
 from pipeline.config import DeviceConfig
-from pipeline.engine.devices import DeviceError, resolve_device
+from pipeline.engine.building.devices import DeviceError, resolve_device
 
 GIB = 2**30
 

@@ -19,13 +19,13 @@ from mlflow import MlflowClient
 from torch import nn
 from torch.utils.data import Dataset
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 import pipeline.monitor as monitor
 from helpers import StepClock, fake_command, machine, split, steady
 from pipeline.config import RunConfig
 from pipeline.data import DataBundle, DataSpec
-from pipeline.engine.progress import NoProgress, ProgressBar, progress_enabled
-from pipeline.engine.timing import Breakdown
+from pipeline.engine.hot.timing import Breakdown
+from pipeline.engine.observe.progress import NoProgress, ProgressBar, progress_enabled
 from pipeline.monitor import GpuTarget, Sample
 from pipeline.monitor.gpu import GpuReading
 from pipeline.report.plots import step_breakdown, utilisation_timeline

@@ -18,12 +18,12 @@ from mlflow import MlflowClient
 from helpers import run_main
 from pipeline.config import load
 from pipeline.data.loaders import EpochOrder, Shard, resident_share
-from pipeline.engine.loop import SOLO, EpochHooks, LossWindow, StepMetrics, train_epoch
-from pipeline.engine.memory import MicroBatcher
-from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.hot.loop import SOLO, EpochHooks, LossWindow, StepMetrics, train_epoch
+from pipeline.engine.hot.memory import MicroBatcher
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.step import Inputs, Peers, TrainState, run_step
+from pipeline.engine.hot.timing import WallTimer
 from pipeline.engine.run import rank_metrics
-from pipeline.engine.step import Inputs, Peers, TrainState, run_step
-from pipeline.engine.timing import WallTimer
 from pipeline.parallel import distributed
 from pipeline.parallel.distributed import DistributedError, Launch, Solo, launch_from
 from pipeline.train import train

@@ -13,8 +13,8 @@ import torch
 
 from helpers import fake_command
 from pipeline.config import DeviceConfig
-from pipeline.engine import amp_check
-from pipeline.engine.devices import DeviceError, resolve_device
+from pipeline.engine.building import amp_check
+from pipeline.engine.building.devices import DeviceError, resolve_device
 from pipeline.machine import doctor
 from pipeline.machine.doctor import checks, main, main_finding, render, report
 from pipeline.machine.facts import (
@@ -123,9 +123,9 @@ def test_the_doctor_reads_the_start_method_without_fixing_it(monkeypatch: pytest
 
 
 def test_a_cudnn_that_refuses_the_gpu_is_a_tag_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.engine.devices import DeviceChoice
-    from pipeline.engine.precision import PrecisionPolicy
-    from pipeline.engine.provenance import run_tags
+    from pipeline.engine.building.devices import DeviceChoice
+    from pipeline.engine.building.provenance import run_tags
+    from pipeline.engine.hot.precision import PrecisionPolicy
 
     def refuse() -> int:
         raise RuntimeError("cuDNN version 92400 is not compatible with devices with SM < 7.5")

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import run_main
 from pipeline.config import RunConfig
-from pipeline.engine.checkpoint import RunLock, check_dir
+from pipeline.engine.checkpointing.checkpoint import RunLock, check_dir
 from pipeline.record import filesystems
 from pipeline.record.filesystems import NetworkFilesystem, mount_of
 from pipeline.record.reachability import check_reachable

@@ -11,9 +11,9 @@ from mlflow import MlflowClient
 
 from helpers import machine, split
 from pipeline.config import RunConfig
-from pipeline.engine import flops
-from pipeline.engine.build import build
-from pipeline.engine.flops import ModelFlops
+from pipeline.engine.building import flops
+from pipeline.engine.building.build import build
+from pipeline.engine.building.flops import ModelFlops
 from pipeline.monitor import peaks
 from pipeline.monitor.peaks import Peak
 from pipeline.train import train
@@ -66,8 +66,8 @@ def test_a_run_logs_the_mfu_of_its_steps_on_a_faked_clock(
 ) -> None:
     """Each training forward takes 10 ms on the step timer's clock, so the steady throughput is exact (32 samples a
     step: 3,200 samples/s) and the MFU against a peak of 0.01 TFLOP/s is the formula's, to the digit."""
-    import pipeline.engine.build as build_module
-    import pipeline.engine.hooks as step_module
+    import pipeline.engine.building.build as build_module
+    import pipeline.engine.hot.hooks as step_module
 
     forward = step_module.call_model
 

@@ -13,15 +13,15 @@ from mlflow import MlflowClient
 from torch import nn
 
 import pipeline.common.device_memory as device_memory
-import pipeline.engine.build as build_module
-import pipeline.engine.footprint as footprint
+import pipeline.engine.building.build as build_module
+import pipeline.engine.building.footprint as footprint
 from helpers import run_main, without_first_batch_check
 from pipeline import autotune
 from pipeline.common.device_memory import DoesNotFit, Free
 from pipeline.config import DataConfig, RunConfig
 from pipeline.data import load_data
-from pipeline.engine.footprint import estimate
-from pipeline.engine.memory import OutOfMemory
+from pipeline.engine.building.footprint import estimate
+from pipeline.engine.hot.memory import OutOfMemory
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

@@ -10,11 +10,11 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.engine.build as build_module
-import pipeline.engine.checkpoint as checkpoint
+import pipeline.engine.building.build as build_module
+import pipeline.engine.checkpointing.checkpoint as checkpoint
 from helpers import run_main
 from pipeline.config import RunConfig
-from pipeline.engine.losses import NonFiniteLoss
+from pipeline.engine.hot.losses import NonFiniteLoss
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

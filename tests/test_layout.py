@@ -95,7 +95,7 @@ def test_no_function_is_over_80_lines() -> None:
     assert {name: n for name, n in functions().items() if n > FUNCTION_LINES} == {}
 
 
-@pytest.mark.parametrize("suffix", ["engine/loop.py:train_epoch", "engine/session.py:session"])
+@pytest.mark.parametrize("suffix", ["engine/hot/loop.py:train_epoch", "engine/session.py:session"])
 def test_the_epoch_loop_and_the_orchestrator_read_in_one_pass(suffix: str) -> None:
     assert length_of(suffix) <= READ_IN_ONE_PASS
 

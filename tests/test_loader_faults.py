@@ -18,10 +18,10 @@ import torch
 from mlflow import MlflowClient
 from torch.utils.data import Dataset
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data import DataBundle, DataSpec, LoaderError
-from pipeline.engine.checkpoint import load
+from pipeline.engine.checkpointing.checkpoint import load
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -377,7 +377,7 @@ def test_workers_dying_of_the_stop_signal_as_the_run_ends_its_loaders_leave_the_
     SIGCHLD handler raised their deaths there, a traceback after the stop (seen in a fresh clone's make test).
     Provoked here: the workers get an outside SIGTERM just before the run ends its loaders."""
     from pipeline.engine import run as train_module
-    from pipeline.engine.build import Setup
+    from pipeline.engine.building.build import Setup
     from pipeline.engine.stopping import Stopped
 
     real_train_epoch, real_end_loaders = train_module.train_epoch, Setup.end_loaders

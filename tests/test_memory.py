@@ -11,11 +11,11 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 from helpers import without_first_batch_check, without_replay_check
 from pipeline.common.device_memory import is_oom
 from pipeline.config import ConfigError, RunConfig
-from pipeline.engine.memory import (
+from pipeline.engine.hot.memory import (
     MicroBatcher,
     OomFailure,
     OutOfMemory,
@@ -276,7 +276,7 @@ def test_each_out_of_memory_event_records_its_own_peak_not_an_earlier_ones(monke
 
 
 def test_allocator_retries_are_counted_per_run_not_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.engine.devices import activate
+    from pipeline.engine.building.devices import activate
     from pipeline.monitor import allocator_metrics
 
     gpu = torch.device("cuda", 0)
@@ -344,7 +344,7 @@ def test_micro_batches_are_as_equal_as_tensor_split_makes_them_and_never_larger_
 def test_out_of_memory_at_the_minimum_later_on_keeps_the_last_checkpoint_loadable(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str, tmp_path
 ) -> None:
-    from pipeline.engine.checkpoint import load
+    from pipeline.engine.checkpointing.checkpoint import load
 
     calls = {"n": 0}
 
@@ -424,7 +424,7 @@ def test_a_stop_during_the_out_of_memory_fallback_abandons_the_step_instead_of_r
     import os
     import signal
 
-    from pipeline.engine.checkpoint import Position, load
+    from pipeline.engine.checkpointing.checkpoint import Position, load
     from pipeline.engine.stopping import Stopped
 
     reference = train(make_cfg("tracking=none", "trainer.max_steps=4"), echo=False)
@@ -486,7 +486,7 @@ class FilesTracker:
 def test_the_first_out_of_memory_error_keeps_the_allocators_snapshot_once_and_the_fallback_still_recovers() -> None:
     import pickle
 
-    from pipeline.engine.snapshot import MAX_ENTRIES, OomSnapshot
+    from pipeline.engine.observe.snapshot import MAX_ENTRIES, OomSnapshot
 
     allocator, tracker = FakeHistory(), FilesTracker()
     snapshot = OomSnapshot(torch.device("cuda", 0), record=allocator.record, take=allocator.take)
@@ -513,7 +513,7 @@ def test_a_run_with_memory_snapshot_on_oom_keeps_the_snapshot_in_its_record_and_
     the snapshot (a fake allocator's: validation refuses on_oom off CUDA) lands in the run's artifacts."""
     import pickle
 
-    from pipeline.engine import snapshot as snapshot_module
+    from pipeline.engine.observe import snapshot as snapshot_module
 
     allocator = FakeHistory()
 
@@ -535,7 +535,7 @@ def test_a_run_with_memory_snapshot_on_oom_keeps_the_snapshot_in_its_record_and_
 def test_with_the_fallback_off_the_snapshot_is_kept_before_the_run_fails(
     make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
 ) -> None:
-    from pipeline.engine import snapshot as snapshot_module
+    from pipeline.engine.observe import snapshot as snapshot_module
 
     allocator = FakeHistory()
     monkeypatch.setattr(

@@ -153,7 +153,7 @@ def test_the_readers_are_found() -> None:
     _, read = writers_and_readers()
     assert any(where.startswith("pipeline/experiments/compare/runs.py:") for where in read["TIME_STEP_MS"])
     assert any(where.startswith("pipeline/report/summary.py:") for where in read["VAL_ACC"])
-    assert any(where.startswith("pipeline/engine/start.py:") for where in read["TRAIN_LOSS"])
+    assert any(where.startswith("pipeline/engine/checkpointing/start.py:") for where in read["TRAIN_LOSS"])
 
 
 def test_no_two_constants_share_a_spelling_and_each_is_in_an_area() -> None:

@@ -86,7 +86,7 @@ def test_the_builtin_resnet18_keeps_torchvisions_own_init_which_learns_faster_th
 
 def test_a_resnet_checkpoint_from_before_zero_init_residual_resumes_whatever_it_says_now() -> None:
     """How fresh weights start is moot to a resume, which loads them: no value of the key refuses a checkpoint."""
-    from pipeline.engine.resume import config_changes
+    from pipeline.engine.checkpointing.resume import config_changes
 
     saved = {"model._target_": RESNET, "model.arch": "resnet50"}
     for now in (True, False):

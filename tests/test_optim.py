@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 from helpers import without_first_batch_check
 from pipeline.common.targets import TargetError
 from pipeline.config import OptimizerConfig, RunConfig, SchedulerConfig

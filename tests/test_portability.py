@@ -23,7 +23,7 @@ from pipeline.autotune.candidates import Machine, candidates
 from pipeline.common.errors import ConfigError
 from pipeline.common.uris import absolute, sqlite_database, sqlite_file_uri, sqlite_uri, uri_scheme
 from pipeline.config import RunConfig, flatten, load
-from pipeline.engine.resume import check_resumable, config_changes
+from pipeline.engine.checkpointing.resume import check_resumable, config_changes
 from pipeline.engine.stopping import Stopped, StopRequests, stop_signals
 from pipeline.record.reachability import check_reachable
 from pipeline.record.store import TrackingUnavailable

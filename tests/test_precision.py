@@ -13,7 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from pipeline.config import ConfigError, PrecisionConfig, load
-from pipeline.engine.precision_setup import configure_backends, resolve_precision
+from pipeline.engine.building.precision_setup import configure_backends, resolve_precision
 from pipeline.train import train
 
 AUTO = PrecisionConfig("auto", tf32=True)
@@ -109,7 +109,7 @@ def test_cuda_only_switches_are_set_on_cuda(cuda_switches) -> None:
 
 
 def test_channels_last_is_refused_for_the_mlp_which_has_no_convolutions(make_cfg) -> None:
-    from pipeline.engine.build import build
+    from pipeline.engine.building.build import build
 
     with pytest.raises(
         ConfigError, match=r"^trainer\.channels_last=True is not allowed: expected false for Sequential: .* no Conv2d"

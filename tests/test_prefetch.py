@@ -13,18 +13,18 @@ import pytest
 import torch
 from torch import nn
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 from helpers import sigterm_at_step
 from pipeline.config import ConfigError, LoaderConfig, RunConfig, load
 from pipeline.data import DevicePrefetcher, Place, ResidentLoader, Split, make_batches, with_prefetch
 from pipeline.data.prefetch import CudaCopies, InFlight, InlineCopies, prefetch_wanted
-from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
-from pipeline.engine.memory import MicroBatcher
+from pipeline.engine.hot.loop import EpochHooks, StepMetrics, train_epoch
+from pipeline.engine.hot.memory import MicroBatcher
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.step import Inputs, TrainState
+from pipeline.engine.hot.timing import WallTimer
 from pipeline.engine.models import mlp
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.step import Inputs, TrainState
 from pipeline.engine.stopping import Stopped
-from pipeline.engine.timing import WallTimer
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]

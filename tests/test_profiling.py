@@ -19,12 +19,12 @@ import torch
 from mlflow import MlflowClient
 from torch.autograd import DeviceType
 
-import pipeline.engine.profiling as profiling
+import pipeline.engine.observe.profiling as profiling
 from helpers import StepClock
 from pipeline.config import RunConfig, load
-from pipeline.engine.profile_report import GpuBusy, gaps, gpu_busy, merged, overlap
-from pipeline.engine.profiling import NO_PROFILER, StepProfiler, make_profiler
-from pipeline.engine.timing import Breakdown, WallTimer
+from pipeline.engine.hot.timing import Breakdown, WallTimer
+from pipeline.engine.observe.profile_report import GpuBusy, gaps, gpu_busy, merged, overlap
+from pipeline.engine.observe.profiling import NO_PROFILER, StepProfiler, make_profiler
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -363,7 +363,7 @@ def test_a_cpu_profile_writes_nothing_to_the_terminal() -> None:
     terminal, or a test that reads the first line a run writes there."""
     probe = (
         "import torch\n"
-        "from pipeline.engine.profiling import _torch_profiler\n"
+        "from pipeline.engine.observe.profiling import _torch_profiler\n"
         "with _torch_profiler(torch.device('cpu')):\n"
         "    torch.nn.Linear(8, 8)(torch.randn(4, 8)).sum().backward()\n"
         "print('profiled')\n"

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
-import pipeline.engine.progress as progress_module
+import pipeline.engine.observe.progress as progress_module
 from pipeline.config import RunConfig
-from pipeline.engine.amp_check import AmpProbe
-from pipeline.engine.progress import (
+from pipeline.engine.building.amp_check import AmpProbe
+from pipeline.engine.observe.progress import (
     LOG_EVERY_S,
     Reference,
     RunProgress,
@@ -44,7 +44,7 @@ def run_steps(progress: RunProgress, clock: FakeClock, durations: list[float], s
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == progress_module.__name__ and r.levelno == level]
+    return [r.getMessage() for r in caplog.records if r.name == progress_module.log.name and r.levelno == level]
 
 
 def test_about_says_a_duration_in_the_unit_a_person_reads() -> None:
@@ -62,7 +62,7 @@ def test_the_estimate_is_one_line_after_the_first_steady_steps(caplog: pytest.Lo
     clock = FakeClock()
     progress = RunProgress(total_steps=115, clock=clock, periodic=False)
     progress.start_epoch(1, 5)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [60.0, 14.0, 14.0])  # the first step warms up: it is left out
         assert messages(caplog, logging.INFO) == []
         run_steps(progress, clock, [14.0] * 10)
@@ -78,7 +78,7 @@ def test_steps_run_under_the_profiler_are_left_out_of_the_estimate(caplog: pytes
     clock = FakeClock()
     progress = RunProgress(total_steps=115, clock=clock, periodic=False)
     progress.start_epoch(1, 5)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [60.0])
         for _ in range(3):
             progress.set_apart()
@@ -92,7 +92,7 @@ def test_steps_run_under_the_profiler_are_left_out_of_the_estimate(caplog: pytes
 def test_an_epoch_boundary_starts_the_steady_span_again(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     progress = RunProgress(total_steps=20, clock=clock, periodic=False)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         progress.start_epoch(1, 10)
         run_steps(progress, clock, [5.0, 1.0])  # a 2-step epoch, then evaluation
         clock.now += 100.0
@@ -110,7 +110,7 @@ def test_a_step_far_above_what_the_device_needs_is_a_warning_naming_the_referenc
     reference = Reference(per_sample_s=3.2 / 64, what="the amp check's float32 step", remedy="amp=false")
     progress = RunProgress(total_steps=115, clock=clock, periodic=False, reference=reference)
     progress.start_epoch(1, 5)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [60.0, 14.0, 14.0, 14.0])
     (warning,) = messages(caplog, logging.WARNING)
     assert warning == (
@@ -124,7 +124,7 @@ def test_a_step_within_twice_the_reference_is_not_called_slow(caplog: pytest.Log
     reference = Reference(per_sample_s=8.0 / 64, what="the amp check's float32 step", remedy="amp=false")
     progress = RunProgress(total_steps=50, clock=clock, periodic=False, reference=reference)
     progress.start_epoch(1, 1)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [30.0, 14.0, 14.0, 14.0])
     assert messages(caplog, logging.WARNING) == [] and len(messages(caplog, logging.INFO)) == 1
 
@@ -133,7 +133,7 @@ def test_without_a_bar_a_line_every_30_s_gives_step_rate_and_time_left(caplog: p
     clock = FakeClock()
     progress = RunProgress(total_steps=115, clock=clock, periodic=True)
     progress.start_epoch(1, 5)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [7.0] * 10)  # lines at 35 s (step 5) and 70 s (step 10), not at 63 s
     lines = [m for m in messages(caplog, logging.INFO) if m.startswith("step ")]
     assert lines == [
@@ -147,7 +147,7 @@ def test_the_periodic_line_reports_the_rate_since_the_last_line(caplog: pytest.L
     clock = FakeClock()
     progress = RunProgress(total_steps=100, clock=clock, periodic=True)
     progress.start_epoch(1, 1)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [31.0])  # 64 samples in 31 s
         run_steps(progress, clock, [1.0] * 30, samples=32)  # then 32 samples a second
     lines = [m for m in messages(caplog, logging.INFO) if m.startswith("step ")]
@@ -162,7 +162,7 @@ def test_a_silent_progress_says_nothing(caplog: pytest.LogCaptureFixture) -> Non
     reference = Reference(per_sample_s=0.001, what="x", remedy="amp=false")
     progress = RunProgress(total_steps=10, clock=clock, periodic=True, reference=reference, speak=False)
     progress.start_epoch(1, 1)
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         run_steps(progress, clock, [40.0] * 6)
     assert messages(caplog, logging.INFO) == messages(caplog, logging.WARNING) == []
 
@@ -203,7 +203,7 @@ def test_a_run_without_a_terminal_logs_its_estimate_and_progress_lines(
     ticks = iter(range(0, 10_000, 31))  # every clock read is 31 s after the last
     monkeypatch.setattr(progress_module, "CLOCK", lambda: float(next(ticks)))
     cfg = make_cfg("tracking=none", "trainer.max_steps=6", "loader.batch_size=16", "checkpoint.enabled=false")
-    with caplog.at_level(logging.INFO, logger=progress_module.__name__):
+    with caplog.at_level(logging.INFO, logger=progress_module.log.name):
         train(cfg, echo=False)
     said = messages(caplog, logging.INFO)
     assert said[0] == "step 1/6 (epoch 1/1) · 1 samples/s · about 3 min left"

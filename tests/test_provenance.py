@@ -14,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 import pipeline
-from pipeline.engine.provenance import git_tags, pipeline_tags, source_hash, source_tags
+from pipeline.engine.building.provenance import git_tags, pipeline_tags, source_hash, source_tags
 from pipeline.experiments import compare
 from pipeline.experiments.compare import ComparedRun, group
 from pipeline.experiments.compare.cli import default_out
@@ -188,7 +188,7 @@ def test_two_runs_from_a_folder_outside_git_with_patched_pipeline_code_are_two_r
     patched = tmp_path / "patched"
     shutil.copytree(ROOT / "src" / "pipeline", patched / "src" / "pipeline", ignore=shutil.ignore_patterns("*.pyc"))
     (patched / "conf").symlink_to(ROOT / "conf")  # the config tree beside src/, as in a checkout
-    loop = patched / "src" / "pipeline" / "engine" / "loop.py"
+    loop = patched / "src" / "pipeline" / "engine" / "hot" / "loop.py"
     loop.write_text(loop.read_text() + "\n# patched: the same behaviour, other code\n")
     launch, uri = tmp_path / "launch", f"sqlite:///{tmp_path / 'mlflow.db'}"
     launch.mkdir()

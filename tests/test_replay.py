@@ -12,17 +12,17 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-import pipeline.engine.build as build_module
-import pipeline.engine.replay as replay_module
+import pipeline.engine.building.build as build_module
+import pipeline.engine.observe.replay as replay_module
 from helpers import LEAN
-from pipeline.engine.loop import EpochHooks, train_epoch
-from pipeline.engine.memory import MicroBatcher
+from pipeline.engine.hot.loop import EpochHooks, train_epoch
+from pipeline.engine.hot.memory import MicroBatcher
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.step import SOLO, Inputs, Peers, TrainState
+from pipeline.engine.hot.timing import WallTimer
+from pipeline.engine.observe.replay import BUDGET, MOST, ReplayCheck, ReplayOutcome, SetAside, plan, replay
 from pipeline.engine.optim import Clipping, Schedule
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.replay import BUDGET, MOST, ReplayCheck, ReplayOutcome, SetAside, plan, replay
 from pipeline.engine.results import RunResult
-from pipeline.engine.step import SOLO, Inputs, Peers, TrainState
-from pipeline.engine.timing import WallTimer
 from pipeline.report.summary import format_summary
 from pipeline.train import train
 
@@ -288,8 +288,8 @@ def test_the_summary_says_how_much_faster_free_data_would_go_or_that_the_loader_
 
 
 def _result(outcome: ReplayOutcome) -> RunResult:
+    from pipeline.engine.hot.timing import combine
     from pipeline.engine.results import EpochResult
-    from pipeline.engine.timing import combine
 
     epoch = EpochResult(1, 0.5, {"val/loss": 0.4, "val/acc": 0.9}, 1.0, 100.0, combine([]))
     return RunResult("r", None, "cpu", "cpu", "fp32", "default", 10, 5, 1.0, epochs=[epoch], replay=outcome)
@@ -362,7 +362,7 @@ def test_replayed_steps_change_the_state_and_putting_it_back_restores_every_part
     before = _everything(state)
     aside = SetAside.of(state, INPUTS.device)
     images, labels = _batches(1)[0]
-    from pipeline.engine.step import run_step
+    from pipeline.engine.hot.step import run_step
 
     for _ in range(3):
         run_step(state, images, labels, inputs=INPUTS)

@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 
 from helpers import LEAN, at_training_step, run_main
 from pipeline.common.errors import ConfigError
-from pipeline.engine.checkpoint import CheckpointError
+from pipeline.engine.checkpointing.checkpoint import CheckpointError
 from pipeline.engine.stopping import Stopped
 from pipeline.train import train
 
@@ -257,7 +257,7 @@ def test_the_memory_estimate_leaves_a_lazily_cached_mask_alone_and_the_model_tra
     """Issue 36 (8): the estimate's meta forward left a meta mask in a plain attribute; the first real forward then
     failed with "Tensor.item() cannot be called on meta tensors"."""
     from pipeline.config import load
-    from pipeline.engine.footprint import estimate
+    from pipeline.engine.building.footprint import estimate
 
     model = research.Masked(8)
     tokens = torch.zeros(5, 2, dtype=torch.long)
@@ -288,7 +288,7 @@ def test_a_model_that_returns_log_probabilities_is_scored_by_nll_and_keeps_perpl
 
 
 def test_raw_scores_under_task_outputs_log_probs_are_refused(make_cfg: Any, research: Any) -> None:
-    from pipeline.engine.tasks import OutputMismatch
+    from pipeline.engine.hot.tasks import OutputMismatch
 
     with pytest.raises(OutputMismatch, match=r"task\.outputs=log_probs, but the model's outputs are not log-prob"):
         train(make_cfg("task.outputs=log_probs", "tracking=none"), echo=False)
@@ -473,10 +473,10 @@ def test_a_schedule_that_cannot_be_fed_is_refused_before_the_run(
 
 def test_an_empty_micro_batch_of_ignored_tokens_never_poisons_the_step_with_nan() -> None:
     """Issue 36 (10): a micro-batch whose targets were all ignore_index had a NaN mean, and NaN x 0 stays NaN."""
-    from pipeline.engine.memory import MicroBatcher
-    from pipeline.engine.precision import PrecisionPolicy
-    from pipeline.engine.step import TrainState, forward_backward
-    from pipeline.engine.tasks import NextToken
+    from pipeline.engine.hot.memory import MicroBatcher
+    from pipeline.engine.hot.precision import PrecisionPolicy
+    from pipeline.engine.hot.step import TrainState, forward_backward
+    from pipeline.engine.hot.tasks import NextToken
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 5, (4, 6))

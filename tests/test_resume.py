@@ -18,12 +18,12 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.engine.build as build_module
-import pipeline.engine.checkpoint as checkpoint
-import pipeline.engine.resume as resume_module
+import pipeline.engine.building.build as build_module
+import pipeline.engine.checkpointing.checkpoint as checkpoint
+import pipeline.engine.checkpointing.resume as resume_module
 from helpers import at_training_step, cli, run_main, sigterm_at_step, without_replay_check
 from pipeline.config import RunConfig
-from pipeline.engine.checkpoint import CheckpointError, Position
+from pipeline.engine.checkpointing.checkpoint import CheckpointError, Position
 from pipeline.engine.stopping import Stopped
 from pipeline.record import outbox
 from pipeline.train import train
@@ -548,7 +548,7 @@ def test_after_a_sigkill_mid_epoch_the_resumed_runs_metrics_have_no_gap(tmp_path
 
 
 def test_a_checkpoint_from_before_a_key_existed_compares_as_that_keys_old_behaviour() -> None:
-    from pipeline.engine.resume import config_changes
+    from pipeline.engine.checkpointing.resume import config_changes
 
     older = {"loader.batch_size": 64}
     now = {"loader.batch_size": 64, "data.augment": "none", "data.augment_padding": 4}
@@ -559,7 +559,7 @@ def test_a_checkpoint_from_before_a_key_existed_compares_as_that_keys_old_behavi
 
 
 def test_a_resume_may_profile_or_keep_a_memory_snapshot_where_the_run_did_not() -> None:
-    from pipeline.engine.resume import check_resumable, config_changes
+    from pipeline.engine.checkpointing.resume import check_resumable, config_changes
 
     before = {"trainer.profile": False, "trainer.profile_steps": 3, "trainer.memory_snapshot": "off"}
     now = {"trainer.profile": True, "trainer.profile_steps": 10, "trainer.memory_snapshot": "on_oom"}
@@ -755,7 +755,7 @@ def test_a_resume_keeps_the_runs_length_unless_a_shorter_one_is_typed(
 ) -> None:
     """A checkpoint without its overrides (an in-process run, or one from before they were kept) falls to the
     defaults: a default that would end the run earlier is refused; typed by name, it is taken."""
-    import pipeline.engine.continuation as continuation
+    import pipeline.engine.checkpointing.continuation as continuation
 
     run_id = stopped_run(make_cfg, monkeypatch, "trainer.epochs=7")
     now = ["device=cpu", f"tracking.uri={store_uri}", f"resume={run_id}"]
@@ -767,7 +767,7 @@ def test_a_resume_keeps_the_runs_length_unless_a_shorter_one_is_typed(
 
 
 def test_the_overrides_typed_now_replace_the_runs_own_key_by_key() -> None:
-    from pipeline.engine.continuation import merged, own_overrides
+    from pipeline.engine.checkpointing.continuation import merged, own_overrides
 
     started = ["model=resnet18", "trainer.epochs=30", "+model.width=2", "tracking.tags.arm=a"]
     assert merged(started, ["trainer.epochs=40", "resume=latest", "~model.width"]) == [
@@ -888,7 +888,7 @@ def test_a_resume_that_chooses_another_data_group_is_refused_for_the_changed_dat
 
 
 def test_a_group_chosen_now_replaces_the_runs_own_keys_of_that_group() -> None:
-    from pipeline.engine.continuation import merged
+    from pipeline.engine.checkpointing.continuation import merged
 
     started = ["data=synthetic", "data.num_samples=4000", "+model.width=2", "optimizer.lr=0.1"]
     assert merged(started, ["resume=x", "data=digits"]) == [

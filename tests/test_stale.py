@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -112,7 +113,8 @@ def test_a_fresh_heartbeat_from_a_pid_gone_from_this_machine_is_closed_at_once(
     assert main(["--uri", store_uri, "--close"]) == 0
     out = capsys.readouterr().out
     assert f"gone    {run_id}" in out and f"pid {pid} on {socket.gethostname()}: no such process" in out
-    assert "heartbeat 5 s ago" in out and "marked 1 run(s) KILLED" in out
+    age = re.search(r"heartbeat (\d+) s ago", out)
+    assert age and 5 <= int(age.group(1)) <= 30 and "marked 1 run(s) KILLED" in out  # 5 s, and the test's own time
     assert client.get_run(run_id).info.status == "KILLED"
 
 

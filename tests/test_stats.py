@@ -169,7 +169,7 @@ def test_there_is_one_statistics_module() -> None:
         "src/pipeline/gpucheck/overheads.py",
         "src/pipeline/autotune/report.py",
         "src/pipeline/experiments/compare/table.py",
-        "src/pipeline/engine/amp_check.py",
+        "src/pipeline/engine/building/amp_check.py",
     ]
     assert all("from pipeline.common.stats import" in (root / u).read_text() for u in users)
 

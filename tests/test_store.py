@@ -127,7 +127,7 @@ def test_a_store_that_cannot_work_is_refused_in_one_line_before_any_data_is_load
             check_reachable(resolved)
         assert "\n" not in str(info.value) and "s3cret" not in str(info.value)
 
-        monkeypatch.setattr("pipeline.engine.build.load_data", lambda *a, **k: pytest.fail("data was loaded"))
+        monkeypatch.setattr("pipeline.engine.building.build.load_data", lambda *a, **k: pytest.fail("data was loaded"))
         assert run_main(monkeypatch, "device=cpu", *([f"tracking.uri={uri}"] if uri else [])) == 2
     err = capsys.readouterr().err
     assert err == f"error: {info.value}\n"

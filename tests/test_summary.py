@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.engine.hot.timing import Breakdown, combine
 from pipeline.engine.results import EpochResult, RunResult, run_breakdown, steady_epochs
-from pipeline.engine.timing import Breakdown, combine
 from pipeline.experiments import sweep
 from pipeline.monitor.sampler import UtilSummary
 from pipeline.report.summary import format_summary

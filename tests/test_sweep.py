@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from helpers import cli, run_main
 from pipeline.config import config_dir, load
-from pipeline.engine.provenance import sweep_run_name, with_overrides
+from pipeline.engine.building.provenance import sweep_run_name, with_overrides
 from pipeline.experiments import compare, sweep
 
 TINY = ["trainer.epochs=1", "trainer.max_steps=2", "monitor.plots=false", "device=cpu"]  # batch size set per test
@@ -480,8 +480,8 @@ def test_only_rank_0_of_a_ddp_job_records_its_outcome(tmp_path: Path, monkeypatc
 
 
 def test_a_ddp_jobs_objective_and_summary_are_the_throughput_of_all_its_ranks() -> None:
+    from pipeline.engine.hot.timing import Breakdown
     from pipeline.engine.results import EpochResult, RunResult
-    from pipeline.engine.timing import Breakdown
     from pipeline.experiments import sweep
     from pipeline.report.summary import format_summary
 

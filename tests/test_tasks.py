@@ -12,7 +12,15 @@ import torch.nn.functional as F
 
 from pipeline.common.errors import DatasetError
 from pipeline.config import TargetConfig, TaskConfig
-from pipeline.engine.tasks import Classification, Multilabel, NextToken, OutputMismatch, Regression, logits, make_task
+from pipeline.engine.hot.tasks import (
+    Classification,
+    Multilabel,
+    NextToken,
+    OutputMismatch,
+    Regression,
+    logits,
+    make_task,
+)
 
 
 def finished(task, outputs, targets, parts: int = 2) -> dict[str, float]:

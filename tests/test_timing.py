@@ -11,13 +11,13 @@ import torch
 from helpers import StepClock, machine
 from pipeline.config import RunConfig
 from pipeline.data import ResidentLoader
-from pipeline.engine.devices import activate
-from pipeline.engine.loop import EpochHooks, StepMetrics, train_epoch
-from pipeline.engine.memory import MicroBatcher
+from pipeline.engine.building.devices import activate
+from pipeline.engine.hot.loop import EpochHooks, StepMetrics, train_epoch
+from pipeline.engine.hot.memory import MicroBatcher
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.step import Inputs, TrainState
+from pipeline.engine.hot.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
 from pipeline.engine.models import mlp
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.step import Inputs, TrainState
-from pipeline.engine.timing import Breakdown, EventTimer, WallTimer, _breakdown, combine, make_timer
 from pipeline.report.verdict import RunFacts, judge
 
 
@@ -283,7 +283,7 @@ def test_activate_makes_the_training_gpu_current_and_resets_its_peak_memory(monk
 def test_every_run_activates_the_device_it_trains_on(
     make_cfg: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipeline.engine.build as build_module
+    import pipeline.engine.building.build as build_module
     import pipeline.train as train_module
 
     activated: list[torch.device] = []

@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 import pipeline.record.lifecycle as lifecycle
 import pipeline.record.tracking as tracking
 from pipeline.config import RunConfig, flatten
-from pipeline.engine.provenance import git_tags
+from pipeline.engine.building.provenance import git_tags
 from pipeline.engine.session import Hooks
 from pipeline.record.store import connect
 from pipeline.record.tracking import FLUSH_AT, MlflowTracker

@@ -13,12 +13,12 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
-import pipeline.engine.build as build_module
+import pipeline.engine.building.build as build_module
 from files import write_image_folder, write_mnist
 from pipeline.config import RunConfig
+from pipeline.engine.building.provenance import run_name
+from pipeline.engine.hot.precision import PrecisionPolicy
 from pipeline.engine.models import build_model
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.provenance import run_name
 from pipeline.train import train
 
 MakeCfg = Callable[..., RunConfig]
@@ -241,7 +241,7 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 ) -> None:
     from mlflow import MlflowClient
 
-    import pipeline.engine.amp_check as amp_check
+    import pipeline.engine.building.amp_check as amp_check
 
     timed: list[tuple[int, torch.dtype]] = []
 
@@ -266,8 +266,8 @@ def test_amp_on_the_cpu_is_checked_at_the_start_warned_about_and_recorded(
 
 
 def test_float32_runs_and_gpu_runs_are_not_checked(make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.engine.amp_check as amp_check
-    from pipeline.engine.precision import PrecisionPolicy
+    import pipeline.engine.building.amp_check as amp_check
+    from pipeline.engine.hot.precision import PrecisionPolicy
 
     def never(*args, **kwargs):
         raise AssertionError("the amp check ran")

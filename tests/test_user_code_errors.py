@@ -157,7 +157,7 @@ def test_a_forward_that_fails_on_the_first_batch_names_the_line_before_any_run_o
 def test_an_injected_fault_in_pipelines_own_code_is_still_an_internal_error(
     project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import pipeline.engine.step as step_module
+    import pipeline.engine.hot.step as step_module
 
     def broken(*args: object, **kwargs: object) -> None:
         raise AttributeError("the pipeline's own mistake")

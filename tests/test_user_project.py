@@ -18,8 +18,8 @@ from tests.project import KEYED, REGRESSION, use_project, write_project
 
 from helpers import sigterm_at_step
 from pipeline.config import RunConfig
-from pipeline.engine import checkpoint
-from pipeline.engine import hooks as step_module
+from pipeline.engine.checkpointing import checkpoint
+from pipeline.engine.hot import hooks as step_module
 from pipeline.engine.stopping import Stopped
 from pipeline.train import train
 
@@ -244,7 +244,7 @@ def test_the_project_trains_from_its_own_folder_its_model_reproduces_the_metric_
     site = str(Path(torch.__file__).parents[1])  # torch's site-packages: its .pth files (pipeline's) unread
     probe = (
         "import sys, torch\n"
-        "try:\n    import pipeline.engine.checkpoint\nexcept ImportError:\n    print('no pipeline')\n"
+        "try:\n    import pipeline.engine.checkpointing.checkpoint\nexcept ImportError:\n    print('no pipeline')\n"
         f"saved = torch.load({str(path)!r}, weights_only=True)\n"
         "print(sorted(saved['model']), saved['position'], saved['config']['model']['_target_'])\n"
     )

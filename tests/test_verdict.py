@@ -12,12 +12,12 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-import pipeline.engine.profiling as profiling
+import pipeline.engine.observe.profiling as profiling
 from helpers import machine, split
 from pipeline.config import RunConfig
-from pipeline.engine.profile_report import Operator, ProfileReport
-from pipeline.engine.profiling import AUTO_STEPS, AutoProfiler
-from pipeline.engine.timing import WallTimer
+from pipeline.engine.hot.timing import WallTimer
+from pipeline.engine.observe.profile_report import Operator, ProfileReport
+from pipeline.engine.observe.profiling import AUTO_STEPS, AutoProfiler
 from pipeline.report.operators import operator_groups
 from pipeline.report.verdict import Mfu, Profiled, RunFacts, judge
 from pipeline.train import train

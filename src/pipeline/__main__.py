@@ -226,9 +226,10 @@ _OWN_OVERRIDES: list[str] | None = None
 
 def _continue_the_run(args: list[str]) -> None:
     """A resume composes the run's own overrides (from its checkpoint) plus those typed now
-    (``pipeline.engine.continuation``): Hydra is handed the merged list, the record keeps what was typed."""
+    (``pipeline.engine.checkpointing.continuation``): Hydra is handed the merged list, the record keeps what was
+    typed."""
     global _TYPED_OVERRIDES, _OWN_OVERRIDES
-    from pipeline.engine.continuation import continued  # lazy: torch (~1.4 s), for a resume only
+    from pipeline.engine.checkpointing.continuation import continued  # lazy: torch (~1.4 s), for a resume only
 
     merged, _OWN_OVERRIDES = continued(args)
     _TYPED_OVERRIDES = list(args)

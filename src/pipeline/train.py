@@ -10,11 +10,11 @@ import time
 from collections.abc import Sequence
 
 from pipeline.config import RunConfig
-from pipeline.engine.build import Setup
+from pipeline.engine.building.build import Setup
+from pipeline.engine.checkpointing.start import FreshStart, Resumed
 from pipeline.engine.results import RunResult
 from pipeline.engine.run import EpochModels, Fitted, Run
 from pipeline.engine.session import Asked, Hooks, Said, SweepJob, session
-from pipeline.engine.start import FreshStart, Resumed
 from pipeline.machine import doctor
 from pipeline.record.lifecycle import Tracker
 from pipeline.report import logbook
@@ -42,7 +42,7 @@ def train(
             sweep's parent run, tagged with the sweep, and named after its swept values unless
             ``tracking.run_name`` is set.
         own_overrides: the run's own configuration as overrides, kept in its checkpoints for a resume to restore
-            (``pipeline.engine.continuation``); default ``overrides`` without ``resume=``/``fork=``.
+            (``pipeline.engine.checkpointing.continuation``); default ``overrides`` without ``resume=``/``fork=``.
         hooks: seams for a tool that watches the run from this process (``pipeline.engine.session.Hooks``).
 
     Raises:

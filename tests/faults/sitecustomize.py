@@ -31,8 +31,8 @@ if FAULT and RANK is not None:
 
         import torch
 
-        from pipeline.engine import loop
-        from pipeline.engine import step as step_module
+        from pipeline.engine.hot import loop
+        from pipeline.engine.hot import step as step_module
 
         if kind == "oom":
             real = step_module.forward_backward

@@ -51,7 +51,7 @@ elif PHASE == "compose":
 
     pipeline.config.load = held(pipeline.config.load)
 elif PHASE in ("build", "memory"):
-    import pipeline.engine.build as build_module
+    import pipeline.engine.building.build as build_module
 
     if PHASE == "build":
         build_module.build = held(build_module.build)
@@ -60,7 +60,7 @@ elif PHASE in ("build", "memory"):
 elif PHASE == "first_step":
     import signal
 
-    from pipeline.engine import loop
+    from pipeline.engine.hot import loop
 
     def stop_requested() -> bool:
         stop = getattr(signal.getsignal(signal.SIGINT), "__self__", None)  # the run's StopRequests

@@ -17,8 +17,8 @@ from pipeline.autotune.trials import Trials
 from pipeline.common.cli import Parser, command
 from pipeline.common.errors import PipelineError
 from pipeline.config import load
-from pipeline.engine.memory import out_of_memory_is_an_error
-from pipeline.engine.provenance import run_name
+from pipeline.engine.building.provenance import run_name
+from pipeline.engine.hot.memory import out_of_memory_is_an_error
 from pipeline.record.reachability import check_reachable
 
 

@@ -1,4 +1,5 @@
-"""The real trials: each candidate built with ``pipeline.engine.build.build`` and timed over real training steps."""
+"""The real trials: each candidate built with ``pipeline.engine.building.build.build`` and timed over real training
+steps."""
 
 from __future__ import annotations
 
@@ -9,18 +10,18 @@ from typing import Any
 
 from pipeline.autotune.candidates import Candidate
 from pipeline.config import LoaderConfig, RunConfig
-from pipeline.engine import compilation, loop
-from pipeline.engine.build import build
-from pipeline.engine.loop import StepMetrics
-from pipeline.engine.memory import release_memory
-from pipeline.engine.step import Peers
-from pipeline.engine.timing import make_timer
+from pipeline.engine.building.build import build
+from pipeline.engine.hot import compilation, loop
+from pipeline.engine.hot.loop import StepMetrics
+from pipeline.engine.hot.memory import release_memory
+from pipeline.engine.hot.step import Peers
+from pipeline.engine.hot.timing import make_timer
 from pipeline.machine import doctor
 
 
 @dataclass
 class _Live:
-    setup: Any  # pipeline.engine.build.Setup
+    setup: Any  # pipeline.engine.building.build.Setup
     timer: Any
     keep_batches: bool  # persistent workers (or none): the iterator lives across rounds, as across epochs
     batches: Iterator[Any] | None = None

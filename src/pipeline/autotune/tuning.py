@@ -41,9 +41,9 @@ from pipeline.common.cli import Parser, command
 from pipeline.common.device_memory import is_oom
 from pipeline.common.messages import brief
 from pipeline.config import RunConfig, load
-from pipeline.engine.memory import out_of_memory_is_an_error
+from pipeline.engine.building.provenance import run_name
+from pipeline.engine.hot.memory import out_of_memory_is_an_error
 from pipeline.engine.models import has_convolutions
-from pipeline.engine.provenance import run_name
 from pipeline.report.verdict import classify
 
 CONFIRM = 8  # the confirmation rounds (--confirm)

@@ -3,8 +3,8 @@ backend), how much is free (``free_memory``), and the one-line refusal of what w
 ``check_data``).
 
 Pure helpers over torch and psutil, with no policy: what to do about an out-of-memory error is the engine's
-(``pipeline.engine.memory``), what a run needs is estimated in ``pipeline.engine.footprint``, what the data needs in
-``pipeline.data``.
+(``pipeline.engine.hot.memory``), what a run needs is estimated in ``pipeline.engine.building.footprint``, what the data
+needs in ``pipeline.data``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ anywhere else in the package.
 
 from __future__ import annotations
 
-# time/: where a run's time goes. Each epoch (pipeline.engine.timing): the shares of a steady step, its mean time,
+# time/: where a run's time goes. Each epoch (pipeline.engine.hot.timing): the shares of a steady step, its mean time,
 # the first step's own (warm-up, compilation), the host-to-device copy of a prefetched run.
 TIME_DATA_WAIT_PCT = "time/data_wait_pct"
 TIME_H2D_PCT = "time/h2d_pct"
@@ -26,7 +26,7 @@ TIME_LAUNCH_TO_FIRST_STEP_S = "time/launch_to_first_step_s"  # a fresh run's fir
 TIME_ALLREDUCE_MS = "time/allreduce_ms"  # DDP: the all-reduce time backward did not hide, at logging points
 TIME_DATA_WAIT_PCT_SLOWEST_RANK = "time/data_wait_pct_slowest_rank"  # DDP, rank 0: the rank that waited most
 TIME_SLOWEST_RANK = "time/slowest_rank"  # DDP, rank 0: which rank that was
-# time/, once at the run's end (pipeline.report.logbook, pipeline.engine.replay).
+# time/, once at the run's end (pipeline.report.logbook, pipeline.engine.observe.replay).
 TIME_TOTAL_S = "time/total_s"
 TIME_COMPILE_S = "time/compile_s"  # trainer.compile: what compiling cost beyond as many steady steps
 TIME_LOG_MODEL_S = "time/log_model_s"  # tracking.log_model=final
@@ -38,8 +38,8 @@ TIME_REPLAY_S = "time/replay_s"  # the replay check's cost
 THROUGHPUT_SAMPLES_PER_S = "throughput/samples_per_s"  # this process's (one rank's under DDP)
 THROUGHPUT_GLOBAL_SAMPLES_PER_S = "throughput/global_samples_per_s"  # DDP: every rank's together
 
-# perf/: the arithmetic (pipeline.engine.flops), the replay check (pipeline.engine.replay) and the profiled GPU
-# (pipeline.engine.profile_report).
+# perf/: the arithmetic (pipeline.engine.building.flops), the replay check (pipeline.engine.observe.replay) and the
+# profiled GPU (pipeline.engine.observe.profile_report).
 PERF_FLOPS_PER_SAMPLE = "perf/flops_per_sample"  # once, at step 0
 PERF_TFLOPS = "perf/tflops"
 PERF_MFU_PCT = "perf/mfu_pct"  # model FLOPs utilisation: the model's FLOP/s over the device's peak
@@ -55,7 +55,7 @@ TRAIN_LR = "train/lr"  # when it changed since the last point
 TRAIN_GRAD_NORM = "train/grad_norm"  # trainer.clip_grad_*: the norm before clipping
 TRAIN_EPOCH_LOSS = "train/epoch_loss"
 
-# val/: evaluation at each epoch's end, per task (pipeline.engine.tasks); task=custom adds ``val_metric(name)``.
+# val/: evaluation at each epoch's end, per task (pipeline.engine.hot.tasks); task=custom adds ``val_metric(name)``.
 VAL_PREFIX = "val/"
 VAL_LOSS = "val/loss"  # every task
 VAL_ACC = "val/acc"  # classification, next_token
@@ -77,7 +77,7 @@ MEMORY_MAX_ALLOCATED_MB = "memory/max_allocated_mb"
 MEMORY_MAX_RESERVED_MB = "memory/max_reserved_mb"
 MEMORY_ALLOC_RETRIES = "memory/alloc_retries"
 
-# oom/: the out-of-memory fallback (pipeline.engine.step), logged only at an event: missing = none.
+# oom/: the out-of-memory fallback (pipeline.engine.hot.step), logged only at an event: missing = none.
 OOM_EVENTS = "oom/events"  # a running count
 OOM_MICRO_BATCH_SIZE = "oom/micro_batch_size"
 OOM_MEMORY_MB = "oom/memory_mb"
@@ -87,7 +87,7 @@ OOM_EVAL_MICRO_BATCH_SIZE = "oom/eval_micro_batch_size"  # evaluation shrank its
 AMP_SKIPPED_STEPS = "amp/skipped_steps"  # float16: steps the GradScaler skipped
 AMP_CPU_SPEED_VS_FP32 = "amp/cpu_speed_vs_fp32"  # amp=true on a CPU, timed against float32 at start
 
-# compile/: trainer.compile (pipeline.engine.compilation).
+# compile/: trainer.compile (pipeline.engine.hot.compilation).
 COMPILE_GRAPHS = "compile/graphs"
 COMPILE_RECOMPILES = "compile/recompiles"
 

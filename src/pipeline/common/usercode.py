@@ -6,7 +6,7 @@
 A file is the user's when it lies under the launch folder, a ``PYTHONPATH`` entry or the folder of a module a
 ``_target_`` named (``remember``), and is neither this package's nor an installed library's (site-packages, the
 interpreter's own). The same files are what the record hashes and what the logged model ships
-(``pipeline.engine.provenance``, ``pipeline.record.logged_model``).
+(``pipeline.engine.building.provenance``, ``pipeline.record.logged_model``).
 
 ``user_errors()`` turns an exception whose traceback passes through such a file into ``UserCodeError``: one line with
 the innermost user frame (file, line, function), the exception, and the key whose ``_target_`` chose the code (the
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import os
 import re
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def is_user_file(path: str | None, homes: list[str] | None = None) -> bool:
 
 def imported() -> dict[str, str]:
     """The user's modules this process has imported, by name: their files (a package's ``__init__.py``), in name
-    order. What the record hashes and the logged model ships (``pipeline.engine.provenance``,
+    order. What the record hashes and the logged model ships (``pipeline.engine.building.provenance``,
     ``pipeline.record.logged_model``). Some 3,000 modules are imported by then: the libraries' are passed over by
     their path alone (a few ms), before any file system call."""
     homes = roots()
@@ -206,9 +207,21 @@ def user_errors() -> Iterator[None]:
     except (PipelineError, Interruption):
         raise
     except Exception as err:
-        if is_oom(err):  # memory, not a mistake: pipeline.engine.memory says what to change
+        if is_oom(err):  # memory, not a mistake: pipeline.engine.hot.memory says what to change
             raise
         told = as_user_error(err)
         if told is None:
             raise
         raise told from err
+
+
+def file_hash(path: str) -> str:
+    """A user file's hash as a run's record and its checkpoints keep it: sha256 of its bytes, 16 hex digits."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def changed_since(saved: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The files of ``saved`` (a checkpoint's ``file_hash``es; paths relative to the launch folder, so a project moved
+    whole resumes) whose bytes differ now: ``{path: (then, now)}``, now ``missing`` for a file gone."""
+    now = {path: file_hash(path) if os.path.isfile(path) else "missing" for path in saved}
+    return {path: (saved[path], now[path]) for path in saved if saved[path] != now[path]}

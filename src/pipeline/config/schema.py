@@ -167,11 +167,11 @@ class TrainerConfig:
     progress: bool | Literal["auto"]
     clip_grad_norm: float | None = None  # the gradients' total norm clipped to this (after unscaling); null = none
     clip_grad_value: float | None = None  # each gradient element clipped to [-value, value]; null = none
-    profile: bool = False  # torch.profiler over a few steady steps (pipeline.engine.profiling)
+    profile: bool = False  # torch.profiler over a few steady steps (pipeline.engine.observe.profiling)
     profile_steps: int = PROFILE_STEPS
     auto_profile: bool = True  # low MFU: a few steps profiled by the run itself, within 2% of its time
     memory_snapshot: Literal["off", "on_oom"] = "off"  # the allocator's history, dumped at an out-of-memory error
-    replay_check: bool = True  # perf/replay_speedup: a few steps replayed on one batch (pipeline.engine.replay)
+    replay_check: bool = True  # perf/replay_speedup: a few steps replayed on one batch (pipeline.engine.observe.replay)
 
     def check(self) -> None:
         if self.profile_steps < 1:

@@ -148,7 +148,7 @@ class SchedulerConfig:
 class StepConfig:
     """step: how a batch becomes a loss. ``null`` = the task's loss of the model's output (``step=default``); a
     ``_target_`` names the user's ``fn(model, batch, ctx)`` (``step=custom``), whose keywords are the group's other
-    keys (``pipeline.engine.hooks``)."""
+    keys (``pipeline.engine.hot.hooks``)."""
 
     _target_: str | None = field(default=None, metadata=OMIT_NONE)
     keywords: dict[str, Any] = field(default_factory=dict, metadata=SPREAD)
@@ -168,7 +168,7 @@ MODEL_LOSS = "model"  # task.loss=model: the model's own output.loss
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """task: the loss and the validation metrics (``pipeline.engine.tasks``)."""
+    """task: the loss and the validation metrics (``pipeline.engine.hot.tasks``)."""
 
     name: TaskName
     ignore_index: int = -100  # next_token: target positions left out of the loss and the metrics (padding)

@@ -15,7 +15,7 @@ It keeps what the loop relies on: ``len()`` and ``set_epoch(epoch, skip=...)`` p
 loader, so resume's skip happens in its sampler (no batch is loaded or copied only to be dropped),
 and every batch comes out exactly once, in the loader's order. Under the step timer it marks
 ``ready`` itself, just before the training stream's wait, and reports each copy's duration on its
-own stream (see ``pipeline.engine.timing``); being one batch ahead, step k's wait for data is the wait for
+own stream (see ``pipeline.engine.hot.timing``); being one batch ahead, step k's wait for data is the wait for
 batch k+1 from the loader.
 
 ``loader.prefetch_to_device=auto`` turns it on for CUDA with DataLoader batches in pinned memory (a

@@ -245,7 +245,8 @@ REGISTRIES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_se
 def attributes_now(module: nn.Module) -> Callable[[], None]:
     """What puts ``module``'s attributes back as they are now: its ``__dict__`` (the objects its names are bound to)
     and, since a forward may register into them (a buffer made on first use), its parameter, buffer and sub-module
-    registries. Tensors changed in place are not copied here (``pipeline.engine.replay`` copies those it needs)."""
+    registries. Tensors changed in place are not copied here (``pipeline.engine.observe.replay`` copies those it
+    needs)."""
     attributes = dict(module.__dict__)
     registries = {name: copy.copy(attributes[name]) for name in REGISTRIES if name in attributes}
 

@@ -17,9 +17,9 @@ from pipeline.common.metric_names import (
     VAL_ACC,
     VAL_LOSS,
 )
-from pipeline.engine.flops import ModelFlops
-from pipeline.engine.replay import ReplayOutcome
-from pipeline.engine.timing import Breakdown, combine
+from pipeline.engine.building.flops import ModelFlops
+from pipeline.engine.hot.timing import Breakdown, combine
+from pipeline.engine.observe.replay import ReplayOutcome
 from pipeline.monitor import UtilSummary, summarize
 
 
@@ -27,7 +27,7 @@ from pipeline.monitor import UtilSummary, summarize
 class EpochResult:
     epoch: int
     train_loss: float
-    val_metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.tasks)
+    val_metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.hot.tasks)
     seconds: float  # wall clock, first step included
     samples_per_s: float  # steady state
     breakdown: Breakdown
@@ -77,21 +77,21 @@ class RunResult:
     utilisation: UtilSummary = field(default_factory=lambda: summarize([]))
     tracking_write_s: float = 0.0  # time the training thread spent writing metrics (between epochs)
     tracking_background_write_s: float = 0.0  # time the tracker's writer thread spent writing (during epochs)
-    oom_events: list[Any] = field(default_factory=list)  # pipeline.engine.memory.OomEvent, in order
+    oom_events: list[Any] = field(default_factory=list)  # pipeline.engine.hot.memory.OomEvent, in order
     micro_batch: int = 0  # samples per forward/backward at the end (the effective batch is the loader's)
     eval_micro_batch: int = 0  # samples per evaluation forward at the end (evaluation shrinks on its own)
     bottleneck: str = ""
     verdict: str = ""
     tracking: list[str] = field(default_factory=list)
-    amp_probe: Any = None  # pipeline.engine.precision.AmpProbe: amp=true on the CPU, timed against float32 at start
+    amp_probe: Any = None  # pipeline.engine.hot.precision.AmpProbe: amp=true on the CPU, timed against float32 at start
     notes: list[str] = field(default_factory=list)  # caveats about what the numbers mean (e.g. BatchNorm)
     flops: ModelFlops | None = None  # model FLOPs per sample and the device's peak: the compute line's MFU
     distributed: str = ""  # DDP: world size, backend, per-rank and global batch ("" for one process)
     model: Any = field(default=None, repr=False, compare=False)  # the trained torch module
-    primary: str = VAL_ACC  # the task's leading metric (pipeline.engine.tasks): what a sweep returns by default
+    primary: str = VAL_ACC  # the task's leading metric (pipeline.engine.hot.tasks): what a sweep returns by default
     logged_model: str = ""  # where the trained model is in MLflow (runs:/<id>/model), "" when not logged
-    profile: Any = None  # pipeline.engine.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
-    replay: ReplayOutcome | None = None  # the step time with free data (pipeline.engine.replay): the free data line
+    profile: Any = None  # observe.profile_report.ProfileReport: trainer.profile=true, once steps were profiled
+    replay: ReplayOutcome | None = None  # the step time with free data (observe/replay.py): the free data line
     loader_kind: str = ""  # the backend that made the batches (Batches.kind: dataloader, resident, a registered one)
 
     @property

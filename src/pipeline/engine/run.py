@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.common.heap import collector_running
 from pipeline.common.metric_names import (
@@ -27,11 +27,13 @@ from pipeline.common.metric_names import (
 )
 from pipeline.config import TrainerConfig
 from pipeline.data.workers import worker_faults
-from pipeline.engine.build import Setup
-from pipeline.engine.checkpoint import Checkpointer, Position
-from pipeline.engine.continuation import MidwayCheckpoints
-from pipeline.engine.loop import EpochHooks, EpochStats, EvalStats, StepMetrics, StepTimer, evaluate, train_epoch
-from pipeline.engine.progress import (
+from pipeline.engine.building.build import Setup
+from pipeline.engine.checkpointing.checkpoint import Checkpointer, Position
+from pipeline.engine.checkpointing.continuation import MidwayCheckpoints
+from pipeline.engine.hot.loop import EpochHooks, EpochStats, EvalStats, StepMetrics, evaluate, train_epoch
+from pipeline.engine.hot.step import Peers
+from pipeline.engine.hot.timing import launch_metrics, make_timer
+from pipeline.engine.observe.progress import (
     EpochSteps,
     NoProgress,
     ProgressBar,
@@ -40,11 +42,12 @@ from pipeline.engine.progress import (
     steps_to_train,
 )
 from pipeline.engine.results import EpochResult
-from pipeline.engine.step import Peers
 from pipeline.engine.stopping import Stopped, StopRequests, workers_stopped_too
-from pipeline.engine.timing import launch_metrics, make_timer
 from pipeline.monitor import allocator_metrics
 from pipeline.record.lifecycle import Tracker
+
+if TYPE_CHECKING:
+    from pipeline.engine.hot.loop import StepTimer
 
 log = logging.getLogger("pipeline.train")  # the name its lines have always carried (a log config may filter by it)
 
@@ -73,8 +76,8 @@ class Run:
     """What stays the same for all of a run's epochs: what was built, the trainer's settings, and where the run's
     metrics, utilisation, checkpoints and stop requests go. ``started``: when the run started (``time.perf_counter``),
     the origin of the auto profile's and the replay check's budgets. ``progress``: ``bar``, ``lines`` or ``none``
-    (``pipeline.engine.progress.progress_mode``). ``evaluated``: told each evaluation pass's seconds (the GPU check
-    times them; evaluation ends with a host sync, so its wall clock is the device's time too)."""
+    (``pipeline.engine.observe.progress.progress_mode``). ``evaluated``: told each evaluation pass's seconds (the GPU
+    check times them; evaluation ends with a host sync, so its wall clock is the device's time too)."""
 
     setup: Setup
     trainer: TrainerConfig
@@ -207,7 +210,7 @@ class _Epochs:
         by it steps."""
         run, setup = self.run, self.run.setup
         state = setup.state
-        # perf/replay_speedup: once, a few steps on one batch, the state put back (pipeline.engine.replay)
+        # perf/replay_speedup: once, a few steps on one batch, the state put back (pipeline.engine.observe.replay)
         setup.replay.after_epoch(
             state,
             stats.breakdown,

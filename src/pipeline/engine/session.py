@@ -26,15 +26,16 @@ from pipeline.common.secrets import env_values, mask_overrides, mask_tree
 from pipeline.common.usercode import user_errors
 from pipeline.config import RunConfig
 from pipeline.data.workers import deaths_expected_while
-from pipeline.engine import checkpoint, compilation, resume
-from pipeline.engine.build import Setup, announce, build
-from pipeline.engine.continuation import own_overrides, stop_says_how_to_continue
-from pipeline.engine.memory import out_of_memory_is_an_error
-from pipeline.engine.progress import progress_mode
-from pipeline.engine.provenance import run_tags, sweep_run_name, with_overrides
+from pipeline.engine.building.build import Setup, announce, build
+from pipeline.engine.building.provenance import run_tags, sweep_run_name, with_overrides
+from pipeline.engine.checkpointing import checkpoint, resume
+from pipeline.engine.checkpointing.continuation import own_overrides, stop_says_how_to_continue
+from pipeline.engine.checkpointing.start import FreshStart, Resumed
+from pipeline.engine.hot import compilation
+from pipeline.engine.hot.memory import out_of_memory_is_an_error
+from pipeline.engine.observe.progress import progress_mode
 from pipeline.engine.results import RunResult
 from pipeline.engine.run import EpochModels, Fitted, Run, fit
-from pipeline.engine.start import FreshStart, Resumed
 from pipeline.engine.stopping import StopRequests
 from pipeline.monitor import open_sampler
 from pipeline.parallel import distributed

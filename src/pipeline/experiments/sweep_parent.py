@@ -48,7 +48,7 @@ def open_parent(config: DictConfig, sweep: Sweep, specs: dict[str, str]) -> Swee
     jobs are recorded without a parent.
     """
     # lazy: engine.provenance imports torch (~1.4 s); every `python -m pipeline` imports this module (end_unfinished)
-    from pipeline.engine.provenance import source_tags
+    from pipeline.engine.building.provenance import source_tags
 
     experiment = str(config.tracking.experiment)
     if "tracking.experiment" in env_keys(config):  # as open_tracker refuses it for each job
@@ -195,7 +195,11 @@ def job_run_name(job: SweepJob, cfg: RunConfig | None) -> str:
     """The name a job that failed before its run existed gets: the derived one, with the device as asked."""
     if cfg is None:
         return f"sweep-{job.sweep.short_id}-job{job.number}"
-    from pipeline.engine.provenance import run_name, sweep_run_name, with_overrides  # lazy: torch (~1.4 s), as above
+    from pipeline.engine.building.provenance import (  # lazy: torch (~1.4 s), as above
+        run_name,
+        sweep_run_name,
+        with_overrides,
+    )
 
     precision = ("amp" if cfg.precision.dtype == "auto" else cfg.precision.dtype) if cfg.amp else "fp32"
     name = sweep_run_name(run_name(cfg, device_type=cfg.device.name, precision=precision), job.values)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.common.markdown import markdown_table
-from pipeline.engine.devices import cpu_name
+from pipeline.engine.building.devices import cpu_name
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import torch
 
 from pipeline.common.messages import brief
 from pipeline.common.stats import paired_ratio
-from pipeline.engine import amp_check
-from pipeline.engine.devices import cpu_name, cudnn_version
+from pipeline.engine.building import amp_check
+from pipeline.engine.building.devices import cpu_name, cudnn_version
 from pipeline.machine.platforms import (
     Probe,
     Toolkit,
@@ -185,7 +185,7 @@ def gather_speed(facts: Facts) -> Facts:
 
 def _bf16_speed(op: Any, args: tuple[torch.Tensor, ...], *, until: float) -> float:
     """float32's time over bfloat16's for ``op(*args)``: the median of interleaved pairs' ratios, as the amp check
-    measures (``pipeline.engine.amp_check.time_pairs``); inputs are cast beforehand, so only compute counts."""
+    measures (``pipeline.engine.building.amp_check.time_pairs``); inputs are cast beforehand, so only compute counts."""
     narrow = tuple(t.bfloat16() for t in args)
     warm, (fp32, bf16) = amp_check.time_pairs(lambda: op(*args), lambda: op(*narrow), pairs=5, until=until)
     return paired_ratio(fp32, bf16) if fp32 else warm[0] / warm[1]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import DeviceConfig
-from pipeline.engine.devices import resolve_device
+from pipeline.engine.building.devices import resolve_device
 from pipeline.machine.facts import Check, Facts, nvidia_adapters, version_tuple
 from pipeline.machine.platforms import (
     vendor_of,

@@ -1,4 +1,4 @@
-"""What the run's device can compute at most, per dtype: the denominator of MFU (``pipeline.engine.flops``).
+"""What the run's device can compute at most, per dtype: the denominator of MFU (``pipeline.engine.building.flops``).
 
 - **A CUDA GPU**: the dense datasheet figure for the dtype the run computes in, from the table in
   ``pipeline.monitor.gpu_peaks``. A card not in the table gets no peak and the reason, never another card's.
@@ -97,8 +97,8 @@ def run_dtype(device: torch.device, autocast_dtype: torch.dtype | None) -> str:
 
 def device_peak(device: torch.device, dtype: str, *, device_name: str = "") -> Peak:
     """The peak of ``device`` in ``dtype``: a GPU's datasheet figure, a CPU's measured (or cached) one. ``device_name``
-    is the device's as ``pipeline.engine.devices`` names it (a CPU's model name: what its cached peak is kept under);
-    for a GPU, default ``torch.cuda.get_device_name``."""
+    is the device's as ``pipeline.engine.building.devices`` names it (a CPU's model name: what its cached peak is kept
+    under); for a GPU, default ``torch.cuda.get_device_name``."""
     if device.type == "cpu":
         return cpu_peak(dtype, cpu=device_name)
     if device.type == "cuda":
@@ -188,7 +188,7 @@ def cpu_peak(
     measure: Callable[[Sequence[str]], Window] | None = None,
 ) -> Peak:
     """This CPU's measured matmul peak in ``dtype`` at torch's current thread count (``cpu_peaks``); ``cpu``: its
-    model name (``pipeline.engine.devices.cpu_name``). None, with the reason, when it is not cached and the
+    model name (``pipeline.engine.building.devices.cpu_name``). None, with the reason, when it is not cached and the
     measurement was refused (the machine was busy)."""
     if dtype not in CPU_DTYPES:
         return Peak(dtype, None, reason=f"no MFU: {dtype} is not measured on a CPU")

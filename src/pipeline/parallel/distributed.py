@@ -247,8 +247,8 @@ class Group(Solo):
 
     @contextmanager
     def untimed(self) -> Iterator[None]:
-        """A block whose all-reduces ``time/allreduce_ms`` leaves out (the steps ``pipeline.engine.replay`` replays,
-        which are no training steps): the clock is disarmed in it, and armed again as it was."""
+        """A block whose all-reduces ``time/allreduce_ms`` leaves out (the steps ``pipeline.engine.observe.replay``
+        replays, which are no training steps): the clock is disarmed in it, and armed again as it was."""
         clock = self._clock
         armed = clock is not None and clock.armed
         if clock is not None:

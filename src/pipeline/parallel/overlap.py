@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 -m pipeline device=cpu     # each logging interval records time/allreduce_ms
 
-``pipeline.engine.step.run_step`` averages a step's gradients in one of two ways:
+``pipeline.engine.hot.step.run_step`` averages a step's gradients in one of two ways:
 
 - **By hand, while the micro-batch size is being found** (a run's first step, and the replay after an
   out-of-memory shrink): every backward runs under DDP's ``no_sync()`` and ``average_by_hand`` all-reduces the

@@ -6,8 +6,8 @@ database. ``sqlite_refusal`` says why a ``sqlite:///`` store on a network filesy
 ``slurm_store_refusal`` why the SLURM launcher is refused any SQLite store (a node-local file is not shared by
 the compute nodes, and a shared one is on a network filesystem): the remedy is the team tracking server.
 
-``run.lock`` (``pipeline.engine.checkpoint.RunLock``, an ``flock()`` taken by ``filelock``) keeps two processes from
-training the same run. It is only as good as the filesystem's locks: NFS mounted ``nolock`` (or
+``run.lock`` (``pipeline.engine.checkpointing.checkpoint.RunLock``, an ``flock()`` taken by ``filelock``) keeps two
+processes from training the same run. It is only as good as the filesystem's locks: NFS mounted ``nolock`` (or
 ``local_lock=all|flock``), Lustre without ``-o flock`` (``localflock`` or none), BeeGFS (``flock()`` is node-local
 unless the client sets ``tuneUseGlobalFileLocks``, which the mount table does not show), SMB mounted ``nobrl``, and
 filesystems with no locks shared between clients (sshfs, 9p, AFS, object stores) keep a lock on the one machine

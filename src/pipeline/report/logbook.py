@@ -25,14 +25,14 @@ from pipeline.common.metric_names import (
 )
 from pipeline.config import RunConfig, flatten
 from pipeline.data.structures import move
-from pipeline.engine.build import Setup
-from pipeline.engine.memory import batchnorm_note
+from pipeline.engine.building.build import Setup
+from pipeline.engine.building.provenance import code_tags, describe_loader, environment_tags
+from pipeline.engine.checkpointing.start import FreshStart, Resumed
+from pipeline.engine.hot.memory import batchnorm_note
+from pipeline.engine.hot.timing import Breakdown
 from pipeline.engine.models import has_convolutions
-from pipeline.engine.provenance import code_tags, describe_loader, environment_tags
 from pipeline.engine.results import EpochResult, RunResult, run_breakdown
 from pipeline.engine.run import Fitted, NoEpochModels, Run
-from pipeline.engine.start import FreshStart, Resumed
-from pipeline.engine.timing import Breakdown
 from pipeline.machine import doctor
 from pipeline.monitor import UtilSummary, job_summary, rank_cpu
 from pipeline.record.lifecycle import Tracker

@@ -1,8 +1,8 @@
 """Where a profiled step's time went, in groups a user can act on, each with its hint.
 
-The profiler ranks operators by self time (``pipeline.engine.profile_report``); a name such as ``aten::_log_softmax``
-or ``aten::copy_`` says little to someone who wrote ``F.log_softmax`` or ``x.transpose(0, 1).contiguous()``. The
-groups, each a share of the profiled steps' time:
+The profiler ranks operators by self time (``pipeline.engine.observe.profile_report``); a name such as
+``aten::_log_softmax`` or ``aten::copy_`` says little to someone who wrote ``F.log_softmax`` or ``x.transpose(0,
+1).contiguous()``. The groups, each a share of the profiled steps' time:
 
 - **softmax / log_softmax** (forward and backward). Two or more log_softmax calls a step is the tell-tale of a loss
   that applies log_softmax to outputs that already are log-probabilities (the loss's log_softmax of log-probabilities

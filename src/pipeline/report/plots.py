@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the compare chart imports this module, and must not pay for torch
-    from pipeline.engine.timing import Breakdown
+    from pipeline.engine.hot.timing import Breakdown
     from pipeline.monitor import Sample
 
 # One colour per part of a step in every chart that splits one (step_time.png, compare.png), under the compare

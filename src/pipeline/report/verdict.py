@@ -16,8 +16,8 @@ device; ``overhead`` = the pipeline's own work between steps), in the spirit of 
 
 The confidence is ``high`` when two or more steady epochs agree, ``medium`` with one, ``low`` for ``unknown``; the
 message says which measurement decided and the epochs' spread. When MFU is low the run profiles a few steps by itself
-(``pipeline.engine.profiling.AutoProfiler``); the operator groups it found (``pipeline.report.operators``) are named
-with their share of step time and their hints, and recorded as ``verdict.top_ops``.
+(``pipeline.engine.observe.profiling.AutoProfiler``); the operator groups it found (``pipeline.report.operators``) are
+named with their share of step time and their hints, and recorded as ``verdict.top_ops``.
 
 The hints are concrete overrides chosen from the run's own configuration. On a CPU they are the ones that raise MFU
 there (a larger batch, torch's threads, ``trainer.compile=true``, ``amp=true`` where the start-up amp check measured
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.engine.amp_check import AmpProbe, has_amx
-from pipeline.engine.profiling import LOW_MFU_PCT
+from pipeline.engine.building.amp_check import AmpProbe, has_amx
+from pipeline.engine.hot.timing import Breakdown
+from pipeline.engine.observe.profiling import LOW_MFU_PCT
 from pipeline.engine.results import EpochResult, steady_epochs
-from pipeline.engine.timing import Breakdown
 from pipeline.monitor import UtilSummary
 from pipeline.report.operators import OperatorGroup
 
@@ -48,7 +48,7 @@ IDLE_GPU_PCT = 50.0
 OUTSIDE_IDLE_PCT = 50.0
 DISAGREE_SPREAD_PCT = 5.0
 INPUT_WITH_IDLE_GPU_PCT = 15.0  # the copies' share above which pinned memory is the first hint on a GPU
-HIGH_MFU_PCT = 50.0  # from here on little is left to win by tuning the loop (LOW_MFU_PCT: pipeline.engine.profiling)
+HIGH_MFU_PCT = 50.0  # from here on little is left to win by tuning the loop (LOW_MFU_PCT: engine/observe/profiling)
 OVERHEAD_PCT = 10.0  # the pipeline's own work named in the evidence (with how to cut it) from this share on
 
 LABELS = {
@@ -153,7 +153,7 @@ def agreement(evidence: Evidence, kind: str) -> tuple[str, str]:
 class RunFacts:
     """What the run was, as the verdict reads it: the device it trained on, its precision, whether its model has
     2-D convolutions (only then is ``channels_last`` worth a try), its model FLOPs utilisation when it has one, and
-    on a CPU what the start-up amp check measured (``pipeline.engine.amp_check``)."""
+    on a CPU what the start-up amp check measured (``pipeline.engine.building.amp_check``)."""
 
     device_type: str  # cuda, cpu, mps
     precision: str  # the precision policy's label: fp32, amp-bf16, amp-fp16

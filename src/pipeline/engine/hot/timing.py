@@ -152,7 +152,7 @@ class _Marks:
 
     def profiled(self) -> None:
         """The step just marked ran under the profiler: no steady step either. Called by the profiler's timer
-        (``pipeline.engine.profiling``) alone, so a run that does not profile pays nothing for it."""
+        (``pipeline.engine.observe.profiling``) alone, so a run that does not profile pays nothing for it."""
         self._profiled.add(len(self._marks) - 1)
 
     def copy_took(self, seconds: Callable[[], float]) -> None:

@@ -1,12 +1,12 @@
-"""Numeric precision: the autocast dtype and the GradScaler (``pipeline.engine.precision_setup`` chooses them from the
-config, with the CUDA backend switches).
+"""Numeric precision: the autocast dtype and the GradScaler (``pipeline.engine.building.precision_setup`` chooses them
+from the config, with the CUDA backend switches).
 
 ``amp=true`` runs forward and loss under ``torch.autocast``. ``precision.dtype=auto`` picks
 bfloat16 where the device computes it natively (CPUs, Ampere and newer GPUs) and float16
 elsewhere; float16 needs a GradScaler so small gradients do not underflow to zero.
 
 On a CPU, autocast only pays off where the hardware computes the narrow format (AMX); elsewhere
-bfloat16 convolutions can run ten times slower than float32: ``pipeline.engine.amp_check`` measures it
+bfloat16 convolutions can run ten times slower than float32: ``pipeline.engine.building.amp_check`` measures it
 for the run's own model before training.
 """
 

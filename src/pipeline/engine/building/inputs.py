@@ -22,10 +22,10 @@ from pipeline.common.messages import brief
 from pipeline.common.targets import TargetError
 from pipeline.common.usercode import site
 from pipeline.data.structures import describe, move
-from pipeline.engine.hooks import Computed, Step, StepContext, StepHookError, TaskStep
+from pipeline.engine.hot.hooks import Computed, Step, StepContext, StepHookError, TaskStep
+from pipeline.engine.hot.step import Inputs
+from pipeline.engine.hot.tasks import OutputMismatch, Task
 from pipeline.engine.models import has_convolutions
-from pipeline.engine.step import Inputs
-from pipeline.engine.tasks import OutputMismatch, Task
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Behind it are the step's hard parts, in one place: the out-of-memory replay (the
 the effective batch kept), DDP's overlapped all-reduce and the agreement of all ranks on each step, the stop
 protocol (a stop met by an out-of-memory error abandons the step instead of retrying smaller), the recompile check,
 and the optimizer step: clipping after unscaling, a closure for an optimizer that re-evaluates (L-BFGS), the
-schedule, and the step hook's state detached (``pipeline.engine.hooks``). The epoch loop (``pipeline.engine.loop``)
-calls it once per batch.
+schedule, and the step hook's state detached (``pipeline.engine.hot.hooks``). The epoch loop
+(``pipeline.engine.hot.loop``) calls it once per batch.
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ from torch import nn
 
 from pipeline.common.metric_names import OOM_EVENTS, OOM_MEMORY_MB, OOM_MICRO_BATCH_SIZE
 from pipeline.data.structures import count, leaves, move, split
-from pipeline.engine.compilation import NO_COMPILE, CompileWatch, NoCompile, hit_recompile_limit, recompile_limit_error
-from pipeline.engine.hooks import Step, StepContext, TaskStep
-from pipeline.engine.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
+from pipeline.engine.hot.compilation import (
+    NO_COMPILE,
+    CompileWatch,
+    NoCompile,
+    hit_recompile_limit,
+    recompile_limit_error,
+)
+from pipeline.engine.hot.hooks import Step, StepContext, TaskStep
+from pipeline.engine.hot.memory import MicroBatcher, OomFailure, discard_attempt, memory_at_failure_mb
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.tasks import Classification, Task
 from pipeline.engine.optim import Clipping, NoClipping, Schedule
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.tasks import Classification, Task
 from pipeline.parallel.distributed import Group, Solo
 
 Closure = Callable[[], torch.Tensor]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("pipeline.engine.step")  # the name its lines have always shown
 
 Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
 
@@ -39,9 +45,9 @@ Splitter = Callable[[Any, int], list[Any]]  # (batch, pieces) -> micro-batches
 class TrainState:
     """What an epoch advances: the model, its optimizer, schedule and scaler, the micro-batch, the global step, and
     what torch.compile has compiled (an eager run's watch never changes); with the task that scores a batch, the step
-    that turns a batch into a loss (``pipeline.engine.hooks``) and its context, how a batch is cut into micro-batches
-    (``data.split_batch``, or ``pipeline.data.structures.split``) and along which dimension its samples count,
-    gradient clipping, and whether the optimizer's step takes a closure (L-BFGS)."""
+    that turns a batch into a loss (``pipeline.engine.hot.hooks``) and its context, how a batch is cut into
+    micro-batches (``data.split_batch``, or ``pipeline.data.structures.split``) and along which dimension its samples
+    count, gradient clipping, and whether the optimizer's step takes a closure (L-BFGS)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer

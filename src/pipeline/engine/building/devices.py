@@ -19,7 +19,7 @@ import torch
 from pipeline.common.errors import DeviceError
 from pipeline.config import DeviceConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.devices")  # the name its lines have always shown
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ finished, so ``resume=latest`` can choose without loading every checkpoint; and 
 training that run (the OS releases it when the process dies, even by SIGKILL), so two processes never train the
 same run; it is refused on a filesystem whose locks only this machine sees (``pipeline.record.filesystems``: NFS
 ``nolock``, Lustre without ``-o flock``...), while the checkpoints themselves may be on any. Finding and checking a
-checkpoint for ``resume=`` is ``pipeline.engine.resume``'s job.
+checkpoint for ``resume=`` is ``pipeline.engine.checkpointing.resume``'s job.
 """
 
 from __future__ import annotations
@@ -311,7 +311,8 @@ class Kept:
     """What a run's checkpoints keep besides its training state: the run's id and name, its ``config`` (masked; a
     resume compares it), the job's ``world_size`` (a position inside an epoch counts this job's per-rank batches),
     the data's ``classes``, the run's own ``overrides`` (masked; a resume restores them,
-    ``pipeline.engine.continuation``) and the user's ``code`` files with their hashes (a resume compares them)."""
+    ``pipeline.engine.checkpointing.continuation``) and the user's ``code`` files with their hashes (a resume compares
+    them)."""
 
     run_id: str | None
     run_name: str

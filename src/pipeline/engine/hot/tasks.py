@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the config is read, never imported: building the run hands 
 
     from pipeline.config import TargetConfig, TaskConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.tasks")  # the name its lines have always shown
 
 
 class OutputMismatch(PipelineError):

@@ -1,5 +1,5 @@
 """Resuming: which checkpoint ``resume=`` names and whether this config may continue it
-(``pipeline.engine.start.restore`` puts it back).
+(``pipeline.engine.checkpointing.start.restore`` puts it back).
 
 Continuing the same MLflow run (the default) may change only how the run runs (``RUNTIME``:
 its length, logging, monitoring, loader workers, the device), never what it computes, so the
@@ -18,9 +18,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.common import usercode
 from pipeline.common.uris import absolute
 from pipeline.config import RunConfig, flatten
-from pipeline.engine.checkpoint import (
+from pipeline.engine.checkpointing.checkpoint import (
     LAST,
     CheckpointError,
     RunLock,
@@ -28,11 +29,10 @@ from pipeline.engine.checkpoint import (
     read_state,
     store_id,
 )
-from pipeline.engine.provenance import UserCode
-from pipeline.engine.start import FreshStart, Resumed, describe_changes
+from pipeline.engine.checkpointing.start import FreshStart, Resumed, describe_changes
 from pipeline.record import outbox
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.resume")  # the name its lines have always shown
 
 # Keys whose change makes a checkpoint unusable: the weights', the optimizer state's or the data's shape,
 # or what "batch N of the epoch" means.
@@ -283,7 +283,7 @@ def resume_point(cfg: RunConfig, masked_config: Mapping[str, Any], *, world_size
             )
     changes = config_changes(flatten(saved["config"]), flatten(masked_config))
     check_resumable(changes, fork=cfg.fork, run=run)
-    edited = UserCode.changed_since(saved.get("code", {}))
+    edited = usercode.changed_since(saved.get("code", {}))
     if edited and not cfg.fork:
         raise CheckpointError(
             f"cannot resume run {run}: your code changed since its checkpoint ({_edits(edited)}), and the run's record "

@@ -39,10 +39,11 @@ from torch import nn
 
 from pipeline.common.stats import paired_ratio
 from pipeline.data.structures import call_model, count, take
-from pipeline.engine import flops
-from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.building import flops
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.observe.progress import seconds
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.amp_check")  # the name its lines have always shown
 
 PROBE_FLOPS = 8e9  # arithmetic of one float32 step the probe's batch is sized to (~0.1 s on a few cores)
 PROBE_MIN_BATCH = 2  # BatchNorm in train mode needs more than one value per channel
@@ -107,15 +108,6 @@ class AmpProbe:
             f"interleaved pair(s) at batch {self.batch}: {seconds(self.amp_s)} vs {seconds(self.fp32_s)} a step, "
             f"before training{capped}): {said}"
         )
-
-
-def seconds(value: float) -> str:
-    """``1.7 s``, ``120 ms``, ``0.85 ms``: never ``0.00 s``."""
-    if not math.isfinite(value):
-        return "not measured"
-    if value >= 1:
-        return f"{value:.1f} s"
-    return f"{value * 1000:.0f} ms" if value >= 0.01 else f"{value * 1000:.2f} ms"
 
 
 @cache

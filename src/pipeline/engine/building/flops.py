@@ -3,8 +3,8 @@
 Model FLOPs are counted as MFU defines them (PaLM, appendix B; nanoGPT's ``estimate_mfu``): 3 × the forward pass's
 FLOPs, the backward pass taking about two forwards (the gradients of the inputs and of the weights). The forward is
 counted once per run, by ``torch.utils.flop_counter.FlopCounterMode``, during the forward that ``build`` already runs
-on the first two samples to check them (``pipeline.engine.inputs``): no extra step, nothing on the hot path. The
-counter counts matmuls, convolutions and attention (2 FLOPs a multiply-add); element-wise work (activations,
+on the first two samples to check them (``pipeline.engine.building.inputs``): no extra step, nothing on the hot path.
+The counter counts matmuls, convolutions and attention (2 FLOPs a multiply-add); element-wise work (activations,
 normalisation, the optimizer) is left out, as MFU leaves it out.
 
 These are the FLOPs the *model* needs, not those the chip executes: autograd skips some (the first layer's input
@@ -32,7 +32,7 @@ from pipeline.monitor.peaks import Peak
 FORWARD_AND_BACKWARD = 3  # the backward pass costs about two forwards
 # Under this share of the device's peak a run leaves most of it unused (well-tuned training reaches 40-60% of a GPU's
 # dense peak: nanoGPT's GPT-2 on an A100, about 40%): the verdict looks for where the time goes, and a run profiles
-# a few steps by itself to find it (``pipeline.engine.profiling.AutoProfiler``).
+# a few steps by itself to find it (``pipeline.engine.observe.profiling.AutoProfiler``).
 
 
 @dataclass

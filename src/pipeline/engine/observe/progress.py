@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -23,12 +24,11 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 from tqdm import tqdm
 
 from pipeline.common.metric_names import TRAIN_LOSS
-from pipeline.engine.amp_check import seconds
 
 if TYPE_CHECKING:
-    from pipeline.engine.amp_check import AmpProbe
+    from pipeline.engine.building.amp_check import AmpProbe
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.progress")  # the name its lines have always shown
 
 REDRAW_S = 0.1  # at most ten redraws a second, whatever the step rate
 LOG_EVERY_S = 30.0  # without a bar, a progress line at most this often (a step longer than this: one a step)
@@ -277,3 +277,12 @@ class EpochSteps:
                 self.bar.set_loss(metrics[TRAIN_LOSS])
 
         return log_step
+
+
+def seconds(value: float) -> str:
+    """``1.7 s``, ``120 ms``, ``0.85 ms``: never ``0.00 s``."""
+    if not math.isfinite(value):
+        return "not measured"
+    if value >= 1:
+        return f"{value:.1f} s"
+    return f"{value * 1000:.0f} ms" if value >= 0.01 else f"{value * 1000:.2f} ms"

@@ -1,7 +1,7 @@
 """One training epoch and one evaluation pass, written like the set-up recipe's pseudo-code.
 
-One step's hard parts (the out-of-memory replay, DDP, the stop protocol) are ``pipeline.engine.step.run_step``'s. The
-hot loop never reads a value back from the device except at logging points: losses are
+One step's hard parts (the out-of-memory replay, DDP, the stop protocol) are ``pipeline.engine.hot.step.run_step``'s.
+The hot loop never reads a value back from the device except at logging points: losses are
 summed on the device and ``.item()`` (a host sync on GPUs) runs every ``log_every`` steps and at
 the end of the epoch.
 """
@@ -11,21 +11,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from pipeline.common.metric_names import AMP_SKIPPED_STEPS, TRAIN_GRAD_NORM, TRAIN_LOSS, TRAIN_LR, VAL_ACC, VAL_LOSS
 from pipeline.data.structures import count, move, split
-from pipeline.engine.compilation import hit_recompile_limit, recompile_limit_error
-from pipeline.engine.hooks import Computed, Step, StepContext
-from pipeline.engine.losses import LossWindow
-from pipeline.engine.memory import MicroBatcher
-from pipeline.engine.optim import current_lr
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.profiling import ProfiledTimer
-from pipeline.engine.step import (
+from pipeline.engine.hot.compilation import hit_recompile_limit, recompile_limit_error
+from pipeline.engine.hot.hooks import Computed, Step, StepContext
+from pipeline.engine.hot.losses import LossWindow
+from pipeline.engine.hot.memory import MicroBatcher
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.step import (
     ALONE,
     SOLO,
     Inputs,
@@ -37,11 +35,15 @@ from pipeline.engine.step import (
     TrainState,
     run_step,
 )
-from pipeline.engine.tasks import Task
-from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
+from pipeline.engine.hot.tasks import Task
+from pipeline.engine.hot.timing import Breakdown, EventTimer, WallTimer
+from pipeline.engine.optim import current_lr
 from pipeline.parallel.distributed import Group, Solo
 
-StepTimer = WallTimer | EventTimer | ProfiledTimer  # the last: trainer.profile=true (pipeline.engine.profiling)
+if TYPE_CHECKING:  # the profiler's timer wraps the step timer; the loop only marks it
+    from pipeline.engine.observe.profiling import ProfiledTimer
+
+    StepTimer = WallTimer | EventTimer | ProfiledTimer  # the last: trainer.profile=true (observe/profiling.py)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class EpochStats:
 
 @dataclass(frozen=True)
 class EvalStats:
-    metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.tasks)
+    metrics: dict[str, float]  # val/loss and the task's metrics (pipeline.engine.hot.tasks)
     samples: int
 
     @property
@@ -139,7 +141,7 @@ class NoCheckpoints:
 class EpochHooks:
     """What an epoch tells as it goes: its step ``metrics`` and mid-epoch ``checkpoints`` (each knows its own steps),
     each step's samples (``on_step``: a progress bar, never touching the device), and each trained batch as the step
-    had it (``keep``: ``pipeline.engine.replay``; a reference, no copy)."""
+    had it (``keep``: ``pipeline.engine.observe.replay``; a reference, no copy)."""
 
     metrics: StepMetrics = field(default_factory=lambda: StepMetrics())
     checkpoints: Checkpoints = field(default_factory=lambda: NoCheckpoints())

@@ -1,6 +1,6 @@
 """The run's precision chosen from the config (``amp``, ``precision.dtype``) for its device, and the trainer's device
 switches checked against that device and set (TF32, cuDNN's autotuner). Building the run calls these; the hot path
-uses what they return (``pipeline.engine.precision.PrecisionPolicy``) and never reads the config."""
+uses what they return (``pipeline.engine.hot.precision.PrecisionPolicy``) and never reads the config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from pipeline.common.errors import ConfigError
 from pipeline.config import PrecisionConfig, TrainerConfig, cuda_only_expected
-from pipeline.engine.precision import DTYPES, PrecisionPolicy, bf16_native
+from pipeline.engine.hot.precision import DTYPES, PrecisionPolicy, bf16_native
 
 log = logging.getLogger("pipeline.engine.precision")  # the name its warning has always carried
 

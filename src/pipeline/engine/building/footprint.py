@@ -15,7 +15,7 @@ run first and refuse in one line that gives the estimate and the free memory:
 
 Both are floors, not forecasts: a run refused here could not have fitted; one that passes may still
 run out (then the fallback shrinks the micro-batch, and an error it cannot help is ``OutOfMemory``,
-one line as well, see ``pipeline.engine.memory``).
+one line as well, see ``pipeline.engine.hot.memory``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pipeline.data import structures
 from pipeline.data.structures import call_model
 from pipeline.engine.models import attributes_now, build_model
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.footprint")  # the name its lines have always shown
 
 HALF = 2  # bytes: activations under amp (float16 or bfloat16)
 

@@ -1,5 +1,5 @@
-"""What a profiled run's steps showed (``pipeline.engine.profiling``): the top operators, the GPU's busy and idle time,
-and the report that the run records and its summary shows.
+"""What a profiled run's steps showed (``pipeline.engine.observe.profiling``): the top operators, the GPU's busy and
+idle time, and the report that the run records and its summary shows.
 
 ``gpu_busy`` and the interval helpers are pure functions of intervals on one clock (the profiler's, in microseconds),
 so they are tested on made-up intervals; ``analyse`` reads them from a stopped ``torch.profiler.profile``.

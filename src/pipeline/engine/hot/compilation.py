@@ -13,7 +13,8 @@
   compilation, forward or backward; ``recompiles``: a frame compiled again after a guard failed; ``graphs``:
   dynamo's own count of graphs). The loop compares ``count`` before and after a step: a step that compiled (the
   first, and a later one whose batch had a new shape: the last, smaller batch of an epoch, or the out-of-memory
-  fallback's half) is kept out of the steady-state throughput like an epoch's first step (``pipeline.engine.timing``).
+  fallback's half) is kept out of the steady-state throughput like an epoch's first step
+  (``pipeline.engine.hot.timing``).
 
 Marking the batch dimension dynamic up front (``dynamic=True``) would avoid the last batch's recompile but makes
 every step run the dynamic graph; ``python -m bench --only compile`` measures the two side by side.

@@ -4,7 +4,7 @@
 
 From the run's start the CUDA caching allocator records its history (each allocation and free with its Python
 stack, the last ``MAX_ENTRIES`` kept); at the run's first out-of-memory error, in training or in evaluation, the
-out-of-memory fallback (``pipeline.engine.memory.MicroBatcher.diagnose``) calls the snapshot while the failed step's
+out-of-memory fallback (``pipeline.engine.hot.memory.MicroBatcher.diagnose``) calls the snapshot while the failed step's
 memory is still held, and the allocator's snapshot goes to the run as ``memory/snapshot.pickle``: drop it on
 https://pytorch.org/memory_viz to see every live block, where it was allocated, and the history that led there.
 Once per run; the fallback then recovers as it always does (or, with ``oom.enabled=false``, the run ends).
@@ -31,7 +31,7 @@ from pipeline.common.messages import brief
 if TYPE_CHECKING:
     from pipeline.record.lifecycle import Tracker
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.snapshot")  # the name its lines have always shown
 
 MAX_ENTRIES = 100_000  # allocator events kept (older ones dropped): bounds the history's host memory
 ARTIFACT = "memory/snapshot.pickle"

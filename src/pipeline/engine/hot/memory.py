@@ -35,7 +35,7 @@ from pipeline.common.messages import brief
 if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
     from pipeline.config import OomConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.memory")  # the name its lines have always shown
 
 
 def memory_at_failure_mb(device: torch.device) -> float:
@@ -105,7 +105,8 @@ class MicroBatcher:
         min_micro_batch: below this, give up.
         enabled: false = every OOM is raised as is.
         on_oom: called at each out-of-memory error, while the failed step's memory is held, whether or not the
-            fallback then acts (``trainer.memory_snapshot=on_oom``: ``pipeline.engine.snapshot``); default nothing.
+            fallback then acts (``trainer.memory_snapshot=on_oom``: ``pipeline.engine.observe.snapshot``); default
+            nothing.
     """
 
     batch_size: int

@@ -38,29 +38,29 @@ from pipeline.data import (
 from pipeline.data.backends import backend_of
 from pipeline.data.iterable import check_shares, steps_per_epoch
 from pipeline.data.structures import count, move, split
-from pipeline.engine import flops
-from pipeline.engine.amp_check import AmpProbe, check_cpu_amp, model_loss
-from pipeline.engine.compilation import NO_COMPILE, CompileWatch, compile_model
-from pipeline.engine.devices import DeviceChoice, activate, resolve_device
-from pipeline.engine.footprint import check_training
-from pipeline.engine.hooks import Step, StepContext, make_step
-from pipeline.engine.inputs import FirstBatch, check_first_batch
-from pipeline.engine.loop import Scoring
-from pipeline.engine.memory import MicroBatcher, has_batchnorm, single_sample_tail
+from pipeline.engine.building import flops
+from pipeline.engine.building.amp_check import AmpProbe, check_cpu_amp, model_loss
+from pipeline.engine.building.devices import DeviceChoice, activate, resolve_device
+from pipeline.engine.building.footprint import check_training
+from pipeline.engine.building.inputs import FirstBatch, check_first_batch
+from pipeline.engine.building.precision_setup import configure_backends, resolve_precision
+from pipeline.engine.building.provenance import UserCode, run_name
+from pipeline.engine.hot.compilation import NO_COMPILE, CompileWatch, compile_model
+from pipeline.engine.hot.hooks import Step, StepContext, make_step
+from pipeline.engine.hot.loop import Scoring
+from pipeline.engine.hot.memory import MicroBatcher, has_batchnorm, single_sample_tail
+from pipeline.engine.hot.precision import PrecisionPolicy
+from pipeline.engine.hot.step import Inputs, TrainState
+from pipeline.engine.hot.tasks import Task, make_task
 from pipeline.engine.models import BUILTIN, build_model, count_parameters
+from pipeline.engine.observe.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
+from pipeline.engine.observe.replay import NO_REPLAY, NoReplay, ReplayCheck, make_replay
+from pipeline.engine.observe.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
 from pipeline.engine.optim import Schedule, build_optimizer, build_scheduler, make_clipping, needs_closure
-from pipeline.engine.precision import PrecisionPolicy
-from pipeline.engine.precision_setup import configure_backends, resolve_precision
-from pipeline.engine.profiling import NO_PROFILER, NoProfiler, StepProfiler, make_profiler
-from pipeline.engine.provenance import UserCode, run_name
-from pipeline.engine.replay import NO_REPLAY, NoReplay, ReplayCheck, make_replay
-from pipeline.engine.snapshot import NO_SNAPSHOT, NoSnapshot, OomSnapshot, make_snapshot
-from pipeline.engine.step import Inputs, TrainState
-from pipeline.engine.tasks import Task, make_task
 from pipeline.monitor.peaks import device_peak, run_dtype
 from pipeline.parallel.distributed import Group, Solo
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.build")  # the name its lines have always shown
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Setup:
     policy: PrecisionPolicy
     backends: dict[str, str]
     spec: DataSpec
-    task: Task  # the loss and the validation metrics (pipeline.engine.tasks)
+    task: Task  # the loss and the validation metrics (pipeline.engine.hot.tasks)
     first: tuple[Any, Any]  # the first training batch on the host
     example: tuple[tuple[Any, ...], dict[str, Any]]  # what the model was called with on it (the input example)
     state: TrainState
@@ -87,8 +87,8 @@ class Setup:
     group: Solo | Group  # this process's place in a DDP job (``Solo`` for a plain run)
     model_flops: flops.ModelFlops  # model FLOPs per sample and the device's peak: each epoch's TFLOP/s and MFU
     code: UserCode = field(default_factory=lambda: UserCode({}))  # the user's code it imported (hashed)
-    profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.profiling)
-    snapshot: OomSnapshot | NoSnapshot = NO_SNAPSHOT  # trainer.memory_snapshot (pipeline.engine.snapshot)
+    profiler: StepProfiler | NoProfiler = NO_PROFILER  # trainer.profile (pipeline.engine.observe.profiling)
+    snapshot: OomSnapshot | NoSnapshot = NO_SNAPSHOT  # trainer.memory_snapshot (pipeline.engine.observe.snapshot)
     replay: ReplayCheck | NoReplay = NO_REPLAY  # trainer.replay_check: the step time with free data (engine.replay)
 
     @property
@@ -103,7 +103,7 @@ class Setup:
 
     @property
     def inputs(self) -> Inputs:
-        """How a training batch reaches the model (``pipeline.engine.step``)."""
+        """How a training batch reaches the model (``pipeline.engine.hot.step``)."""
         return Inputs(self.device, self.policy, self.prepare, self.augment)
 
 

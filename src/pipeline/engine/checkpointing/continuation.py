@@ -15,9 +15,9 @@ from typing import Any
 
 from pipeline.common.secrets import MASK
 from pipeline.config import RunConfig, load
-from pipeline.engine.checkpoint import Checkpointer, CheckpointError, Position
-from pipeline.engine.checkpoint import load as load_checkpoint
-from pipeline.engine.resume import locate
+from pipeline.engine.checkpointing.checkpoint import Checkpointer, CheckpointError, Position
+from pipeline.engine.checkpointing.checkpoint import load as load_checkpoint
+from pipeline.engine.checkpointing.resume import locate
 from pipeline.engine.stopping import Stopped
 
 NOT_KEPT = ("resume", "fork")  # how this process started, not the run's configuration

@@ -20,7 +20,7 @@ Once per run.
 - ``profile/operators.md``: the top operators by self time (CPU self time on the CPU; on CUDA, the time of the
   kernels each launched) and their share of the profiled steps' time; the summary shows the first five;
 - metrics ``profile/steps``, ``profile/step_ms`` and, on CUDA, ``perf/gpu_busy_pct``, ``perf/gpu_idle_host_pct``
-  and ``perf/gpu_idle_data_pct`` (``pipeline.engine.profile_report``, which reads the profiler).
+  and ``perf/gpu_idle_data_pct`` (``pipeline.engine.observe.profile_report``, which reads the profiler).
 
 With ``trainer.profile=false`` a run has ``NO_PROFILER``, whose ``wrap`` hands the timer back as it is: no profiler
 object and nothing added to any step.
@@ -43,15 +43,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from pipeline.common.messages import brief
-from pipeline.engine.profile_report import WAIT, ProfileReport, analyse
-from pipeline.engine.timing import Breakdown, EventTimer, WallTimer
+from pipeline.engine.hot.timing import Breakdown, EventTimer, WallTimer
+from pipeline.engine.observe.profile_report import WAIT, ProfileReport, analyse
 
 LOW_MFU_PCT = 30.0  # MFU (% of the peak) under which the loop, not the arithmetic, limits: profiled, and said
 
 if TYPE_CHECKING:
     from pipeline.record.lifecycle import Tracker
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.profiling")  # the name its lines have always shown
 
 T = TypeVar("T")
 

@@ -31,8 +31,8 @@ from pipeline.common.targets import resolve, source_file
 from pipeline.config import DATALOADER, RESIDENT, DataConfig, RunConfig, target_label
 from pipeline.config.design import REPEAT_KEYS  # named last among the swept values
 from pipeline.config.schema import MAX_TAG_KEY
-from pipeline.engine.devices import DeviceChoice, cudnn_version
-from pipeline.engine.precision import PrecisionPolicy
+from pipeline.engine.building.devices import DeviceChoice, cudnn_version
+from pipeline.engine.hot.precision import PrecisionPolicy
 from pipeline.record.heartbeat import identity_tags
 
 
@@ -295,7 +295,7 @@ class UserCode:
     @classmethod
     def imported(cls) -> UserCode:
         paths = sorted(set(usercode.imported().values()))
-        return cls({_shown(path): _sha(path) for path in paths})
+        return cls({_shown(path): usercode.file_hash(path) for path in paths})
 
     @property
     def digest(self) -> str:
@@ -308,17 +308,6 @@ class UserCode:
         if not self.files:
             return {}
         return {"code.sha256": self.digest, **{f"code.file.{p}"[:MAX_TAG_KEY]: h for p, h in self.files.items()}}
-
-    @staticmethod
-    def changed_since(saved: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-        """The files of ``saved`` (a checkpoint's; paths relative to the launch folder, so a project moved whole
-        resumes) whose bytes differ now: ``{path: (then, now)}``, now ``missing`` for a file gone."""
-        now = {path: _sha(path) if os.path.isfile(path) else "missing" for path in saved}
-        return {path: (saved[path], now[path]) for path in saved if saved[path] != now[path]}
-
-
-def _sha(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _shown(path: str) -> str:

@@ -5,7 +5,7 @@
 At the end of the run's first epoch that timed a steady step, a few steps are replayed on one batch already on the
 device (the epoch's last full one, as it was augmented): forward, backward and optimizer step as training runs them
 (``run_step``: micro-batches, DDP's all-reduce, autocast and the scaler, a closure optimizer, the user's step hook),
-with nothing to load, copy or augment. The run's steady step time (the four parts ``pipeline.engine.timing``
+with nothing to load, copy or augment. The run's steady step time (the four parts ``pipeline.engine.hot.timing``
 measures, data wait included) over their mean time is ``perf/replay_speedup``: how many times faster the run would
 go with free data. The pipeline's own work between steps is in the real step too, so that is the most any loader
 setting could win: 1 means the loader costs nothing measurable.
@@ -48,18 +48,18 @@ import torch
 
 from pipeline.common.heap import collector_paused
 from pipeline.common.metric_names import PERF_REPLAY_SPEEDUP, PERF_REPLAY_STEP_MS, TIME_REPLAY_S
-from pipeline.engine.checkpoint import CheckpointError, plain_state
-from pipeline.engine.memory import OutOfMemoryAtMinimum
+from pipeline.engine.checkpointing.checkpoint import CheckpointError, plain_state
+from pipeline.engine.hot.memory import OutOfMemoryAtMinimum
+from pipeline.engine.hot.step import Inputs, Peers, run_step
+from pipeline.engine.hot.timing import Breakdown
 from pipeline.engine.models import attributes_now
-from pipeline.engine.step import Inputs, Peers, run_step
-from pipeline.engine.timing import Breakdown
 from pipeline.parallel.distributed import Group, Solo
 from pipeline.parallel.overlap import unwrap
 
 if TYPE_CHECKING:
-    from pipeline.engine.step import TrainState
+    from pipeline.engine.hot.step import TrainState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.replay")  # the name its lines have always shown
 
 BUDGET = 0.01  # of the run's expected time, for the whole check
 MOST = 5  # replayed steps: enough for a mean, few enough for a long step to fit the budget

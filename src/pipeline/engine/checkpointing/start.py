@@ -1,8 +1,8 @@
 """Where a run starts: ``FreshStart`` (step 0, a new MLflow run) or ``Resumed`` (a checkpoint to continue, in the
 same run or, ``fork=true``, a new one): a null-object pair, so the orchestrator (``pipeline.train``) asks its start
-point instead of testing whether it resumed. ``pipeline.engine.resume.start_point`` picks one. A resumed run puts its
-checkpoint back into the training state (``restore``): weights, optimizer, schedule, scaler, micro-batch, a step hook's
-state, step and random state, with this config's hyper-parameters."""
+point instead of testing whether it resumed. ``pipeline.engine.checkpointing.resume.start_point`` picks one. A resumed
+run puts its checkpoint back into the training state (``restore``): weights, optimizer, schedule, scaler, micro-batch, a
+step hook's state, step and random state, with this config's hyper-parameters."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import torch
 from pipeline.common.messages import brief
 from pipeline.common.metric_names import TRAIN_LOSS
 from pipeline.config import OptimizerConfig, flatten
-from pipeline.engine.checkpoint import CheckpointError, Position, RunLock, set_rng_state
+from pipeline.engine.checkpointing.checkpoint import CheckpointError, Position, RunLock, set_rng_state
 from pipeline.monitor import CLOCK_KEY
 from pipeline.parallel.overlap import unwrap
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.engine.start")  # the name its lines have always shown
 
 
 class FreshStart:

@@ -31,7 +31,7 @@ from torch import nn
 from pipeline.common.errors import PipelineError
 from pipeline.common.targets import hook
 from pipeline.data.structures import call_model, describe, detached, leaves
-from pipeline.engine.tasks import Task
+from pipeline.engine.hot.tasks import Task
 
 if TYPE_CHECKING:  # the config is read, never imported: building the run hands it in
     from pipeline.config import StepConfig
