@@ -41,7 +41,7 @@ from pipeline.common.stats import paired_ratio
 from pipeline.data.structures import call_model, count, take
 from pipeline.engine.building import flops
 from pipeline.engine.hot.precision import PrecisionPolicy
-from pipeline.engine.observe.progress import seconds
+from pipeline.engine.hot.timing import seconds
 
 log = logging.getLogger("pipeline.engine.amp_check")  # the name its lines have always shown
 

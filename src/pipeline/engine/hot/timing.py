@@ -27,6 +27,7 @@ fully overlapped). The copy's own duration, timed by events on its stream, is re
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -328,3 +329,12 @@ def launch_metrics(first_epoch_started_at: float, breakdown: Breakdown) -> dict[
     return {
         TIME_LAUNCH_TO_FIRST_STEP_S: first_epoch_started_at - psutil.Process().create_time() + breakdown.first_step_s
     }
+
+
+def seconds(value: float) -> str:
+    """``1.7 s``, ``120 ms``, ``0.85 ms``: never ``0.00 s``."""
+    if not math.isfinite(value):
+        return "not measured"
+    if value >= 1:
+        return f"{value:.1f} s"
+    return f"{value * 1000:.0f} ms" if value >= 0.01 else f"{value * 1000:.2f} ms"

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 from tqdm import tqdm
 
 from pipeline.common.metric_names import TRAIN_LOSS
+from pipeline.engine.hot.timing import seconds
 
 if TYPE_CHECKING:
     from pipeline.engine.building.amp_check import AmpProbe
@@ -277,12 +277,3 @@ class EpochSteps:
                 self.bar.set_loss(metrics[TRAIN_LOSS])
 
         return log_step
-
-
-def seconds(value: float) -> str:
-    """``1.7 s``, ``120 ms``, ``0.85 ms``: never ``0.00 s``."""
-    if not math.isfinite(value):
-        return "not measured"
-    if value >= 1:
-        return f"{value:.1f} s"
-    return f"{value * 1000:.0f} ms" if value >= 0.01 else f"{value * 1000:.2f} ms"
