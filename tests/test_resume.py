@@ -897,3 +897,22 @@ def test_a_group_chosen_now_replaces_the_runs_own_keys_of_that_group() -> None:
         "resume=x",
         "data=digits",
     ]
+
+
+def test_an_error_in_the_records_end_leaves_the_finished_trainings_checkpoint_finished(
+    make_cfg: MakeCfg, monkeypatch: pytest.MonkeyPatch, store_uri: str
+) -> None:
+    """The record's end (verdict, plots, the logged model) runs inside the checkpointer, one ExitStack holding the
+    whole run: an error there fails the run but must not mark the checkpoint of a training that finished ``failed``
+    (before, the checkpointer had closed by then)."""
+    from pipeline.report import logbook
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the record's end failed")
+
+    monkeypatch.setattr(logbook, "conclude", broken)
+    with pytest.raises(RuntimeError, match="the record's end failed"):
+        train(make_cfg(), echo=False)
+    (run,) = MlflowClient(store_uri).search_runs(experiment_ids=["1"])
+    assert run.info.status == "FAILED"
+    assert checkpoint.read_state(Path("checkpoints") / run.info.run_id)["status"] == "finished"
